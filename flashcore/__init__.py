@@ -1,0 +1,51 @@
+"""flashcore: attention kernels described by data, compiled with the CuTe DSL, launched with cuda-python."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import (  # noqa: E402
+    CacheCorruptionError,
+    CatalogError,
+    CompileError,
+    DriverError,
+    FlashcoreError,
+    KernelNotAvailableError,
+    LaunchError,
+    SpecError,
+)
+from .spec import AttentionSpec  # noqa: E402
+
+
+def __getattr__(name: str):
+    # Lazy: importing flashcore stays cheap and works without torch's CUDA or the DSL.
+    if name in ("compile_kernel", "compile_many", "can_compile"):
+        from . import compiler
+
+        return getattr(compiler, name)
+    if name == "KernelArtifact":
+        from .artifact import KernelArtifact
+
+        return KernelArtifact
+    if name == "ops":
+        import importlib
+
+        return importlib.import_module(".ops", __name__)
+    raise AttributeError(f"module 'flashcore' has no attribute {name!r}")
+
+
+__all__ = [
+    "AttentionSpec",
+    "CacheCorruptionError",
+    "CatalogError",
+    "CompileError",
+    "DriverError",
+    "FlashcoreError",
+    "KernelNotAvailableError",
+    "LaunchError",
+    "SpecError",
+    "__version__",
+    "can_compile",
+    "compile_kernel",
+    "compile_many",
+]

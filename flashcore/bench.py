@@ -1,0 +1,335 @@
+"""Benchmark harness: flashcore against every peer on this machine, side by side in one run.
+
+    python -m flashcore.bench                 # the full suite
+    python -m flashcore.bench --quick         # the mission shape and the large shapes only
+    python -m flashcore.bench --out benchmarks/results
+
+For each shape: kernel time (median over CUDA-graph replays of several launches, inputs rotated so
+the L2 cache does not flatter) and eager call time (median per call with CUDA events, host overhead
+included). Peers: torch SDPA forced to each backend, FlashAttention-4 when importable. Writes a JSON
+record (git SHA, GPU, driver, versions, every figure) and a PNG chart, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import platform
+import statistics
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    causal: bool = False
+    dtype: str = "float16"
+
+    @property
+    def label(self) -> str:
+        c = " causal" if self.causal else ""
+        dt = "" if self.dtype == "float16" else f" {self.dtype}"
+        return f"{self.batch},{self.heads},{self.seq},{self.head_dim}{c}{dt}"
+
+    def flops(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.seq * self.seq * self.head_dim
+        return f / 2 if self.causal else f
+
+
+MISSION = Shape(1, 8, 512, 64)
+
+
+def suite(quick: bool) -> list[Shape]:
+    shapes = [MISSION, Shape(4, 16, 4096, 64), Shape(4, 16, 4096, 128), Shape(2, 16, 8192, 128)]
+    shapes += [Shape(4, 16, 4096, 64, True), Shape(4, 16, 4096, 128, True)]
+    if quick:
+        return shapes
+    for s in (512, 1024, 2048, 16384):
+        for d in (64, 128):
+            b = max(1, 16384 // s)
+            shapes.append(Shape(b, 16, s, d))
+    shapes += [Shape(2, 16, 8192, 128, True), Shape(4, 16, 4096, 128, False, "bfloat16")]
+    return shapes
+
+
+@dataclass
+class Result:
+    shape: Shape
+    impl: str
+    kernel_us: float | None = None
+    eager_us: float | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tflops(self) -> float | None:
+        return None if self.kernel_us is None else self.shape.flops() / self.kernel_us / 1e6
+
+
+# -- implementations ---------------------------------------------------------------------------
+Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def _sdpa(backend) -> Impl:
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def _fa4() -> Impl | None:
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception:
+        return None
+
+    def run(q, k, v, causal):
+        # FA4 takes (batch, seq, heads, dim)
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _flashcore(tile=None, **kw) -> Impl:
+    from flashcore.ops import attention
+
+    def run(q, k, v, causal):
+        if tile is None:
+            return attention(q, k, v, causal=causal, **kw)
+        return attention(q, k, v, tile=tile, causal=causal, **kw)
+
+    return run
+
+
+def implementations(ours: dict[str, Impl] | None = None) -> dict[str, Impl]:
+    from torch.nn.attention import SDPBackend
+
+    impls: dict[str, Impl] = dict(ours or {"flashcore": _flashcore()})
+    impls["sdpa-flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
+    impls["sdpa-efficient"] = _sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    impls["sdpa-cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
+    fa4 = _fa4()
+    if fa4 is not None:
+        impls["fa4"] = fa4
+    return impls
+
+
+# -- timing ------------------------------------------------------------------------------------
+def _input_sets(shape: Shape, n_sets: int) -> list[tuple[torch.Tensor, ...]]:
+    dt = getattr(torch, shape.dtype)
+    return [
+        tuple(
+            torch.randn(shape.batch, shape.heads, shape.seq, shape.head_dim, device="cuda", dtype=dt)
+            for _ in range(3)
+        )
+        for _ in range(n_sets)
+    ]
+
+
+def _n_sets(shape: Shape, l2_bytes: int) -> int:
+    one = 3 * shape.batch * shape.heads * shape.seq * shape.head_dim * 2
+    return max(2, min(64, math.ceil(3 * l2_bytes / one)))
+
+
+def time_kernel(fn: Impl, sets, causal: bool, reps: int = 20) -> float:
+    """Median µs per call of a CUDA graph that replays one call per input set."""
+    for q, k, v in sets[:2]:
+        fn(q, k, v, causal)  # compile, load, allocate outside the capture
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for q, k, v in sets[:2]:
+            fn(q, k, v, causal)
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for q, k, v in sets:
+            fn(q, k, v, causal)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(sets))
+    return statistics.median(times)
+
+
+def time_eager(fn: Impl, sets, causal: bool, reps: int = 50) -> float:
+    """Median µs of one eager call, measured with events around it (host overhead included)."""
+    for q, k, v in sets[:2]:
+        fn(q, k, v, causal)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(reps):
+        q, k, v = sets[i % len(sets)]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        fn(q, k, v, causal)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def measure(shapes: list[Shape], impls: dict[str, Impl], eager: bool = True) -> list[Result]:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    results = []
+    for shape in shapes:
+        sets = _input_sets(shape, _n_sets(shape, l2))
+        for name, fn in impls.items():
+            r = Result(shape, name)
+            try:
+                r.kernel_us = time_kernel(fn, sets, shape.causal)
+                if eager:
+                    r.eager_us = time_eager(fn, sets, shape.causal)
+            except Exception as e:  # a peer without support for this shape: record, go on
+                r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            results.append(r)
+        del sets
+        torch.cuda.empty_cache()
+    return results
+
+
+# -- reporting ---------------------------------------------------------------------------------
+def environment() -> dict:
+    def git_sha() -> str | None:
+        with contextlib.suppress(Exception):
+            return subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        return None
+
+    props = torch.cuda.get_device_properties(0)
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "gpu": props.name,
+        "sm": f"sm_{props.major}{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(Exception):
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    import flashcore
+    from flashcore.cache import dsl_version
+
+    env["flashcore"] = flashcore.__version__
+    env["nvidia-cutlass-dsl"] = dsl_version()
+    with contextlib.suppress(Exception):
+        import importlib.metadata as md
+
+        env["flash-attn-4"] = md.version("flash-attn-4")
+    return env
+
+
+def table(results: list[Result], ours: str = "flashcore") -> str:
+    impls = list(dict.fromkeys(r.impl for r in results))
+    shapes = list(dict.fromkeys(r.shape for r in results))
+    by = {(r.shape, r.impl): r for r in results}
+    head = f"{'shape (B,H,S,D)':28s}" + "".join(f"{i:>22s}" for i in impls)
+    lines = [head, "-" * len(head)]
+    for s in shapes:
+        row = f"{s.label:28s}"
+        base = by.get((s, ours))
+        for i in impls:
+            r = by[(s, i)]
+            if r.error:
+                cell = "n/a"
+            else:
+                cell = f"{r.kernel_us:.1f}us {r.tflops:.0f}TF"
+                if r.eager_us is not None and s == MISSION:
+                    cell = f"{r.kernel_us:.1f}/{r.eager_us:.1f}us"
+                if i != ours and base is not None and base.kernel_us and not base.error:
+                    cell += f" x{r.kernel_us / base.kernel_us:.2f}"
+            row += f"{cell:>22s}"
+        lines.append(row)
+    lines.append("cells: graph kernel time and TFLOP/s (mission shape: graph/eager µs); "
+                 f"xN = peer time / {ours} time (>1: {ours} faster)")
+    return "\n".join(lines)
+
+
+def chart(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = list(dict.fromkeys(r.impl for r in results))
+    shapes = [s for s in dict.fromkeys(r.shape for r in results) if s != MISSION]
+    by = {(r.shape, r.impl): r for r in results}
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(shapes)), 4.5))
+    w = 0.8 / len(impls)
+    for j, i in enumerate(impls):
+        ys = [by[(s, i)].tflops or 0 for s in shapes]
+        ax.bar([x + j * w for x in range(len(shapes))], ys, w, label=i)
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(shapes))])
+    ax.set_xticklabels([s.label for s in shapes], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s (CUDA graph)")
+    ax.legend(fontsize=8)
+    ax.set_title(torch.cuda.get_device_name(0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def record(results: list[Result], out: Path, tag: str = "bench") -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    stamp = env["date"].replace(":", "").replace("-", "")[:15]
+    path = out / f"{tag}-{env['sm']}-{stamp}.json"
+    rows = []
+    for r in results:
+        d = asdict(r)
+        d["shape"] = asdict(r.shape)
+        d["tflops"] = r.tflops
+        rows.append(d)
+    path.write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
+    with contextlib.suppress(Exception):
+        chart(results, path.with_suffix(".png"))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashcore.bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="mission shape and large shapes only")
+    ap.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
+    ap.add_argument("--no-eager", action="store_true", help="skip eager timings")
+    ap.add_argument("--tile", type=int, nargs=2, default=None, help="force our tile (default auto)")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    ours = {"flashcore": _flashcore(tuple(a.tile) if a.tile else None)}
+    results = measure(suite(a.quick), implementations(ours), eager=not a.no_eager)
+    path = record(results, Path(a.out))
+    print(table(results))
+    print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

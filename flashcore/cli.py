@@ -1,0 +1,279 @@
+"""The ``flashcore`` command: compile, dump, precompile, cache, info.
+
+Every verb has ``--help``. Bad flags give a usage error (exit 2), bad specs a one-line error
+(exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from . import __version__
+from .errors import FlashcoreError
+from .spec import ARCHS, DTYPES, HEAD_DIMS, AttentionSpec
+
+
+def _add_spec_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--arch", default="sm_89", choices=ARCHS, help="target arch (default sm_89)")
+    p.add_argument("--dtype", default="float16", choices=DTYPES)
+    p.add_argument("--head-dim", type=int, default=64, choices=HEAD_DIMS)
+    p.add_argument("--tile", type=int, nargs=2, default=(64, 64), metavar=("M", "N"))
+    p.add_argument("--warps", type=int, default=None, help="default: tile_m / 16, at most 8")
+    p.add_argument("--stages", type=int, default=1)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--lse", action="store_true", help="kernel also writes the log-sum-exp")
+
+
+def _spec_from(a: argparse.Namespace) -> AttentionSpec:
+    tile = tuple(a.tile)
+    warps = a.warps if a.warps is not None else max(1, min(8, tile[0] // 16))
+    return AttentionSpec(
+        arch=a.arch, dtype=a.dtype, head_dim=a.head_dim, tile=tile, warps=warps,
+        stages=a.stages, causal=a.causal, return_lse=a.lse,
+    )
+
+
+def _console():
+    from rich.console import Console
+
+    return Console()
+
+
+# -- verbs -------------------------------------------------------------------------------------
+def cmd_compile(a: argparse.Namespace) -> int:
+    from .compiler import compile_kernel
+
+    spec = _spec_from(a)
+    art = compile_kernel(spec)
+    r = art.resources
+    print(f"{spec.name}: {r.registers} registers, {art.smem_dynamic} B shared, "
+          f"{r.stack_frame_bytes} B stack, entry {art.entry}")
+    return 0
+
+
+def _resource_rows(report: dict) -> list[tuple[str, str]]:
+    occ = report["occupancy"]
+    spills = report.get("spill_store_bytes")
+    rows = [
+        ("registers / thread", str(report["registers"])),
+        ("threads / block", str(report["threads_per_block"])),
+        ("shared memory (dynamic)", f"{report['smem_dynamic_bytes']} B"),
+        ("shared memory (static)", f"{report['smem_static_bytes']} B"),
+        ("stack frame", f"{report['stack_frame_bytes']} B"),
+        ("spills (store / load)",
+         "n/a (no ptxas)" if spills is None else f"{spills} B / {report['spill_load_bytes']} B"),
+        ("occupancy", f"{occ['ctas_per_sm']} CTAs/SM, {occ['warps_per_sm']} warps/SM "
+                      f"(limited by {occ['limited_by']})"),
+    ]
+    ptx_h = report["instructions_ptx"]
+    sass_h = report.get("instructions_sass")
+    for k in ptx_h:
+        rows.append((f"{k} (PTX / SASS)", f"{ptx_h[k]} / {sass_h[k] if sass_h else '-'}"))
+    return rows
+
+
+def _print_report(report: dict, out: Path | None) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{report['kernel']} ({report['arch']})", show_header=False)
+    for k, v in _resource_rows(report):
+        t.add_row(k, v)
+    c = _console()
+    c.print(t)
+    if report.get("sass") is None:
+        c.print("SASS: nvdisasm is not installed (pip install nvidia-cuda-nvdisasm); "
+                "the SASS columns are empty.")
+    if out is not None:
+        c.print(f"wrote {out}/: kernel.mlir kernel.ptx kernel.cubin"
+                f"{' kernel.sass' if report.get('sass') else ''} spec.json resources.json")
+
+
+def _load_report(x: str) -> dict:
+    """A dump folder, or spec flags as 'arch=sm_89,head_dim=128,...' (compiled on the fly)."""
+    p = Path(x)
+    if p.is_dir():
+        return json.loads((p / "resources.json").read_text())
+    from .compiler import compile_kernel
+    from .inspect import resources_report, sass
+
+    kv = dict(item.split("=", 1) for item in x.split(",") if item)
+    conv = {"head_dim": int, "warps": int, "stages": int,
+            "tile": lambda s: tuple(int(t) for t in s.split("x")),
+            "causal": lambda s: s.lower() in ("1", "true", "yes"),
+            "return_lse": lambda s: s.lower() in ("1", "true", "yes")}
+    spec = AttentionSpec(**{k: conv.get(k, str)(v) for k, v in kv.items()})
+    art = compile_kernel(spec)
+    return resources_report(art, sass(art.cubin))
+
+
+def cmd_dump(a: argparse.Namespace) -> int:
+    from .compiler import compile_kernel, compile_many
+    from .inspect import dump
+
+    if a.compare:
+        return _compare(_load_report(a.compare[0]), _load_report(a.compare[1]))
+    if a.all:
+        from .catalog import catalog_specs
+
+        specs = catalog_specs((a.arch,)) if a.arch_given else catalog_specs()
+        arts = compile_many(specs)
+    else:
+        arts = [compile_kernel(_spec_from(a))]
+    for art in arts:
+        out = Path(a.out) / art.spec.name if a.out else Path("dump") / art.spec.name
+        report = dump(art, out)
+        _print_report(report, out)
+    return 0
+
+
+def _compare(ra: dict, rb: dict) -> int:
+    from rich.table import Table
+
+    t = Table(title=f"{ra['kernel']}  vs  {rb['kernel']}")
+    t.add_column("")
+    t.add_column("A", justify="right")
+    t.add_column("B", justify="right")
+    t.add_column("change", justify="right")
+    keys = ["registers", "stack_frame_bytes", "spill_store_bytes", "spill_load_bytes",
+            "smem_dynamic_bytes", "smem_static_bytes", "threads_per_block"]
+    rows = [(k, ra.get(k), rb.get(k)) for k in keys]
+    rows.append(("ctas_per_sm", ra["occupancy"]["ctas_per_sm"], rb["occupancy"]["ctas_per_sm"]))
+    for src in ("instructions_ptx", "instructions_sass"):
+        if src in ra and src in rb:
+            rows += [(f"{k} ({src[13:]})", ra[src][k], rb[src][k]) for k in ra[src]]
+    for k, x, y in rows:
+        change = "" if x == y else (f"{y - x:+d}" if isinstance(x, int) and isinstance(y, int) else "*")
+        t.add_row(k, str(x), str(y), change)
+    _console().print(t)
+    return 0
+
+
+def cmd_precompile(a: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from .catalog import catalog_specs, write_catalog
+    from .compiler import compile_many
+
+    specs = catalog_specs(tuple(a.arch))
+    if a.limit:
+        specs = specs[: a.limit]
+    cache = None
+    if a.out:
+        from .cache import KernelCache
+
+        cache = KernelCache(Path(a.out))
+    with Progress(transient=False) as progress:
+        task = progress.add_task("compiling", total=len(specs))
+        arts = compile_many(specs, jobs=a.jobs, cache=cache,
+                            progress=lambda s: progress.advance(task))
+    if a.out:
+        index = write_catalog(Path(a.out), arts)
+        print(f"catalog of {len(arts)} kernels for {', '.join(a.arch)} in {a.out} ({index.name})")
+    else:
+        print(f"{len(arts)} kernels in the cache")
+    return 0
+
+
+def cmd_cache(a: argparse.Namespace) -> int:
+    from .cache import default_cache
+
+    cache = default_cache()
+    if a.action == "list":
+        for path, spec in cache.entries():
+            print(f"{spec.name if spec else '?':50s} {path}")
+        print(f"{cache.root}: {cache.size_bytes() / 1e6:.1f} MB")
+        return 0
+    if a.action == "verify":
+        problems = cache.verify()
+        for path, why in problems:
+            print(f"BAD {path}: {why}")
+        n = len(cache.entries())
+        print(f"{n} entries checked, {len(problems)} bad")
+        return 1 if problems else 0
+    if a.action == "clear":
+        cache.clear()
+        print(f"cleared {cache.root}")
+        return 0
+    return 2
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from .cache import default_cache, dsl_version, kernel_source_hash
+
+    cache = default_cache()
+    info = {
+        "flashcore": __version__,
+        "nvidia-cutlass-dsl": dsl_version(),
+        "can_compile": dsl_version() is not None,
+        "kernel_source_hash": kernel_source_hash(),
+        "cache": str(cache.root),
+        "cache_entries": len(cache.entries()),
+        "cache_mb": round(cache.size_bytes() / 1e6, 2),
+        "gpus": [],
+    }
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                info["gpus"].append(f"cuda:{i} {p.name} sm_{p.major}{p.minor}")
+    except ImportError:
+        pass
+    for k, v in info.items():
+        print(f"{k:20s} {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="flashcore", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"flashcore {__version__}")
+    sub = ap.add_subparsers(dest="verb", required=True)
+
+    p = sub.add_parser("compile", help="compile one spec into the cache")
+    _add_spec_flags(p)
+    p.set_defaults(fn=cmd_compile)
+
+    p = sub.add_parser("dump", help="compile and write IR, PTX, cubin, SASS and resources")
+    _add_spec_flags(p)
+    p.add_argument("--out", default=None, help="parent folder (default ./dump)")
+    p.add_argument("--all", action="store_true", help="every spec of the catalog")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                   help="two dump folders, or two specs as arch=sm_89,head_dim=64,tile=64x64")
+    p.set_defaults(fn=cmd_dump)
+
+    p = sub.add_parser("precompile", help="build the catalog in parallel worker processes")
+    p.add_argument("--arch", nargs="+", default=["sm_89"], choices=ARCHS)
+    p.add_argument("--jobs", type=int, default=None)
+    p.add_argument("--out", default=None, help="write a self-contained catalog folder")
+    p.add_argument("--limit", type=int, default=None, help="only the first N specs")
+    p.set_defaults(fn=cmd_precompile)
+
+    p = sub.add_parser("cache", help="list, verify or clear the kernel cache")
+    p.add_argument("action", choices=["list", "verify", "clear"])
+    p.set_defaults(fn=cmd_cache)
+
+    p = sub.add_parser("info", help="versions, cache, GPUs, whether this host can compile")
+    p.set_defaults(fn=cmd_info)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    a.arch_given = "--arch" in argv
+    try:
+        return a.fn(a)
+    except FlashcoreError as e:
+        print(f"flashcore {a.verb}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""FlashAttention-2-style forward kernels for sm_80 / sm_89 / sm_90, written with CuTe layouts and atoms.
+
+One CTA computes ``tile_m`` query rows of one (batch, head). It walks the key blocks from the last to
+the first, so the blocks that need masking (the ragged end of the keys; the diagonal when causal) come
+first and initialise the running row max. Per key block:
+
+    wait K(n) ─ issue V(n) ─ S = Q·Kᵀ ─ wait V(n) ─ issue K(n-1) ─ mask, online softmax ─ O += P·V
+
+* global→shared: 128-bit ``cp.async``; rows past the sequence end are zero-filled in shared memory.
+* shared layouts: row-major atoms of 128-byte lines under a swizzle that XORs the line index into
+  the 16-byte chunk index, so ldmatrix reads are conflict-free.
+* shared→registers: ``ldmatrix`` (transposed for fp16 V, which is stored keys × head_dim).
+* MMA: warp-level m16n8k16 (fp16/bf16) or m16n8k32 (e4m3), fp32 accumulate; each warp owns
+  ``tile_m / warps`` query rows.
+* softmax: exp2 with the scale pre-multiplied by log2(e); running max and a per-thread partial row
+  sum, reduced over the quad (4 lanes sharing a row) only at the end.
+* P is converted in registers and re-viewed as the A operand of P·V (no trip through memory).
+* epilogue: O / rowsum through shared memory to 128-bit predicated global stores; optional LSE.
+
+Causal masking is torch's ``is_causal`` (top-left): query i sees key j iff j <= i.
+
+FP8 (``spec.precision == "fp8"``): Q, K and Vᵀ are float8_e4m3fn with per-(batch, head) descale
+factors. The descales of Q and K fold into the softmax scale; P is multiplied by ``P_SCALE`` before
+its e4m3 conversion (so small probabilities keep normal-range precision) and O by
+``v_descale / P_SCALE`` at the end. An m16n8 fp32 accumulator holds, per thread, keys {2t, 2t+1} of
+each group of 8, while the e4m3 A operand wants keys {4t..4t+3} of each 16: instead of shuffling
+registers, Vᵀ's keys are stored permuted within each 32 (``flashcore.ops.fp8.key_permutation``),
+so P's registers are used as they are.
+
+ABI: see ``flashcore.abi`` (the grid is (ceil(seq_q / tile_m), heads, batch), the block 32·warps).
+"""
+
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync, warp
+
+from ..spec import AttentionSpec
+
+LN_2 = math.log(2.0)
+P_SCALE = 256.0  # power of two: exact to apply and to undo
+
+_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+
+
+def _smem_atom(elem_bits: int, row_elems: int):
+    """Row-major (8, row) atom whose 16-byte chunks are XOR-swizzled by the 128-byte line index."""
+    elem_bytes = elem_bits // 8
+    chunk_bits = int(math.log2(16 // elem_bytes))  # elements per 16-byte chunk
+    row_chunks = row_elems * elem_bytes // 16
+    b = min(3, int(math.log2(row_chunks)))
+    return cute.make_composed_layout(
+        cute.make_swizzle(b, chunk_bits, 3), 0, cute.make_layout((8, row_elems), stride=(row_elems, 1))
+    )
+
+
+class AttentionForward:
+    """Trace-time configuration of one kernel; everything here is Python data (constexpr)."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+        self.out_dtype = _DTYPES[spec.dtype]
+        self.fp8 = spec.precision == "fp8"
+        self.op_dtype = cutlass.Float8E4M3FN if self.fp8 else self.out_dtype
+        self.head_dim = spec.head_dim
+        self.tile_m, self.tile_n = spec.tile
+        self.threads = spec.threads
+        self.warps = spec.warps
+        self.causal = spec.causal
+        self.return_lse = spec.return_lse
+
+    # ------------------------------------------------------------------------------------------
+    # Host side: layouts and atoms (Python data), then the launch. flashcore keeps only the
+    # kernel's cubin; its runtime repeats this launch geometry (flashcore.abi).
+    # ------------------------------------------------------------------------------------------
+    def _config(self):
+        op, d, tm, tn = self.op_dtype, self.head_dim, self.tile_m, self.tile_n
+        row_atom = _smem_atom(op.width, 64 if (op.width == 16 or d < 128) else 128)
+        sQ_layout = cute.tile_to_shape(row_atom, (tm, d), (0, 1))
+        sK_layout = cute.tile_to_shape(row_atom, (tn, d), (0, 1))
+        if self.fp8:  # Vᵀ tile: head_dim rows of tile_n keys
+            sV_layout = cute.tile_to_shape(_smem_atom(op.width, min(tn, 128)), (d, tn), (0, 1))
+        else:
+            sV_layout = sK_layout
+        sO_layout = cute.tile_to_shape(_smem_atom(16, 64), (tm, d), (0, 1))
+
+        def g2s(row_elems):
+            per_copy = 128 // op.width
+            tpr = min(row_elems, 128 * 8 // op.width) // per_copy  # threads per atom row
+            atom = cute.make_copy_atom(
+                cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), op, num_bits_per_copy=128
+            )
+            return cute.make_tiled_copy_tv(
+                atom,
+                cute.make_layout((self.threads // tpr, tpr), stride=(tpr, 1)),
+                cute.make_layout((1, per_copy)),
+            )
+
+        g2s_qk = g2s(cute.size(row_atom.outer.shape[1]))
+        g2s_v = g2s(cute.size(sV_layout.outer.shape[1])) if self.fp8 else g2s_qk
+        out_per_copy = 128 // self.out_dtype.width
+        r2g_o = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128),
+            cute.make_layout((self.threads // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, out_per_copy)),
+        )
+        if self.fp8:
+            mma_op = warp.MmaFP8Op(op, cutlass.Float32, (16, 8, 32))
+            perm_k = 32
+        else:
+            mma_op = warp.MmaF16BF16Op(op, cutlass.Float32, (16, 8, 16))
+            perm_k = 16
+        tiled_mma = cute.make_tiled_mma(
+            mma_op, (self.warps, 1, 1), permutation_mnk=(self.warps * 16, 16, perm_k)
+        )
+        return sQ_layout, sK_layout, sV_layout, sO_layout, g2s_qk, g2s_v, r2g_o, tiled_mma
+
+    def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
+        op, out = self.op_dtype, self.out_dtype
+        if self.fp8:
+            # e4m3 Q cannot hold the 16-bit output tile: O gets its own buffer
+
+            @cute.struct
+            class SharedStorageFP8:
+                sQ: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sQ_layout)], 1024]
+                sK: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sK_layout)], 1024]
+                sV: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sV_layout)], 1024]
+                sO: cute.struct.Align[cute.struct.MemRange[out, cute.cosize(sO_layout)], 1024]
+
+            return SharedStorageFP8
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sV_layout)], 1024]
+
+        return SharedStorage
+
+    @cute.jit
+    def host(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: cutlass.Float32,
+    ):
+        cfg = self._config()
+        storage = self._shared_storage(*cfg[:4])
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]), cute.size(mQ.shape[0]))
+        self.kernel(mQ, mK, mV, mO, mLSE, scale_log2, *cfg, storage).launch(
+            grid=grid, block=[self.threads, 1, 1], smem=storage.size_in_bytes()
+        )
+
+    @cute.jit
+    def host_fp8(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mVt: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mQd: cute.Tensor,
+        mKd: cute.Tensor,
+        mVd: cute.Tensor,
+        scale_log2: cutlass.Float32,
+    ):
+        cfg = self._config()
+        storage = self._shared_storage(*cfg[:4])
+        grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]), cute.size(mQ.shape[0]))
+        self.kernel_fp8(mQ, mK, mVt, mO, mLSE, mQd, mKd, mVd, scale_log2, *cfg, storage).launch(
+            grid=grid, block=[self.threads, 1, 1], smem=storage.size_in_bytes()
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        g2s_qk: cute.TiledCopy, g2s_v: cute.TiledCopy, r2g_o: cute.TiledCopy,
+        tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+    ):
+        self.attend(
+            mQ, mK, mV, mO, mLSE, scale_log2, cutlass.Float32(1.0), sQ_layout, sK_layout, sV_layout,
+            sO_layout, g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage,
+        )
+
+    @cute.kernel
+    def kernel_fp8(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mVt: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+        mQd: cute.Tensor, mKd: cute.Tensor, mVd: cute.Tensor, scale_log2: cutlass.Float32,
+        sQ_layout: cute.ComposedLayout, sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout, sO_layout: cute.ComposedLayout,
+        g2s_qk: cute.TiledCopy, g2s_v: cute.TiledCopy, r2g_o: cute.TiledCopy,
+        tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
+    ):
+        _, head, batch = cute.arch.block_idx()
+        # scores = (q8 · k8) * q_descale * k_descale; O = (P8 · v8) * v_descale / P_SCALE
+        s_scale = scale_log2 * mQd[batch, head] * mKd[batch, head]
+        o_scale = mVd[batch, head] * (1.0 / P_SCALE)
+        self.attend(
+            mQ, mK, mVt, mO, mLSE, s_scale, o_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
+            g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage,
+        )
+
+    @cute.jit
+    def attend(
+        self, mQ, mK, mV, mO, mLSE, scale_log2, o_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
+        g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage: cutlass.Constexpr,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mQ.shape[2]
+        seqlen_k = mK.shape[2]
+        tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
+
+        n_block_max = cute.ceil_div(seqlen_k, tile_n)
+        if cutlass.const_expr(self.causal):
+            # top-left causal: rows of this block see keys < (m_block + 1) * tile_m
+            n_block_max = cutlass.min(n_block_max, cute.ceil_div((m_block + 1) * tile_m, tile_n))
+
+        # ---- tiles of this CTA ------------------------------------------------------------------
+        gQ = cute.local_tile(mQ[batch, head, None, None], (tile_m, d), (m_block, 0))
+        gK = cute.local_tile(mK[batch, head, None, None], (tile_n, d), (None, 0))
+        if cutlass.const_expr(self.fp8):  # Vᵀ, padded with zero keys: never ragged
+            gV = cute.local_tile(mV[batch, head, None, None], (d, tile_n), (0, None))
+        else:
+            gV = cute.local_tile(mV[batch, head, None, None], (tile_n, d), (None, 0))
+        # coordinates (row, col) of every element, for predicates and masks
+        cQ = cute.local_tile(cute.make_identity_tensor((seqlen_q, d)), (tile_m, d), (m_block, 0))
+        cKV = cute.local_tile(cute.make_identity_tensor((seqlen_k, d)), (tile_n, d), (None, 0))
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)
+        sV = storage.sV.get_tensor(sV_layout)
+        if cutlass.const_expr(self.fp8):
+            sVt = sV  # already (head_dim, keys)
+            sO = storage.sO.get_tensor(sO_layout)
+        else:
+            # V read as (head_dim, keys): the B operand of P·V
+            sVt = cute.composition(sV, cute.make_layout((d, tile_n), stride=(tile_n, 1)))
+            sO = cute.make_tensor(sQ.iterator, sO_layout)  # Q's buffer, free by the epilogue
+
+        g2s = g2s_qk.get_slice(tidx)
+        g2s_vt = g2s_v.get_slice(tidx)
+        tQgQ = g2s.partition_S(gQ)
+        tQsQ = g2s.partition_D(sQ)
+        tQcQ = g2s.partition_S(cQ)
+        tKgK = g2s.partition_S(gK)
+        tKsK = g2s.partition_D(sK)
+        tVgV = g2s_vt.partition_S(gV)
+        tVsV = g2s_vt.partition_D(sV)
+        tKVcKV = g2s.partition_S(cKV)
+
+        # ---- MMA fragments ----------------------------------------------------------------------
+        thr_mma = tiled_mma.get_slice(tidx)
+        tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, d)), cutlass.Float32)
+        acc_O.fill(0.0)
+
+        if cutlass.const_expr(self.fp8):
+            ld_a = warp.LdMatrix8x16x8bOp(num_matrices=4)
+            ld_v = ld_a
+        else:
+            ld_a = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+            ld_v = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        s2r_Q = cute.make_tiled_copy_A(cute.make_copy_atom(ld_a, self.op_dtype), tiled_mma)
+        s2r_K = cute.make_tiled_copy_B(cute.make_copy_atom(ld_a, self.op_dtype), tiled_mma)
+        s2r_V = cute.make_tiled_copy_B(cute.make_copy_atom(ld_v, self.op_dtype), tiled_mma)
+        s2r_Q_thr = s2r_Q.get_slice(tidx)
+        s2r_K_thr = s2r_K.get_slice(tidx)
+        s2r_V_thr = s2r_V.get_slice(tidx)
+        tSsQ = s2r_Q_thr.partition_S(sQ)
+        tSrQ_view = s2r_Q_thr.retile(tSrQ)
+        tSsK = s2r_K_thr.partition_S(sK)
+        tSrK_view = s2r_K_thr.retile(tSrK)
+        tOsVt = s2r_V_thr.partition_S(sVt)
+        tOrVt_view = s2r_V_thr.retile(tOrVt)
+
+        # ---- prologue: Q and the last K block in flight -----------------------------------------
+        self.load_rows(g2s_qk, tQgQ, tQsQ, tQcQ, seqlen_q)
+        n_last = n_block_max - 1
+        self.load_rows(
+            g2s_qk, tKgK[None, None, None, n_last], tKsK, tKVcKV[None, None, None, n_last], seqlen_k
+        )
+        cute.arch.cp_async_commit_group()
+
+        # running softmax state, one entry per accumulator row this thread holds
+        acc_O_mn = self.mn_view(acc_O)
+        row_max = cute.make_rmem_tensor(cute.size(acc_O_mn, mode=[0]), cutlass.Float32)
+        row_sum = cute.make_rmem_tensor(cute.size(acc_O_mn, mode=[0]), cutlass.Float32)
+        row_max.fill(-cutlass.Float32.inf)
+        row_sum.fill(0.0)
+
+        frags = (tSrQ, tSrK, tOrVt, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view)
+        copies = (s2r_Q, s2r_K, s2r_V)
+        gmem = (g2s_qk, g2s_v, tKgK, tKsK, tVgV, tVsV, tKVcKV)
+
+        # Blocks that need a mask come first: the ragged last key block, and for causal the
+        # ceil(tile_m / tile_n) blocks that touch the diagonal.
+        mask_steps = 1
+        if cutlass.const_expr(self.causal):
+            mask_steps = (tile_m + tile_n - 1) // tile_n
+        for step in cutlass.range_constexpr(mask_steps):
+            n_block = n_block_max - 1 - step
+            if n_block >= 0:
+                self.one_block(
+                    n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
+                    acc_O, row_max, row_sum, scale_log2, masked=True, ragged=(step == 0),
+                )
+        for n_block in range(n_block_max - 1 - mask_steps, -1, -1):
+            self.one_block(
+                n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
+                acc_O, row_max, row_sum, scale_log2, masked=False, ragged=False,
+            )
+
+        # ---- epilogue ---------------------------------------------------------------------------
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = self.quad_sum(row_sum[r])
+            inv = cute.arch.rcp_approx(total)
+            # a row that saw no key has sum 0: write 0, not NaN
+            inv = 0.0 if total == 0.0 else inv
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * (inv * o_scale)
+            row_sum[r] = total
+
+        if cutlass.const_expr(self.return_lse):
+            self.store_lse(mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, scale_log2)
+
+        rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
+        rO.store(acc_O.load().to(self.out_dtype))
+        r2s = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype), tiled_mma
+        )
+        r2s_thr = r2s.get_slice(tidx)
+        cute.arch.sync_threads()  # every warp is done reading sQ (O may reuse it)
+        cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(sO))
+        cute.arch.sync_threads()
+
+        gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
+        r2g = r2g_o.get_slice(tidx)
+        tOsO = r2g.partition_S(sO)
+        tOgO = r2g.partition_D(gO)
+        tOcO = r2g.partition_D(cQ)
+        tOrO = cute.make_rmem_tensor_like(tOgO, self.out_dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if cute.elem_less(tOcO[0, m, 0][0], seqlen_q):
+                cute.copy(r2g_o, tOrO[None, m, None], tOgO[None, m, None])
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def load_rows(self, tiled_copy, src, dst, coords, seqlen):
+        """cp.async a tile, zero-filling the rows at or past ``seqlen``."""
+        for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+            if cute.elem_less(coords[0, m, 0][0], seqlen):
+                cute.copy(tiled_copy, src[None, m, None], dst[None, m, None])
+            else:
+                dst[None, m, None].fill(0)
+
+    @cute.jit
+    def one_block(
+        self, n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
+        acc_O, row_max, row_sum, scale_log2, masked: cutlass.Constexpr, ragged: cutlass.Constexpr,
+    ):
+        tSrQ, tSrK, tOrVt, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view = frags
+        s2r_Q, s2r_K, s2r_V = copies
+        g2s_qk, g2s_v, tKgK, tKsK, tVgV, tVsV, tKVcKV = gmem
+
+        acc_S = cute.make_rmem_tensor(
+            thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32
+        )
+        acc_S.fill(0.0)
+
+        # K(n) has landed; every warp is done with the previous V
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if cutlass.const_expr(ragged and not self.fp8):
+            self.load_rows(
+                g2s_v, tVgV[None, None, None, n_block], tVsV, tKVcKV[None, None, None, n_block],
+                seqlen_k,
+            )
+        else:
+            cute.copy(g2s_v, tVgV[None, None, None, n_block], tVsV)
+        cute.arch.cp_async_commit_group()
+
+        # S = Q · K^T, software-pipelined over head_dim: load k+1 while multiplying k
+        k_steps = cute.size(tSsQ, mode=[2])
+        cute.copy(s2r_Q, tSsQ[None, None, 0], tSrQ_view[None, None, 0])
+        cute.copy(s2r_K, tSsK[None, None, 0], tSrK_view[None, None, 0])
+        for k in cutlass.range_constexpr(k_steps):
+            if cutlass.const_expr(k + 1 < k_steps):
+                cute.copy(s2r_Q, tSsQ[None, None, k + 1], tSrQ_view[None, None, k + 1])
+                cute.copy(s2r_K, tSsK[None, None, k + 1], tSrK_view[None, None, k + 1])
+            cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
+
+        # V(n) has landed; every warp is done reading K(n): prefetch K(n-1) over it
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        if n_block > 0:
+            cute.copy(g2s_qk, tKgK[None, None, None, n_block - 1], tKsK)
+            cute.arch.cp_async_commit_group()
+
+        self.online_softmax(
+            acc_S, acc_O, row_max, row_sum, thr_mma, m_block, n_block, seqlen_q, seqlen_k,
+            scale_log2, masked,
+        )
+
+        # P in the operand precision, re-viewed as the A operand of P·V
+        rP = cute.make_rmem_tensor(acc_S.layout, self.op_dtype)
+        if cutlass.const_expr(self.fp8):
+            rP.store((acc_S.load() * P_SCALE).to(self.op_dtype))
+            tOrP = cute.make_tensor(rP.iterator, self.acc_as_fp8_operand_a(rP.layout))
+        else:
+            rP.store(acc_S.load().to(self.op_dtype))
+            tOrP = cute.make_tensor(rP.iterator, self.acc_as_operand_a(rP.layout))
+
+        v_steps = cute.size(tOrP, mode=[2])
+        cute.copy(s2r_V, tOsVt[None, None, 0], tOrVt_view[None, None, 0])
+        for k in cutlass.range_constexpr(v_steps):
+            if cutlass.const_expr(k + 1 < v_steps):
+                cute.copy(s2r_V, tOsVt[None, None, k + 1], tOrVt_view[None, None, k + 1])
+            cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+    @cute.jit
+    def online_softmax(
+        self, acc_S, acc_O, row_max, row_sum, thr_mma, m_block, n_block, seqlen_q, seqlen_k,
+        scale_log2, masked: cutlass.Constexpr,
+    ):
+        S = self.mn_view(acc_S)
+        O = self.mn_view(acc_O)
+        if cutlass.const_expr(masked):
+            cS = cute.local_tile(
+                cute.make_identity_tensor((seqlen_q, seqlen_k)),
+                (self.tile_m, self.tile_n),
+                (m_block, n_block),
+            )
+            tScS = self.mn_view(thr_mma.partition_C(cS))
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                limit = seqlen_k
+                if cutlass.const_expr(self.causal):
+                    limit = cutlass.min(tScS[r, 0][0] + 1, seqlen_k)
+                for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                    if cute.elem_less(limit, tScS[0, c][1] + 1):
+                        S[r, c] = -cutlass.Float32.inf
+
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            row = S[r, None].load()
+            prev_max = row_max[r]
+            cur_max = self.quad_max(row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
+            cur_max = cute.arch.fmax(prev_max, cur_max)
+            # A row with nothing visible yet keeps max = -inf; exponentiate against 0 instead so
+            # exp2(-inf) = 0 rather than NaN. The stored max stays -inf.
+            safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
+            offset = safe_max * scale_log2
+            p = cute.math.exp2(row * scale_log2 - offset, fastmath=True)
+            correction = cute.math.exp2(prev_max * scale_log2 - offset, fastmath=True)
+            row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            row_max[r] = cur_max
+            O[r, None] = O[r, None].load() * correction
+            S[r, None] = p
+
+    @cute.jit
+    def store_lse(self, mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, scale_log2):
+        """lse = max * scale + ln(sum), natural log; -inf for a row that saw no key."""
+        gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
+        cO = cute.local_tile(
+            cute.make_identity_tensor((seqlen_q, self.head_dim)),
+            (self.tile_m, self.head_dim),
+            (m_block, 0),
+        )
+        tOcO = self.mn_view(thr_mma.partition_C(cO))
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            row = tOcO[r, 0][0]
+            lse = (row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=False)) * LN_2
+            lse = -cutlass.Float32.inf if row_sum[r] == 0.0 else lse
+            if lane % 4 == 0 and row < seqlen_q:
+                gLSE[row - m_block * self.tile_m] = lse
+
+    # ------------------------------------------------------------------------------------------
+    # register-layout helpers (pure layout algebra, no instructions)
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def mn_view(acc: cute.Tensor) -> cute.Tensor:
+        """Re-view an m16n8 accumulator fragment ((2, 2), M, N) as (rows, cols).
+
+        In the fragment's first mode, the inner 2 is a pair of adjacent columns and the outer 2
+        the rows r and r + 8, so rows = (outer 2, M) and cols = (inner 2, N).
+        """
+        shape = acc.layout.shape
+        compact = cute.make_layout(shape)
+        mn = cute.make_layout(
+            ((shape[0][1], shape[1]), (shape[0][0], shape[2])),
+            stride=((compact.stride[0][1], compact.stride[1]), (compact.stride[0][0], compact.stride[2])),
+        )
+        return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
+
+    @staticmethod
+    def acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
+        """((2, 2), M, N) accumulator of m16n8 tiles -> ((2, 2, 2), M, N / 2) A operand of m16n8k16.
+
+        Two neighbouring n8 accumulator tiles hold exactly the registers one k16 A tile needs.
+        """
+        split = cute.logical_divide(layout, (None, None, 2))
+        return cute.make_layout(
+            ((split.shape[0], split.shape[2][0]), split.shape[1], split.shape[2][1]),
+            stride=((split.stride[0], split.stride[2][0]), split.stride[1], split.stride[2][1]),
+        )
+
+    @staticmethod
+    def acc_as_fp8_operand_a(layout: cute.Layout) -> cute.Layout:
+        """((2, 2), M, N) accumulator -> the 16 registers of m16n8k32 e4m3 A tiles, (16, M, N / 4).
+
+        A register a_v holds (row g + 8·r, key 16·h + 4t + i) for v = i + 4r + 8h. From four
+        neighbouring n8 tiles j the thread holds (row g + 8·r, key 8j + 2t + c). Taking
+        a_v = tile (2h + i // 2), column c = i % 2, row r gives key 16h + 8(i // 2) + 2t + i % 2
+        for position 16h + 4t + i: the permutation Vᵀ's keys are stored in.
+        """
+        (s_c, s_r), s_m, s_n = layout.stride
+        _, m, n = layout.shape
+        return cute.make_layout(
+            (((2, 2), 2, 2), m, n // 4),
+            stride=(((s_c, s_n), s_r, 2 * s_n), s_m, 4 * s_n),
+        )
+
+    @staticmethod
+    def quad_max(x):
+        x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+        return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+
+    @staticmethod
+    def quad_sum(x):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+        return x + cute.arch.shuffle_sync_bfly(x, offset=1)

@@ -1,0 +1,130 @@
+"""Trace and compile one spec with the CuTe DSL. Runs in a process whose CUTE_DSL_ARCH is the spec's.
+
+``build(spec, workdir)`` returns the raw products (PTX, cubin, IR, dynamic shared memory); the
+parent process turns them into a KernelArtifact. Nothing here touches a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..spec import AttentionSpec, KernelSpec, QuantizeSpec
+
+
+@dataclass
+class BuildProducts:
+    ptx: str
+    cubin: bytes
+    ir: str
+    smem_dynamic: int
+    dsl_version: str
+
+
+def _fake_tensors(spec: AttentionSpec):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    out = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[spec.dtype]
+    fp8 = spec.precision == "fp8"
+    op = cutlass.Float8E4M3FN if fp8 else out
+
+    def bhsd(dtype, transposed=False):
+        # batch, heads, seq and their strides are run-time values; head_dim is static and
+        # contiguous (for fp8 Vᵀ: head_dim static, keys contiguous). Strides divisible by 16 bytes
+        # keep the 128-bit copies legal.
+        div = 16 // (dtype.width // 8)
+        d = spec.head_dim
+        s = cute.sym_int32()
+        shape = (cute.sym_int32(), cute.sym_int32(), d, s) if transposed else (
+            cute.sym_int32(), cute.sym_int32(), s, d)
+        stride = tuple(cute.sym_int64(divisibility=div) for _ in range(3)) + (1,)
+        return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+    lse = make_fake_tensor(
+        cutlass.Float32,
+        (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+        (cute.sym_int64(), cute.sym_int64(), 1),
+        assumed_align=4,
+    )
+    if not fp8:
+        return bhsd(op), bhsd(op), bhsd(op), bhsd(out), lse
+
+    def descale():
+        return make_fake_tensor(
+            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1),
+            assumed_align=4,
+        )
+
+    return (bhsd(op), bhsd(op), bhsd(op, transposed=True), bhsd(out), lse,
+            descale(), descale(), descale())
+
+
+def _quantize_args(spec: QuantizeSpec):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    d = spec.head_dim
+    x_dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[spec.dtype]
+    s = cute.sym_int32()
+    x = make_fake_tensor(
+        x_dtype,
+        (cute.sym_int32(), cute.sym_int32(), s, d),
+        tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,),
+        assumed_align=16,
+    )
+    y_shape = (cute.sym_int32(), cute.sym_int32(), d, cute.sym_int32()) if spec.transpose else (
+        cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), d)
+    y = make_fake_tensor(
+        cutlass.Float8E4M3FN,
+        y_shape,
+        tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,),
+        assumed_align=16,
+    )
+    descale = make_fake_tensor(
+        cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1), assumed_align=4
+    )
+    return x, y, descale
+
+
+def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
+    arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch != spec.arch:
+        # The DSL fixes its target when cutlass is first imported.
+        raise RuntimeError(f"build() for {spec.arch} needs CUTE_DSL_ARCH={spec.arch}, not {arch!r}")
+    import cutlass
+    import cutlass.cute as cute
+
+    from .attention_fwd import AttentionForward
+
+    if isinstance(spec, QuantizeSpec):
+        from .quantize_fp8 import QuantizeFP8
+
+        qz = QuantizeFP8(spec.dtype, spec.head_dim, spec.transpose, spec.threads)
+        device_fn, host_fn, args = QuantizeFP8.kernel, qz.host, _quantize_args(spec)
+    else:
+        kernel = AttentionForward(spec)
+        fp8 = spec.precision == "fp8"
+        device_fn = AttentionForward.kernel_fp8 if fp8 else AttentionForward.kernel
+        host_fn = kernel.host_fp8 if fp8 else kernel.host
+        args = (*_fake_tensors(spec), cutlass.Float32(1.0))
+    # a stable entry name without "cutlass" in it (cutlass issue #3389: it can change ptxas heuristics)
+    device_fn.set_name_prefix(spec.name, remove_cutlass_symbol=True, keep_mangled_name=False)
+    workdir.mkdir(parents=True, exist_ok=True)
+    compiled = cute.compile(
+        host_fn, *args, options=f"--keep-ptx --keep-cubin --dump-dir={workdir}"
+    )
+    ptx = compiled.__ptx__
+    cubin = compiled.__cubin__
+    if not isinstance(cubin, bytes) or not ptx.lstrip().startswith(("//", ".version")):
+        raise RuntimeError(f"the DSL produced no PTX/cubin for {spec.name} (dump dir {workdir})")
+    return BuildProducts(
+        ptx=ptx,
+        cubin=cubin,
+        ir=str(compiled.ir_module) if getattr(compiled, "ir_module", None) is not None else "",
+        smem_dynamic=spec.smem_bytes,
+        dsl_version=cutlass.__version__,
+    )

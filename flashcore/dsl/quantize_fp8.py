@@ -1,0 +1,85 @@
+"""Fused fp16/bf16 -> float8_e4m3fn quantisation with a per-(batch, head) scale, one CTA per head.
+
+Pass 1 finds amax over the head (16-byte loads, warp then CTA reduction); pass 2 casts
+``x * 448 / amax`` (so no finite input saturates: |x| <= amax maps into [-448, 448]) and writes
+either the same (batch, heads, seq, head_dim) layout or, for V, the transpose
+(batch, heads, head_dim, seq_padded) with keys permuted inside each group of 32 (see the FP8 notes
+in attention_fwd.py). The descale amax / 448 goes to a (batch, heads) float32 tensor.
+amax is clamped below at AMAX_FLOOR so that an all-zero head gets a finite scale.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+E4M3_MAX = 448.0
+AMAX_FLOOR = 1e-30  # 448 / 1e-30 is still a finite float32
+
+_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+
+
+class QuantizeFP8:
+    def __init__(self, dtype: str, head_dim: int, transpose: bool, threads: int = 256):
+        self.in_dtype = _DTYPES[dtype]
+        self.head_dim = head_dim
+        self.transpose = transpose
+        self.threads = threads
+        self.warps = threads // 32
+
+    @cute.jit
+    def host(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
+        self.kernel(mX, mOut, mDescale).launch(
+            grid=(cute.size(mX.shape[1]), cute.size(mX.shape[0]), 1), block=[self.threads, 1, 1]
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        head, batch, _ = cute.arch.block_idx()
+        X = mX[batch, head, None, None]  # (seq, head_dim)
+        Y = mOut[batch, head, None, None]
+        seqlen = mX.shape[2]
+        chunks_per_row = self.head_dim // 8
+        n_chunks = seqlen * chunks_per_row
+
+        # ---- pass 1: amax ------------------------------------------------------------------------
+        frag = cute.make_rmem_tensor((8,), self.in_dtype)
+        amax = cutlass.Float32(0.0)
+        for c in range(tidx, n_chunks, self.threads):
+            row = c // chunks_per_row
+            cute.autovec_copy(cute.local_tile(X[row, None], (8,), (c % chunks_per_row,)), frag)
+            v = frag.load().to(cutlass.Float32)
+            hi = v.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0)
+            lo = v.reduce(cute.ReductionOp.MIN, cutlass.Float32.inf, 0)
+            amax = cute.arch.fmax(amax, cute.arch.fmax(hi, -lo))
+        amax = cute.arch.warp_reduction_max(amax)
+
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.warps,)))
+        if cute.arch.lane_idx() == 0:
+            partial[cute.arch.warp_idx()] = amax
+        cute.arch.sync_threads()
+        amax = partial[0]
+        for w in cutlass.range_constexpr(1, self.warps):
+            amax = cute.arch.fmax(amax, partial[w])
+        amax = cute.arch.fmax(amax, AMAX_FLOOR)
+        scale = E4M3_MAX / amax
+        if tidx == 0:
+            mDescale[batch, head] = amax / E4M3_MAX
+
+        # ---- pass 2: cast ------------------------------------------------------------------------
+        q8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
+        for c in range(tidx, n_chunks, self.threads):
+            row = c // chunks_per_row
+            chunk = c % chunks_per_row
+            cute.autovec_copy(cute.local_tile(X[row, None], (8,), (chunk,)), frag)
+            q8.store((frag.load().to(cutlass.Float32) * scale).to(cutlass.Float8E4M3FN))
+            if cutlass.const_expr(self.transpose):
+                # key `row` goes to position p of its group of 32 (inverse of the MMA's key order)
+                k = row % 32
+                j = (k % 16) // 8
+                t = (k % 8) // 2
+                pos = row - k + (k // 16) * 16 + 4 * t + 2 * j + (k % 2)
+                for i in cutlass.range_constexpr(8):
+                    Y[chunk * 8 + i, pos] = q8[i]
+            else:
+                cute.autovec_copy(q8, cute.local_tile(Y[row, None], (8,), (chunk,)))

@@ -1,0 +1,5 @@
+"""User-facing ops."""
+
+from .attention import attention
+
+__all__ = ["attention"]

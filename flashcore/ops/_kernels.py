@@ -1,0 +1,52 @@
+"""spec + device -> a loaded, launchable kernel (compiled or taken from the cache once)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..spec import KernelSpec
+
+_loaded: dict[tuple[Any, int], Any] = {}
+
+
+def arch_of(device: torch.device) -> str:
+    """The cubin arch to run on ``device``: sm_90 on Hopper, sm_89 on Ada, sm_80 on other Ampere."""
+    major, minor = torch.cuda.get_device_capability(device)
+    if major == 9 and minor == 0:
+        return "sm_90"
+    if major == 8:
+        return "sm_89" if minor >= 9 else "sm_80"
+    raise ValueError(
+        f"flashcore: {device} is sm_{major}{minor}; supported are sm_80, sm_86/87 "
+        "(sm_80 kernels), sm_89 and sm_90"
+    )
+
+
+def kernel_for(spec: KernelSpec, device: torch.device):
+    key = (spec, device.index)
+    k = _loaded.get(key)
+    if k is None:
+        from ..compiler import compile_kernel
+        from ..runtime import load_kernel
+
+        k = load_kernel(compile_kernel(spec), device.index)
+        _loaded[key] = k
+    return k
+
+
+def launch(kernel, grid: tuple[int, int, int], args: tuple, device: torch.device) -> None:
+    """Launch on ``device``'s current torch stream, with that device's context current."""
+    if torch.cuda.current_device() == device.index:
+        kernel.launch(grid, args, torch.cuda.current_stream(device).cuda_stream)
+    else:
+        with torch.cuda.device(device):
+            kernel.launch(grid, args, torch.cuda.current_stream(device).cuda_stream)
+
+
+def tensor_arg(t: torch.Tensor) -> tuple:
+    """(pointer, extents..., strides...) of a 4-d tensor for a TensorParam(3, 3)."""
+    b, h, s, _ = t.shape
+    sb, sh, ss, _ = t.stride()
+    return (t.data_ptr(), b, h, s, sb, sh, ss)

@@ -1,0 +1,175 @@
+"""``flashcore.ops.attention``: validate, pick the kernel spec, launch on torch's current stream."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..abi import LOG2_E, attention_grid
+from ..spec import HEAD_DIMS, AttentionSpec
+from ._kernels import arch_of, kernel_for, launch, tensor_arg
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# (device, dtype, head_dim, tile, warps, stages, causal, lse) -> LoadedKernel
+_kernels: dict[tuple, Any] = {}
+
+
+def _default_warps(tile_m: int) -> int:
+    return max(1, min(8, tile_m // 16))
+
+
+def _get_kernel(device: torch.device, dtype: torch.dtype, d: int, tile, warps, stages, causal, lse):
+    key = (device.index, dtype, d, tile, warps, stages, causal, lse)
+    k = _kernels.get(key)
+    if k is None:
+        spec = AttentionSpec(
+            arch=arch_of(device),
+            dtype=_DTYPE_NAMES[dtype],
+            head_dim=d,
+            tile=tile,
+            warps=warps,
+            stages=stages,
+            causal=causal,
+            return_lse=lse,
+        )
+        k = _kernels[key] = kernel_for(spec, device)
+    return k
+
+
+def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
+    """The kernel needs a contiguous last dim, 16-byte aligned base and strides: copy otherwise."""
+    st = t.stride()
+    if st[3] != 1 or t.data_ptr() % 16 or any(s % 8 for s in st[:3]):
+        t = t.contiguous()
+    return t
+
+
+def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    # Shape and dtype problems are reported before device ones, so each is named precisely.
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"attention: {name} must have 4 dims (batch, heads, seq, head_dim), "
+                f"got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in _DTYPE_NAMES:
+            raise TypeError(
+                f"attention: {name} has dtype {t.dtype}; supported are float16 and bfloat16"
+            )
+        if t.numel() == 0:
+            raise ValueError(f"attention: {name} is empty (shape {tuple(t.shape)})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"attention: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    B, H, _, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"attention: head_dim {D} is not supported; supported are {HEAD_DIMS}")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] != B or t.shape[1] != H or t.shape[3] != D:
+            raise ValueError(
+                f"attention: {name} has shape {tuple(t.shape)}, expected ({B}, {H}, seq_k, {D}) "
+                f"to match q {tuple(q.shape)}"
+            )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"attention: k and v sequence lengths differ ({k.shape[2]} vs {v.shape[2]})"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.device.type != "cuda":
+            raise ValueError(f"attention: {name} is on {t.device}; flashcore runs on CUDA tensors")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention: devices differ: q {q.device}, k {k.device}, v {v.device}")
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"attention: out must be a torch.Tensor, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
+            f"{tuple(q.shape)} {q.dtype} on {q.device}"
+        )
+    st = out.stride()
+    if st[3] != 1 or out.data_ptr() % 16 or any(s % 8 for s in st[:3]):
+        raise ValueError(
+            "attention: out needs a contiguous last dim, a 16-byte aligned base and strides "
+            f"that are multiples of 8 elements; got strides {st}"
+        )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tile: tuple[int, int] = (64, 64),
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    warps: int | None = None,
+    stages: int = 1,
+    out: torch.Tensor | None = None,
+    precision: str = "fp16",
+):
+    """softmax(scale · q kᵀ [+ causal mask]) v, like torch's SDPA, for (batch, heads, seq, head_dim).
+
+    ``causal`` follows torch's ``is_causal`` (top-left: query i sees keys j <= i). A query row that
+    sees no key gets 0. With ``return_lse`` also returns the float32 log-sum-exp (batch, heads,
+    seq_q) of the scaled scores (natural log; -inf for a row with no visible key).
+
+    ``out``, if given, receives the result: shape and dtype of q, on q's device, last dim
+    contiguous, 16-byte aligned. ``tile``, ``warps`` and ``stages`` pick the compiled kernel.
+
+    ``precision="fp8"`` (sm_89, sm_90) quantises q, k, v to float8_e4m3fn with per-(batch, head)
+    scales taken from the data (no finite input overflows) and runs the e4m3 MMA kernel; see
+    ``flashcore.ops.fp8`` for the lower-level entry on already-quantised tensors.
+    """
+    _validate(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention: causal must be a bool, got {causal!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[3])
+    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
+    tile = tuple(tile)
+    if warps is None:
+        warps = _default_warps(tile[0]) if tile and isinstance(tile[0], int) else 4
+    if precision == "fp8":
+        from .fp8 import attention_via_fp8
+
+        if out is not None:
+            _check_out(out, q)
+        return attention_via_fp8(
+            q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+            tile=tile, warps=warps, out=out,
+        )
+    if precision != "fp16":
+        raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
+
+    kern = _get_kernel(q.device, q.dtype, q.shape[3], tile, warps, stages, causal, return_lse)
+    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    B, H, Sq, D = q.shape
+    if out is None:
+        out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    else:
+        _check_out(out, q)
+    if return_lse:
+        lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+        lse_arg = (lse.data_ptr(), B, H, Sq, H * Sq, Sq)
+    else:
+        lse = None
+        lse_arg = (0, 0, 0, 0, 0, 0)
+    args = (
+        tensor_arg(q),
+        tensor_arg(k),
+        tensor_arg(v),
+        tensor_arg(out),
+        lse_arg,
+        (softmax_scale * LOG2_E,),
+    )
+    launch(kern, attention_grid(Sq, H, B, kern.artifact.spec.tile_m), args, q.device)
+    return (out, lse) if return_lse else out

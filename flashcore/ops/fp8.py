@@ -1,0 +1,157 @@
+"""FP8 (E4M3) attention: quantise with data-derived scales, then the e4m3 mma.sync kernel.
+
+``quantize_fp8`` scales each (batch, head) by 448 / amax, so no finite input saturates however
+large it is; ``attention_fp8`` takes tensors in the form it returns (the form a serving engine keeps
+its KV cache in): Q and K as (batch, heads, seq, head_dim) e4m3, V transposed to
+(batch, heads, head_dim, seq_k padded to a multiple of 128) with keys permuted within each group of
+32 (``key_permutation``), and float32 (batch, heads) descale factors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..abi import LOG2_E, attention_grid
+from ..spec import HEAD_DIMS, AttentionSpec, QuantizeSpec
+from ._kernels import arch_of, kernel_for, launch, tensor_arg
+
+E4M3 = torch.float8_e4m3fn
+VT_PAD = 128  # Vᵀ's key extent is padded to this (the largest tile_n): its tiles are never ragged
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def key_permutation() -> list[int]:
+    """perm[p] = the key stored at position p of each group of 32 in Vᵀ."""
+    perm = []
+    for p in range(32):
+        half, q = divmod(p, 16)
+        t, i = divmod(q, 4)
+        perm.append(16 * half + 8 * (i // 2) + 2 * t + i % 2)
+    return perm
+
+
+def padded_keys(seqlen_k: int) -> int:
+    return -(-seqlen_k // VT_PAD) * VT_PAD
+
+
+def quantize_fp8(x: torch.Tensor, *, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, descale): x ≈ x8.float() * descale[..., None, None], per (batch, head).
+
+    x is (batch, heads, seq, head_dim) float16/bfloat16 on CUDA, every element finite. With
+    ``transpose`` x8 is Vᵀ in the FP8 attention kernel's layout (see module docstring).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"quantize_fp8: x must be a 4-d tensor, got {getattr(x, 'shape', x)!r}")
+    if x.dtype not in _DTYPE_NAMES:
+        raise TypeError(f"quantize_fp8: x has dtype {x.dtype}; expected float16 or bfloat16")
+    if x.device.type != "cuda":
+        raise ValueError(f"quantize_fp8: x is on {x.device}; expected a CUDA tensor")
+    B, H, S, D = x.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"quantize_fp8: head_dim {D} is not supported; supported are {HEAD_DIMS}")
+    if x.numel() == 0:
+        raise ValueError(f"quantize_fp8: x is empty (shape {tuple(x.shape)})")
+    st = x.stride()
+    if st[3] != 1 or x.data_ptr() % 16 or any(s % 8 for s in st[:3]):
+        x = x.contiguous()
+    spec = QuantizeSpec(arch=arch_of(x.device), dtype=_DTYPE_NAMES[x.dtype], head_dim=D,
+                        transpose=transpose)
+    kern = kernel_for(spec, x.device)
+    if transpose:
+        # zero padding keys: P is 0 there and V must be finite
+        out = torch.zeros((B, H, D, padded_keys(S)), dtype=torch.uint8, device=x.device).view(E4M3)
+    else:
+        out = torch.empty((B, H, S, D), dtype=E4M3, device=x.device)
+    descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
+    args = (tensor_arg(x), tensor_arg(out), (descale.data_ptr(), B, H, H))
+    launch(kern, (H, B, 1), args, x.device)
+    return out, descale
+
+
+def _check_fp8(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != E4M3:
+        raise TypeError(f"attention_fp8: {name} must be a float8_e4m3fn tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"attention_fp8: {name} has shape {tuple(t.shape)}, expected {shape}")
+    st = t.stride()
+    if st[3] != 1 or t.data_ptr() % 16 or any(s % 16 for s in st[:3]):
+        raise ValueError(f"attention_fp8: {name} needs a contiguous last dim and 16-byte aligned "
+                         f"base and strides; got strides {st}")
+
+
+def _check_descale(name: str, t: torch.Tensor, B: int, H: int) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (B, H):
+        raise ValueError(f"attention_fp8: {name} must be float32 of shape ({B}, {H}), got "
+                         f"{getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
+    return t.contiguous()
+
+
+def attention_fp8(
+    q8: torch.Tensor,
+    k8: torch.Tensor,
+    vt8: torch.Tensor,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype = torch.float16,
+    tile: tuple[int, int] = (64, 64),
+    warps: int | None = None,
+    out: torch.Tensor | None = None,
+):
+    """Attention on already-quantised tensors (see module docstring for their layout)."""
+    if q8.dim() != 4 or k8.dim() != 4:
+        raise ValueError("attention_fp8: q8 and k8 must be (batch, heads, seq, head_dim)")
+    B, H, Sq, D = q8.shape
+    Sk = k8.shape[2]
+    _check_fp8("q8", q8, (B, H, Sq, D))
+    _check_fp8("k8", k8, (B, H, Sk, D))
+    _check_fp8("vt8", vt8, (B, H, D, padded_keys(Sk)))
+    if not (q8.device == k8.device == vt8.device) or q8.device.type != "cuda":
+        raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
+    if D not in HEAD_DIMS or min(B, H, Sq, Sk) == 0:
+        raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
+    if out_dtype not in _DTYPE_NAMES:
+        raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
+    qd = _check_descale("q_descale", q_descale, B, H)
+    kd = _check_descale("k_descale", k_descale, B, H)
+    vd = _check_descale("v_descale", v_descale, B, H)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    tile = tuple(tile)
+    spec = AttentionSpec(
+        arch=arch_of(q8.device), dtype=_DTYPE_NAMES[out_dtype], head_dim=D, tile=tile,
+        warps=warps or max(1, min(8, tile[0] // 16)), causal=causal, return_lse=return_lse,
+        precision="fp8",
+    )
+    kern = kernel_for(spec, q8.device)
+    if out is None:
+        out = torch.empty((B, H, Sq, D), dtype=out_dtype, device=q8.device)
+    elif out.shape != (B, H, Sq, D) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"attention_fp8: out must be contiguous {out_dtype} of shape {(B, H, Sq, D)}")
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q8.device) if return_lse else None
+    lse_arg = (lse.data_ptr(), B, H, Sq, H * Sq, Sq) if return_lse else (0,) * 6
+    args = (
+        tensor_arg(q8), tensor_arg(k8), tensor_arg(vt8), tensor_arg(out), lse_arg,
+        (qd.data_ptr(), B, H, H), (kd.data_ptr(), B, H, H), (vd.data_ptr(), B, H, H),
+        (softmax_scale * LOG2_E,),
+    )
+    launch(kern, attention_grid(Sq, H, B, spec.tile_m), args, q8.device)
+    return (out, lse) if return_lse else out
+
+
+def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, tile, warps, out):
+    """Quantise fp16/bf16 q, k, v, then ``attention_fp8``; the output has q's dtype."""
+    q8, qd = quantize_fp8(q)
+    k8, kd = quantize_fp8(k)
+    vt8, vd = quantize_fp8(v, transpose=True)
+    return attention_fp8(
+        q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, out_dtype=q.dtype, tile=tile, warps=warps, out=out,
+    )

@@ -1,0 +1,123 @@
+"""One loaded module per (kernel, device), with argument buffers prepared once.
+
+``cuModuleLoadData`` loads into the calling thread's current context; we make torch's primary
+context of the target device current first (a torch device guard), so torch and flashcore share it.
+Launching packs arguments into preallocated ctypes buffers and calls ``cuLaunchKernel`` on the
+stream given (torch's current stream): no allocation and no per-call Python objects beyond that.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+import threading
+from dataclasses import dataclass
+
+from ..abi import ScalarParam, TensorParam, check_against_entry, params_for
+from ..artifact import KernelArtifact
+from ..errors import LaunchError
+from .driver import check, cu
+
+_DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in
+
+
+@dataclass
+class LoadedKernel:
+    artifact: KernelArtifact
+    device: int
+    module: object
+    function: object
+    params: tuple
+
+    def __post_init__(self) -> None:
+        self._bufs = [ctypes.create_string_buffer(p.size) for p in self.params]
+        self._argv = (ctypes.c_void_p * len(self._bufs))(
+            *[ctypes.addressof(b) for b in self._bufs]
+        )
+        self._argv_addr = ctypes.addressof(self._argv)
+        self._structs = [struct.Struct(p.fmt) for p in self.params]
+        self._lock = threading.Lock()  # the buffers are shared; launches copy them
+        self._block = self.artifact.block
+        self._smem = self.artifact.smem_dynamic
+
+    def launch(self, grid: tuple[int, int, int], args: tuple[tuple, ...], stream: int) -> None:
+        """``args[i]`` is the tuple of values packed for parameter i (see flashcore.abi)."""
+        bx, by, bz = self._block
+        with self._lock:
+            for s, buf, a in zip(self._structs, self._bufs, args):
+                s.pack_into(buf, 0, *a)
+            check(
+                cu.cuLaunchKernel(
+                    self.function,
+                    grid[0],
+                    grid[1],
+                    grid[2],
+                    bx,
+                    by,
+                    bz,
+                    self._smem,
+                    cu.CUstream(stream),
+                    self._argv_addr,
+                    0,
+                ),
+                f"cuLaunchKernel({self.artifact.entry}, grid={grid})",
+            )
+
+
+_loaded: dict[tuple[str, str, int], LoadedKernel] = {}
+_load_lock = threading.Lock()
+
+
+def load_kernel(artifact: KernelArtifact, device: int) -> LoadedKernel:
+    """Load ``artifact`` on CUDA device ``device`` (once; later calls hit a table)."""
+    key = (artifact.entry, artifact.spec.content_hash + artifact.source_hash, device)
+    hit = _loaded.get(key)
+    if hit is not None:
+        return hit
+    import torch
+
+    with _load_lock:
+        hit = _loaded.get(key)
+        if hit is not None:
+            return hit
+        params = params_for(artifact.spec)
+        try:
+            check_against_entry(params, artifact.params)
+        except ValueError as e:
+            raise LaunchError(f"{artifact.entry}: {e}") from e
+        _check_arch(artifact, device)
+        with torch.cuda.device(device):
+            torch.cuda.current_stream(device)  # makes torch's primary context current
+            module = check(cu.cuModuleLoadData(artifact.cubin), f"cuModuleLoadData({artifact.entry})")
+            function = check(
+                cu.cuModuleGetFunction(module, artifact.entry.encode()),
+                f"cuModuleGetFunction({artifact.entry})",
+            )
+            if artifact.smem_dynamic > _DEFAULT_SMEM_LIMIT:
+                check(
+                    cu.cuFuncSetAttribute(
+                        function,
+                        cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        artifact.smem_dynamic,
+                    ),
+                    f"cuFuncSetAttribute({artifact.entry}, max dynamic smem)",
+                )
+        lk = LoadedKernel(artifact, device, module, function, params)
+        _loaded[key] = lk
+        return lk
+
+
+def _check_arch(artifact: KernelArtifact, device: int) -> None:
+    import torch
+
+    major, minor = torch.cuda.get_device_capability(device)
+    arch = artifact.spec.arch
+    want_major, want_minor = int(arch[3]), int(arch[4:])
+    # A cubin runs on its own major version at an equal or newer minor version.
+    if major != want_major or minor < want_minor:
+        raise LaunchError(
+            f"{artifact.entry} was built for {arch}; cuda:{device} is sm_{major}{minor}"
+        )
+
+
+__all__ = ["LoadedKernel", "ScalarParam", "TensorParam", "load_kernel"]

@@ -1,0 +1,85 @@
+"""Compile the real kernels on this GPU-less host and check what can be checked without running."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+
+from flashcore import AttentionSpec, compile_kernel
+from flashcore.abi import ATTENTION_FWD_PARAMS
+from flashcore.spec import SMEM_PER_BLOCK
+
+SPECS = [
+    AttentionSpec(arch="sm_80", dtype="bfloat16", head_dim=128, causal=True, return_lse=True),
+    AttentionSpec(arch="sm_89", dtype="float16", head_dim=64, tile=(64, 64)),
+    AttentionSpec(arch="sm_89", dtype="float16", head_dim=128, tile=(128, 64), warps=8),
+    AttentionSpec(arch="sm_90", dtype="float16", head_dim=64, tile=(64, 64), causal=True),
+]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    import os
+
+    os.environ["FLASHCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    from flashcore.compiler import compile_many
+
+    return dict(zip(SPECS, compile_many(SPECS, jobs=2)))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_ptx_has_the_instructions_we_meant(artifacts, spec):
+    art = artifacts[spec]
+    ptx = art.ptx
+    assert re.search(rf"\.target\s+{spec.arch}\b", ptx), "PTX targets another arch"
+    # m16n8k16 with fp32 accumulation and the input dtype
+    dt = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
+    mma = re.findall(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{dt}\.{dt}\.f32", ptx)
+    # two code paths (masked and unmasked), each S = Q K^T and O += P V over the tile
+    per_block = 2 * (spec.tile_m // (16 * spec.warps)) * (spec.tile_n // 8) * (spec.head_dim // 16)
+    assert len(mma) == 2 * per_block
+    assert "ldmatrix.sync.aligned" in ptx and ".trans" in ptx  # V is read transposed
+    assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
+    assert "ex2.approx" in ptx
+    assert "st.global.v4" in ptx  # 128-bit output stores
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_resources_within_budget(artifacts, spec):
+    art = artifacts[spec]
+    r = art.resources
+    assert 0 < r.registers <= 255
+    assert r.stack_frame_bytes == 0
+    if r.spill_store_bytes is not None:
+        assert r.spill_store_bytes == 0 and r.spill_load_bytes == 0
+    assert art.smem_dynamic == spec.smem_bytes <= SMEM_PER_BLOCK[spec.arch]
+    assert art.block == (spec.threads, 1, 1)
+    assert art.entry.startswith(spec.name) and "cutlass" not in art.entry
+
+
+@pytest.mark.parametrize("spec", SPECS[:1], ids=lambda s: s.name)
+def test_parameter_packing_matches_entry(artifacts, spec):
+    art = artifacts[spec]
+    assert len(art.params) == len(ATTENTION_FWD_PARAMS)
+    for want, got in zip(ATTENTION_FWD_PARAMS, art.params):
+        assert (want.size, want.align) == (got.size, got.align), want.name
+        assert struct.calcsize(want.fmt) == got.size
+    # a tensor struct: pointer, three i32 extents, padding, three i64 strides
+    q = ATTENTION_FWD_PARAMS[0]
+    raw = struct.pack(q.fmt, 0x1000, 2, 3, 5, 7, 11, 13)
+    assert struct.unpack_from("<Q3i", raw) == (0x1000, 2, 3, 5)
+    assert struct.unpack_from("<3q", raw, 24) == (7, 11, 13)
+
+
+def test_second_call_hits_memory(artifacts):
+    spec = SPECS[1]
+    assert compile_kernel(spec) is compile_kernel(spec)
+
+
+def test_sm80_has_no_fp8_but_compiles_fp16():
+    # sm_80 builds the fp16 kernel; the spec refuses an unknown arch clearly
+    with pytest.raises(ValueError, match="arch='sm_75'"):
+        AttentionSpec(arch="sm_75")
