@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout
 
-from flashcore.cli import main  # noqa: E402
+from flashcore.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["dump", *sys.argv[1:]]))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: E402
+from .errors import (
     CacheCorruptionError,
     CatalogError,
     CompileError,
@@ -14,7 +14,7 @@ from .errors import (  # noqa: E402
     LaunchError,
     SpecError,
 )
-from .spec import AttentionSpec  # noqa: E402
+from .spec import AttentionSpec
 
 
 def __getattr__(name: str):
@@ -23,6 +23,10 @@ def __getattr__(name: str):
         from . import compiler
 
         return getattr(compiler, name)
+    if name == "load_catalog":
+        from .catalog import load_catalog
+
+        return load_catalog
     if name == "KernelArtifact":
         from .artifact import KernelArtifact
 
@@ -48,4 +52,5 @@ __all__ = [
     "can_compile",
     "compile_kernel",
     "compile_many",
+    "load_catalog",
 ]

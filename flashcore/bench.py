@@ -107,14 +107,36 @@ def _fa4() -> Impl | None:
 
 
 def _flashcore(tile=None, **kw) -> Impl:
+    """Our op; ``tile=None`` is the autotuned choice."""
     from flashcore.ops import attention
 
     def run(q, k, v, causal):
-        if tile is None:
-            return attention(q, k, v, causal=causal, **kw)
         return attention(q, k, v, tile=tile, causal=causal, **kw)
 
     return run
+
+
+def _fp8_kernel_only(tile=None) -> Impl:
+    """The FP8 attention kernel alone, on inputs quantised once (as a serving engine keeps them)."""
+    from flashcore.ops.fp8 import attention_fp8, quantize_fp8
+
+    memo: dict = {}
+
+    def run(q, k, v, causal):
+        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if key not in memo:
+            memo[key] = (*quantize_fp8(q), *quantize_fp8(k), *quantize_fp8(v, transpose=True))
+        q8, qd, k8, kd, vt8, vd = memo[key]
+        kw = {} if tile is None else {"tile": tile}
+        return attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, out_dtype=q.dtype, **kw)
+
+    return run
+
+
+def _parse_shape(text: str) -> Shape:
+    parts = text.split(",")
+    b, h, s, d = (int(x) for x in parts[:4])
+    return Shape(b, h, s, d, causal=len(parts) > 4 and parts[4] in ("1", "causal", "true"))
 
 
 def implementations(ours: dict[str, Impl] | None = None) -> dict[str, Impl]:
@@ -320,11 +342,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
     ap.add_argument("--no-eager", action="store_true", help="skip eager timings")
     ap.add_argument("--tile", type=int, nargs=2, default=None, help="force our tile (default auto)")
+    ap.add_argument("--fp8", action="store_true", help="also our FP8 path (with and without quantising)")
+    ap.add_argument("--shapes", default=None,
+                    help="B,H,S,D[,causal] list separated by ';' instead of the suite")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     ours = {"flashcore": _flashcore(tuple(a.tile) if a.tile else None)}
-    results = measure(suite(a.quick), implementations(ours), eager=not a.no_eager)
+    if a.fp8:
+        ours["flashcore-fp8"] = _flashcore(tuple(a.tile) if a.tile else None, precision="fp8")
+        ours["flashcore-fp8-kernel"] = _fp8_kernel_only(tuple(a.tile) if a.tile else None)
+    shapes = suite(a.quick) if a.shapes is None else [_parse_shape(x) for x in a.shapes.split(";")]
+    results = measure(shapes, implementations(ours), eager=not a.no_eager)
     path = record(results, Path(a.out))
     print(table(results))
     print(f"record: {path}")

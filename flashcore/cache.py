@@ -12,6 +12,7 @@ import contextlib
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import json
 import os
 import shutil
@@ -63,7 +64,15 @@ def kernel_source_hash() -> str:
 
 
 def dsl_version() -> str | None:
-    """Installed nvidia-cutlass-dsl version, or None (then this host cannot compile)."""
+    """Installed nvidia-cutlass-dsl version, or None (then this host cannot compile).
+
+    Looks, never imports: both the distribution and an importable ``cutlass`` must be there.
+    """
+    try:
+        if importlib.util.find_spec("cutlass") is None:
+            return None
+    except (ImportError, ValueError):  # e.g. sys.modules["cutlass"] = None: import blocked
+        return None
     try:
         return importlib.metadata.version("nvidia-cutlass-dsl")
     except importlib.metadata.PackageNotFoundError:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import os
+from pathlib import Path
 
 from .spec import AttentionSpec
 
@@ -23,3 +27,107 @@ def catalog_specs(archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")) -> list[
                 )
             )
     return specs
+
+
+# -- catalogs on disk ----------------------------------------------------------------------------
+INDEX = "index.json"
+CATALOG_FORMAT = 1
+
+
+def write_catalog(root: Path, artifacts: list) -> Path:
+    """Write ``root/index.json`` naming every artifact (spec, arch, path, checksums).
+
+    ``root`` is a cache root (the artifacts were put there by a KernelCache(root)), so the folder
+    works as it is as ``FLASHCORE_CACHE_DIR`` and through ``load_catalog``.
+    """
+    from . import __version__
+    from .cache import entry_name, spec_dir_name
+
+    kernels = []
+    for art in artifacts:
+        rel = Path("v1") / spec_dir_name(art.spec) / entry_name(
+            art.source_hash, art.toolchain.get("nvidia-cutlass-dsl")
+        )
+        meta = (root / rel / "meta.json").read_bytes()
+        kernels.append(
+            {
+                "name": art.spec.name,
+                "arch": art.spec.arch,
+                "spec": art.spec.to_dict(),
+                "path": rel.as_posix(),
+                "cubin_sha256": hashlib.sha256(art.cubin).hexdigest(),
+                "meta_sha256": hashlib.sha256(meta).hexdigest(),
+            }
+        )
+    index = {
+        "format": CATALOG_FORMAT,
+        "flashcore": __version__,
+        "archs": sorted({k["arch"] for k in kernels}),
+        "kernels": sorted(kernels, key=lambda k: k["name"]),
+    }
+    path = root / INDEX
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(index, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def verify_catalog(root: Path) -> dict:
+    """Check a catalog folder against its index; raise CatalogError naming the first problem."""
+    from .artifact import KernelArtifact
+    from .errors import CacheCorruptionError, CatalogError
+
+    root = Path(root)
+    try:
+        index = json.loads((root / INDEX).read_text())
+    except FileNotFoundError:
+        raise CatalogError(f"{root} is not a flashcore catalog: no {INDEX}") from None
+    except (OSError, ValueError) as e:
+        raise CatalogError(f"{root / INDEX} is unreadable: {e}") from None
+    if not isinstance(index, dict) or index.get("format") != CATALOG_FORMAT:
+        raise CatalogError(f"{root / INDEX}: unknown catalog format {index.get('format')!r}")
+    for k in index.get("kernels", []):
+        where = root / k["path"]
+        try:
+            meta = (where / "meta.json").read_bytes()
+        except OSError:
+            raise CatalogError(f"catalog entry {k['name']} is missing ({where})") from None
+        if hashlib.sha256(meta).hexdigest() != k["meta_sha256"]:
+            raise CatalogError(f"catalog entry {k['name']} was modified: {where}/meta.json")
+        try:
+            art = KernelArtifact.load(where)
+        except CacheCorruptionError as e:
+            raise CatalogError(f"catalog entry {k['name']} is damaged: {e}") from None
+        if hashlib.sha256(art.cubin).hexdigest() != k["cubin_sha256"]:
+            raise CatalogError(f"catalog entry {k['name']}: cubin differs from the index")
+    return index
+
+
+def load_catalog(path: str | Path, *, device: int | None = None) -> Path:
+    """Verify a catalog folder and make it this process's kernel cache (FLASHCORE_CACHE_DIR).
+
+    With a CUDA device visible, refuse a catalog that holds no kernel for its arch.
+    """
+    from .cache import CACHE_ENV
+    from .errors import CatalogError
+
+    root = Path(path).resolve()
+    index = verify_catalog(root)
+    try:
+        import torch
+
+        has_gpu = torch.cuda.is_available()
+    except ImportError:
+        has_gpu = False
+    if has_gpu:
+        from .ops._kernels import arch_of
+
+        dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+        arch = arch_of(dev)
+        if arch not in index["archs"]:
+            raise CatalogError(
+                f"catalog {root} holds kernels for {index['archs']}, but {dev} needs {arch}; "
+                f"build one with: flashcore precompile --arch {arch} --out DIR"
+            )
+    os.environ[CACHE_ENV] = str(root)
+    return root

@@ -66,8 +66,8 @@ def _resource_rows(report: dict) -> list[tuple[str, str]]:
         ("stack frame", f"{report['stack_frame_bytes']} B"),
         ("spills (store / load)",
          "n/a (no ptxas)" if spills is None else f"{spills} B / {report['spill_load_bytes']} B"),
-        ("occupancy", f"{occ['ctas_per_sm']} CTAs/SM, {occ['warps_per_sm']} warps/SM "
-                      f"(limited by {occ['limited_by']})"),
+        ("occupancy", (f"{occ['ctas_per_sm']} CTAs/SM, {occ['warps_per_sm']} warps/SM "
+                       f"(limited by {occ['limited_by']})")),
     ]
     ptx_h = report["instructions_ptx"]
     sass_h = report.get("instructions_sass")
@@ -158,9 +158,9 @@ def cmd_precompile(a: argparse.Namespace) -> int:
     from .catalog import catalog_specs, write_catalog
     from .compiler import compile_many
 
-    specs = catalog_specs(tuple(a.arch))
-    if a.limit:
-        specs = specs[: a.limit]
+    specs = []
+    for arch in a.arch:
+        specs += catalog_specs((arch,))[: a.limit]
     cache = None
     if a.out:
         from .cache import KernelCache
@@ -250,7 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", nargs="+", default=["sm_89"], choices=ARCHS)
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--out", default=None, help="write a self-contained catalog folder")
-    p.add_argument("--limit", type=int, default=None, help="only the first N specs")
+    p.add_argument("--limit", type=int, default=None, help="only the first N specs of each arch")
     p.set_defaults(fn=cmd_precompile)
 
     p = sub.add_parser("cache", help="list, verify or clear the kernel cache")

@@ -20,7 +20,6 @@ from . import __version__
 from .abi import check_against_entry, params_for
 from .artifact import KernelArtifact
 from .cache import KernelCache, default_cache, dsl_version, kernel_source_hash
-from .cubin_info import read_resources
 from .errors import CompileError, KernelNotAvailableError
 from .ptx_info import parse_entry, parse_reqntid, ptx_isa_version, ptx_target
 from .spec import AttentionSpec
@@ -117,6 +116,8 @@ def _assemble(spec: AttentionSpec, d: Path) -> KernelArtifact:
     block = parse_reqntid(ptx) or (spec.threads, 1, 1)
     if block != (spec.threads, 1, 1):
         raise CompileError(f"{spec.name}: block {block} is not ({spec.threads}, 1, 1)")
+    from .cubin_info import read_resources  # pyelftools: needed only where kernels are built
+
     resources = read_resources(
         cubin, entry, ptx=ptx, arch=spec.arch, smem_dynamic=info["smem_dynamic"]
     )

@@ -71,7 +71,7 @@ def sass(cubin: bytes) -> str | None:
 def sass_opcodes(text: str) -> list[str]:
     """Opcodes (with modifiers) of every SASS instruction, predicates stripped."""
     ops = []
-    for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, re.M):
+    for m in re.finditer(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", text, re.MULTILINE):
         ops.append(m.group(1))
     return ops
 

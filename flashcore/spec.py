@@ -267,7 +267,7 @@ class QuantizeSpec:
 
     @property
     def smem_bytes(self) -> int:
-        return 0  # the kernel's few bytes of reduction scratch are static shared memory
+        return 4 * (self.threads // 32)  # one float per warp for the amax reduction
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

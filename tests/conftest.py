@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+# GPU property tests: the example count comes from the environment so a device run can be sized
+# to its time limit; on the device, shrinking is off (each shrink step is a GPU run) and the
+# first failing example is reported as drawn.
+settings.register_profile(
+    "gpu",
+    max_examples=int(os.environ.get("FLASHCORE_GPU_EXAMPLES", "100")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    phases=[Phase.explicit, Phase.reuse, Phase.generate]
+    + ([] if os.environ.get("FLASHCORE_NO_SHRINK") else [Phase.shrink]),
+    print_blob=True,
+)
 
 from tests.kernels import (
     CompiledKernel,

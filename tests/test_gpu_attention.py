@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
@@ -23,7 +23,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 def _inputs(b, h, sq, sk, d, dtype, magnitude, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    mk = lambda s: (torch.randn(b, h, s, d, device="cuda", generator=g) * magnitude).to(dtype)  # noqa: E731
+    mk = lambda s: (torch.randn(b, h, s, d, device="cuda", generator=g) * magnitude).to(dtype)
     return mk(sq), mk(sk), mk(sk)
 
 
@@ -44,11 +44,7 @@ def _check_against_sdpa(q, k, v, causal, scale, tile=(64, 64)):
     return err, err_sdpa, rel.item()
 
 
-@settings(
-    max_examples=120,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+@settings(settings.get_profile("gpu"))
 @given(
     b=st.integers(1, 4),
     h=st.integers(1, 16),
@@ -160,7 +156,7 @@ def test_second_device():
 def test_bad_gpu_inputs_rejected():
     q, k, v = _inputs(1, 2, 16, 16, 64, torch.float16, 1.0, seed=1)
     with pytest.raises(TypeError, match="dtypes differ"):
-        attention(q, k.float(), v)
+        attention(q, k.bfloat16(), v)
     with pytest.raises(ValueError, match="head_dim 96"):
         z = torch.randn(1, 2, 16, 96, device="cuda", dtype=torch.float16)
         attention(z, z, z)

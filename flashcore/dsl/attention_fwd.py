@@ -151,9 +151,10 @@ class AttentionForward:
     ):
         cfg = self._config()
         storage = self._shared_storage(*cfg[:4])
+        self.smem_size = storage.size_in_bytes()  # read back by the build: the launch ABI
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]), cute.size(mQ.shape[0]))
         self.kernel(mQ, mK, mV, mO, mLSE, scale_log2, *cfg, storage).launch(
-            grid=grid, block=[self.threads, 1, 1], smem=storage.size_in_bytes()
+            grid=grid, block=[self.threads, 1, 1], smem=self.smem_size
         )
 
     @cute.jit
@@ -171,9 +172,10 @@ class AttentionForward:
     ):
         cfg = self._config()
         storage = self._shared_storage(*cfg[:4])
+        self.smem_size = storage.size_in_bytes()
         grid = (cute.ceil_div(mQ.shape[2], self.tile_m), cute.size(mQ.shape[1]), cute.size(mQ.shape[0]))
         self.kernel_fp8(mQ, mK, mVt, mO, mLSE, mQd, mKd, mVd, scale_log2, *cfg, storage).launch(
-            grid=grid, block=[self.threads, 1, 1], smem=storage.size_in_bytes()
+            grid=grid, block=[self.threads, 1, 1], smem=self.smem_size
         )
 
     # ------------------------------------------------------------------------------------------
@@ -418,11 +420,15 @@ class AttentionForward:
         )
 
         # P in the operand precision, re-viewed as the A operand of P·V
-        rP = cute.make_rmem_tensor(acc_S.layout, self.op_dtype)
         if cutlass.const_expr(self.fp8):
-            rP.store((acc_S.load() * P_SCALE).to(self.op_dtype))
-            tOrP = cute.make_tensor(rP.iterator, self.acc_as_fp8_operand_a(rP.layout))
+            # Gather in the A operand's value order on the fp32 accumulator (4-byte elements:
+            # any stride is fine), then convert into a compact fragment: the MMA takes each
+            # 32-bit register as 4 consecutive bytes of the fragment's storage.
+            acc_as_a = cute.make_tensor(acc_S.iterator, self.acc_as_fp8_operand_a(acc_S.layout))
+            tOrP = cute.make_rmem_tensor(acc_as_a.shape, self.op_dtype)
+            tOrP.store((acc_as_a.load() * P_SCALE).to(self.op_dtype))
         else:
+            rP = cute.make_rmem_tensor(acc_S.layout, self.op_dtype)
             rP.store(acc_S.load().to(self.op_dtype))
             tOrP = cute.make_tensor(rP.iterator, self.acc_as_operand_a(rP.layout))
 
@@ -521,7 +527,7 @@ class AttentionForward:
 
     @staticmethod
     def acc_as_fp8_operand_a(layout: cute.Layout) -> cute.Layout:
-        """((2, 2), M, N) accumulator -> the 16 registers of m16n8k32 e4m3 A tiles, (16, M, N / 4).
+        """((2, 2), M, N) accumulator -> the 16 values of m16n8k32 e4m3 A tiles, (16, M, N / 4).
 
         A register a_v holds (row g + 8·r, key 16·h + 4t + i) for v = i + 4r + 8h. From four
         neighbouring n8 tiles j the thread holds (row g + 8·r, key 8j + 2t + c). Taking

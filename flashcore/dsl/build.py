@@ -103,13 +103,13 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     if isinstance(spec, QuantizeSpec):
         from .quantize_fp8 import QuantizeFP8
 
-        qz = QuantizeFP8(spec.dtype, spec.head_dim, spec.transpose, spec.threads)
-        device_fn, host_fn, args = QuantizeFP8.kernel, qz.host, _quantize_args(spec)
+        traced = QuantizeFP8(spec.dtype, spec.head_dim, spec.transpose, spec.threads)
+        device_fn, host_fn, args = QuantizeFP8.kernel, traced.host, _quantize_args(spec)
     else:
-        kernel = AttentionForward(spec)
+        traced = AttentionForward(spec)
         fp8 = spec.precision == "fp8"
         device_fn = AttentionForward.kernel_fp8 if fp8 else AttentionForward.kernel
-        host_fn = kernel.host_fp8 if fp8 else kernel.host
+        host_fn = traced.host_fp8 if fp8 else traced.host
         args = (*_fake_tensors(spec), cutlass.Float32(1.0))
     # a stable entry name without "cutlass" in it (cutlass issue #3389: it can change ptxas heuristics)
     device_fn.set_name_prefix(spec.name, remove_cutlass_symbol=True, keep_mangled_name=False)
@@ -121,10 +121,17 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     cubin = compiled.__cubin__
     if not isinstance(cubin, bytes) or not ptx.lstrip().startswith(("//", ".version")):
         raise RuntimeError(f"the DSL produced no PTX/cubin for {spec.name} (dump dir {workdir})")
+    # The dynamic shared memory the launch asks for is not in the cubin: take it from the trace.
+    smem = int(traced.smem_size)
+    if isinstance(spec, AttentionSpec) and smem != spec.smem_bytes:
+        raise RuntimeError(
+            f"{spec.name}: the kernel allocates {smem} B of shared memory, the spec's budget "
+            f"check assumed {spec.smem_bytes} B (flashcore/spec.py smem_bytes is out of date)"
+        )
     return BuildProducts(
         ptx=ptx,
         cubin=cubin,
         ir=str(compiled.ir_module) if getattr(compiled, "ir_module", None) is not None else "",
-        smem_dynamic=spec.smem_bytes,
+        smem_dynamic=smem,
         dsl_version=cutlass.__version__,
     )

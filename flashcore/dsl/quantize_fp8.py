@@ -27,14 +27,29 @@ class QuantizeFP8:
 
     @cute.jit
     def host(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
-        self.kernel(mX, mOut, mDescale).launch(
-            grid=(cute.size(mX.shape[1]), cute.size(mX.shape[0]), 1), block=[self.threads, 1, 1]
+        warps = self.warps
+
+        @cute.struct
+        class Scratch:
+            partial: cute.struct.MemRange[cutlass.Float32, warps]
+
+        self.smem_size = Scratch.size_in_bytes()  # read back by the build: the launch ABI
+        self.kernel(mX, mOut, mDescale, Scratch).launch(
+            grid=(cute.size(mX.shape[1]), cute.size(mX.shape[0]), 1),
+            block=[self.threads, 1, 1],
+            smem=self.smem_size,
         )
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
+    def kernel(
+        self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor, Scratch: cutlass.Constexpr
+    ):
         tidx, _, _ = cute.arch.thread_idx()
         head, batch, _ = cute.arch.block_idx()
+        # plain arithmetic: cute.arch.warp_idx() is a full-warp shuffle, which must not run in
+        # the lane-0 branch below (the other 31 lanes never arrive: the kernel hangs)
+        warp = tidx // 32
+        lane = tidx % 32
         X = mX[batch, head, None, None]  # (seq, head_dim)
         Y = mOut[batch, head, None, None]
         seqlen = mX.shape[2]
@@ -54,9 +69,9 @@ class QuantizeFP8:
         amax = cute.arch.warp_reduction_max(amax)
 
         smem = cutlass.memory.SmemAllocator()
-        partial = smem.allocate_tensor(cutlass.Float32, cute.make_layout((self.warps,)))
-        if cute.arch.lane_idx() == 0:
-            partial[cute.arch.warp_idx()] = amax
+        partial = smem.allocate(Scratch).partial.get_tensor(cute.make_layout((self.warps,)))
+        if lane == 0:
+            partial[warp] = amax
         cute.arch.sync_threads()
         amax = partial[0]
         for w in cutlass.range_constexpr(1, self.warps):

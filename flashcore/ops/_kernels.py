@@ -46,7 +46,16 @@ def launch(kernel, grid: tuple[int, int, int], args: tuple, device: torch.device
 
 
 def tensor_arg(t: torch.Tensor) -> tuple:
-    """(pointer, extents..., strides...) of a 4-d tensor for a TensorParam(3, 3)."""
+    """(pointer, extents..., strides...) of a (batch, heads, seq, head_dim) tensor for a
+    TensorParam(3, 3): the dynamic extents are batch, heads, seq; the strides those of modes 0-2."""
     b, h, s, _ = t.shape
     sb, sh, ss, _ = t.stride()
     return (t.data_ptr(), b, h, s, sb, sh, ss)
+
+
+def transposed_arg(t: torch.Tensor) -> tuple:
+    """The same for a (batch, heads, head_dim, seq) tensor (FP8 Vᵀ): head_dim (mode 2) is the
+    static extent, so the dynamic extents are batch, heads, seq and the strides those of 0-2."""
+    b, h, _, s = t.shape
+    sb, sh, sd, _ = t.stride()
+    return (t.data_ptr(), b, h, s, sb, sh, sd)

@@ -105,7 +105,7 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    tile: tuple[int, int] = (64, 64),
+    tile: tuple[int, int] | None = (64, 64),
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
@@ -122,7 +122,9 @@ def attention(
     seq_q) of the scaled scores (natural log; -inf for a row with no visible key).
 
     ``out``, if given, receives the result: shape and dtype of q, on q's device, last dim
-    contiguous, 16-byte aligned. ``tile``, ``warps`` and ``stages`` pick the compiled kernel.
+    contiguous, 16-byte aligned. ``tile``, ``warps`` and ``stages`` pick the compiled kernel;
+    ``tile=None`` takes the autotuner's winner for this GPU, head dim, masking and sequence length
+    (``flashcore.autotune``), or (64, 64) where none was tuned.
 
     ``precision="fp8"`` (sm_89, sm_90) quantises q, k, v to float8_e4m3fn with per-(batch, head)
     scales taken from the data (no finite input overflows) and runs the e4m3 MMA kernel; see
@@ -135,6 +137,11 @@ def attention(
         softmax_scale = 1.0 / math.sqrt(q.shape[3])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
         raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
+    if tile is None:
+        from ..autotune import lookup
+
+        tile, tuned_warps = lookup(arch_of(q.device), q.shape[3], causal, q.shape[2], precision)
+        warps = warps or tuned_warps
     tile = tuple(tile)
     if warps is None:
         warps = _default_warps(tile[0]) if tile and isinstance(tile[0], int) else 4

@@ -15,7 +15,7 @@ import torch
 
 from ..abi import LOG2_E, attention_grid
 from ..spec import HEAD_DIMS, AttentionSpec, QuantizeSpec
-from ._kernels import arch_of, kernel_for, launch, tensor_arg
+from ._kernels import arch_of, kernel_for, launch, tensor_arg, transposed_arg
 
 E4M3 = torch.float8_e4m3fn
 VT_PAD = 128  # Vᵀ's key extent is padded to this (the largest tile_n): its tiles are never ragged
@@ -65,7 +65,8 @@ def quantize_fp8(x: torch.Tensor, *, transpose: bool = False) -> tuple[torch.Ten
     else:
         out = torch.empty((B, H, S, D), dtype=E4M3, device=x.device)
     descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
-    args = (tensor_arg(x), tensor_arg(out), (descale.data_ptr(), B, H, H))
+    out_arg = transposed_arg(out) if transpose else tensor_arg(out)
+    args = (tensor_arg(x), out_arg, (descale.data_ptr(), B, H, H))
     launch(kern, (H, B, 1), args, x.device)
     return out, descale
 
@@ -138,7 +139,7 @@ def attention_fp8(
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q8.device) if return_lse else None
     lse_arg = (lse.data_ptr(), B, H, Sq, H * Sq, Sq) if return_lse else (0,) * 6
     args = (
-        tensor_arg(q8), tensor_arg(k8), tensor_arg(vt8), tensor_arg(out), lse_arg,
+        tensor_arg(q8), tensor_arg(k8), transposed_arg(vt8), tensor_arg(out), lse_arg,
         (qd.data_ptr(), B, H, H), (kd.data_ptr(), B, H, H), (vd.data_ptr(), B, H, H),
         (softmax_scale * LOG2_E,),
     )

@@ -1,0 +1,151 @@
+"""Autotuner: pick tile shape and warps per (arch, head_dim, causal, sequence-length bucket).
+
+    python -m flashcore.autotune build --arch sm_90 --out .cache/sm90   # compile candidates (CPU)
+    python -m flashcore.autotune run                                     # time them (GPU)
+
+``build`` compiles every candidate in parallel worker processes (no GPU needed) into a cache
+folder that a GPU host without the DSL can use. ``run`` times each candidate with CUDA graphs at a
+representative shape per bucket and writes the winners to ``flashcore/tuned/<arch>.json`` (or
+``--out``). ``flashcore.ops.attention(..., tile=None)`` reads that table; an explicit tile is
+always honoured. bf16 uses the fp16 winners (same kernel structure and instruction mix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from functools import cache
+from pathlib import Path
+
+from .spec import AttentionSpec, SpecError
+
+TUNED_DIR = Path(__file__).resolve().parent / "tuned"
+DEFAULT = ((64, 64), 4)
+# (name, upper bound of seq_q, the shape timed for it: batch, heads, seq)
+BUCKETS = [("short", 1024, (1, 8, 512)), ("mid", 4096, (4, 16, 2048)), ("long", None, (2, 16, 8192))]
+TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32)]
+WARPS = [4, 8]
+
+
+def bucket_of(seqlen: int) -> str:
+    for name, bound, _ in BUCKETS:
+        if bound is None or seqlen <= bound:
+            return name
+    raise AssertionError
+
+
+def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16"):
+    for tile, warps in itertools.product(TILES, WARPS):
+        try:
+            yield AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, tile=tile,
+                                warps=warps, causal=causal, precision=precision)
+        except SpecError:
+            continue
+
+
+@cache
+def _table(arch: str) -> dict:
+    path = Path(os.environ.get("FLASHCORE_TUNED", TUNED_DIR)) / f"{arch}.json"
+    try:
+        return json.loads(path.read_text())["winners"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def key(head_dim: int, causal: bool, bucket: str, precision: str = "fp16") -> str:
+    return f"d{head_dim}-{'causal' if causal else 'full'}-{bucket}-{precision}"
+
+
+def lookup(arch: str, head_dim: int, causal: bool, seqlen_q: int, precision: str = "fp16"):
+    """(tile, warps) for ``tile=None``: the tuned winner, else the default (64, 64) x 4 warps."""
+    w = _table(arch).get(key(head_dim, causal, bucket_of(seqlen_q), precision))
+    if w is None:
+        return DEFAULT
+    return tuple(w["tile"]), w["warps"]
+
+
+# -- build (CPU) and run (GPU) ---------------------------------------------------------------------
+def all_candidates(arch: str, precisions=("fp16",)) -> list[AttentionSpec]:
+    out = []
+    for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
+        out += list(candidates(arch, d, causal, prec))
+    return out
+
+
+def build(arch: str, out: Path, jobs: int | None) -> None:
+    from .cache import KernelCache
+    from .compiler import compile_many
+
+    precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
+    specs = all_candidates(arch, precisions)
+    compile_many(specs, jobs=jobs, cache=KernelCache(out))
+    print(f"{len(specs)} candidates compiled into {out}")
+
+
+def run(out: Path | None, precisions=("fp16", "fp8")) -> Path:
+    import torch
+
+    from .bench import time_kernel
+    from .ops import attention
+    from .ops._kernels import arch_of
+
+    arch = arch_of(torch.device("cuda"))
+    winners, timings = {}, {}
+    for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
+        if prec == "fp8" and arch == "sm_80":
+            continue
+        for bname, _, (b, h, s) in BUCKETS:
+            sets = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
+                          for _ in range(3)) for _ in range(4)]
+            best = None
+            for spec in candidates(arch, d, causal, prec):
+                def fn(q, k, v, c, spec=spec):
+                    return attention(q, k, v, tile=spec.tile, warps=spec.warps, causal=c,
+                                     precision=spec.precision)
+                try:
+                    us = time_kernel(fn, sets, causal, reps=10)
+                except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped
+                    print(f"  {spec.name}: failed ({type(e).__name__}: {e})")
+                    continue
+                timings[f"{key(d, causal, bname, prec)} {spec.tile} w{spec.warps}"] = us
+                if best is None or us < best[0]:
+                    best = (us, spec)
+            if best is not None:
+                us, spec = best
+                winners[key(d, causal, bname, prec)] = {
+                    "tile": list(spec.tile), "warps": spec.warps, "us": round(us, 2),
+                    "shape": [b, h, s, d],
+                }
+                print(f"{key(d, causal, bname, prec):28s} -> {spec.tile} w{spec.warps}: {us:.1f} us")
+    path = out or TUNED_DIR / f"{arch}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "arch": arch, "gpu": torch.cuda.get_device_name(0), "winners": winners,
+        "timings_us": {k: round(v, 2) for k, v in timings.items()},
+    }, indent=1) + "\n")
+    _table.cache_clear()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashcore.autotune", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    b = sub.add_parser("build", help="compile every candidate (no GPU needed)")
+    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--out", required=True)
+    b.add_argument("--jobs", type=int, default=None)
+    r = sub.add_parser("run", help="time the candidates on this GPU and write the winners")
+    r.add_argument("--out", default=None)
+    r.add_argument("--no-fp8", action="store_true")
+    a = ap.parse_args(argv)
+    if a.verb == "build":
+        build(a.arch, Path(a.out), a.jobs)
+    else:
+        print(run(Path(a.out) if a.out else None, ("fp16",) if a.no_fp8 else ("fp16", "fp8")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

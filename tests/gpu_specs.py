@@ -1,0 +1,64 @@
+"""Every kernel spec the GPU tests and the benchmark use, so a GPU host without the DSL can run
+them from a catalog built elsewhere:
+
+    python -m tests.gpu_specs --arch sm_90 --out .cache/sm90      # on any machine with the DSL
+    FLASHCORE_CACHE_DIR=.cache/sm90 pytest -m gpu                  # on the GPU host
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from pathlib import Path
+
+from flashcore.catalog import catalog_specs
+from flashcore.spec import AttentionSpec, QuantizeSpec
+
+TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
+
+
+def default_warps(tile_m: int) -> int:
+    return max(1, min(8, tile_m // 16))
+
+
+def gpu_test_specs(arch: str) -> list[AttentionSpec | QuantizeSpec]:
+    specs: list = list(catalog_specs((arch,)))
+    for tile, causal, d in itertools.product(TEST_TILES, (False, True), (64, 128)):
+        specs.append(AttentionSpec(arch=arch, head_dim=d, tile=tile, warps=default_warps(tile[0]),
+                                   causal=causal))
+    if arch in ("sm_89", "sm_90"):
+        for dtype, d, t in itertools.product(("float16", "bfloat16"), (64, 128), (False, True)):
+            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=t))
+        for dtype, d, causal, tile in itertools.product(
+            ("float16", "bfloat16"), (64, 128), (False, True), ((64, 64), (128, 64), (128, 128))
+        ):
+            specs.append(AttentionSpec(arch=arch, dtype=dtype, head_dim=d, tile=tile,
+                                       warps=default_warps(tile[0]), causal=causal,
+                                       precision="fp8"))
+        for d, causal in itertools.product((64, 128), (False, True)):
+            specs.append(AttentionSpec(arch=arch, head_dim=d, causal=causal, return_lse=True,
+                                       precision="fp8"))
+    from flashcore.autotune import all_candidates
+
+    specs += all_candidates(arch, ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",))
+    return list(dict.fromkeys(specs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="sm_90")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--jobs", type=int, default=None)
+    a = ap.parse_args()
+    from flashcore.cache import KernelCache
+    from flashcore.catalog import write_catalog
+    from flashcore.compiler import compile_many
+
+    specs = gpu_test_specs(a.arch)
+    arts = compile_many(specs, jobs=a.jobs, cache=KernelCache(Path(a.out)),
+                        progress=lambda s: print("built", s.name, flush=True))
+    print(write_catalog(Path(a.out), arts), len(arts), "kernels")
+
+
+if __name__ == "__main__":
+    main()

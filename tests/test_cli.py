@@ -1,0 +1,171 @@
+"""The command line, compile_and_dump, catalogs, and hosts without the DSL (CPU only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VERBS = ["compile", "dump", "precompile", "cache", "info"]
+# a prelude that makes the DSL unimportable, as on a GPU host that only runs prebuilt kernels
+NO_DSL = "import sys; sys.modules['cutlass'] = None\n"
+
+
+def run(args, cache, cwd=ROOT, prelude=""):
+    env = dict(os.environ, FLASHCORE_CACHE_DIR=str(cache), PYTHONPATH=str(ROOT))
+    code = prelude + "import sys; from flashcore.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_every_verb_has_help(verb, tmp_path):
+    p = run([verb, "--help"], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "usage: flashcore " + verb in p.stdout
+
+
+@pytest.mark.parametrize(
+    "args", [["frobnicate"], ["compile", "--tile", "64"], ["dump", "--head-dim", "96"],
+             ["cache", "explode"], ["compile", "--arch", "sm_75"]]
+)
+def test_bad_flags_are_usage_errors(args, tmp_path):
+    p = run(args, tmp_path)
+    assert p.returncode == 2
+    assert "usage:" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bad_spec_is_one_line_error(tmp_path):
+    p = run(["compile", "--tile", "128", "64", "--warps", "8", "--head-dim", "128",
+             "--arch", "sm_89", "--stages", "3"], tmp_path)
+    assert p.returncode == 2 and "stages=3 is not supported" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_compile_and_dump_example(tmp_path):
+    env = dict(os.environ, FLASHCORE_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "compile_and_dump.py")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "dump" / "fc_attn_fwd_sm89_f16_d64_m64n64_w4_s1"
+    for f in ("kernel.ptx", "kernel.cubin", "kernel.mlir", "spec.json", "resources.json"):
+        assert (out / f).is_file() and (out / f).stat().st_size > 0, f
+    spec = json.loads((out / "spec.json").read_text())
+    assert spec["arch"] == "sm_89" and spec["head_dim"] == 64 and spec["tile"] == [64, 64]
+    res = json.loads((out / "resources.json").read_text())
+    assert res["registers"] > 0 and res["stack_frame_bytes"] == 0
+    ptx = (out / "kernel.ptx").read_text()
+    n_mma = sum(1 for ln in ptx.splitlines() if ln.strip().startswith("mma.sync"))
+    assert n_mma > 0 and res["instructions_ptx"]["mma"] == n_mma
+    assert res["occupancy"]["ctas_per_sm"] >= 1
+    if res.get("sass"):
+        assert (out / "kernel.sass").is_file() and res["instructions_sass"]["mma"] > 0
+    # the printed table names what a newcomer looks for
+    for word in ("registers", "shared memory", "spills", "mma"):
+        assert word in p.stdout
+
+
+def test_dump_compare(tmp_path):
+    a = "arch=sm_89,head_dim=64,tile=64x64,warps=4"
+    b = "arch=sm_89,head_dim=64,tile=128x64,warps=8"
+    p = run(["dump", "--compare", a, b], tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert "registers" in p.stdout and "mma" in p.stdout
+
+
+@pytest.fixture(scope="module")
+def catalog(tmp_path_factory):
+    root = tmp_path_factory.mktemp("catalog")
+    p = run(["precompile", "--arch", "sm_89", "--limit", "2", "--jobs", "2",
+             "--out", str(root)], root / "unused-cache")
+    assert p.returncode == 0, p.stderr
+    return root
+
+
+def test_precompile_writes_a_complete_index(catalog):
+    index = json.loads((catalog / "index.json").read_text())
+    assert index["archs"] == ["sm_89"]
+    assert len(index["kernels"]) == 2
+    for k in index["kernels"]:
+        assert (catalog / k["path"] / "kernel.cubin").is_file()
+
+
+def test_parallel_precompile_two_archs(tmp_path):
+    p = run(["precompile", "--arch", "sm_90", "sm_89", "--limit", "1", "--jobs", "2",
+             "--out", str(tmp_path)], tmp_path / "c")
+    assert p.returncode == 0, p.stderr
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["archs"] == ["sm_89", "sm_90"]
+    assert {k["arch"] for k in index["kernels"]} == {"sm_89", "sm_90"}
+
+
+def test_cache_verify_catches_a_flipped_byte(catalog, tmp_path):
+    import shutil
+
+    copy = tmp_path / "cat"
+    shutil.copytree(catalog, copy)
+    assert run(["cache", "verify"], copy).returncode == 0
+    cubin = next(copy.rglob("kernel.cubin"))
+    data = bytearray(cubin.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    cubin.write_bytes(bytes(data))
+    p = run(["cache", "verify"], copy)
+    assert p.returncode == 1 and "BAD" in p.stdout and "kernel.cubin" in p.stdout
+
+
+def test_host_without_dsl_runs_catalog_and_refuses_missing(catalog):
+    index = json.loads((catalog / "index.json").read_text())
+    present = index["kernels"][0]["spec"]
+    code = NO_DSL + f"""
+import json, flashcore
+from flashcore.spec import spec_from_dict
+assert not flashcore.can_compile()
+art = flashcore.compile_kernel(spec_from_dict(json.loads({json.dumps(json.dumps(present))})))
+print("LOADED", art.entry, len(art.cubin))
+missing = flashcore.AttentionSpec(arch="sm_90", head_dim=128, tile=(16, 32), warps=1)
+try:
+    flashcore.compile_kernel(missing)
+except flashcore.KernelNotAvailableError as e:
+    print("REFUSED", e)
+"""
+    env = dict(os.environ, FLASHCORE_CACHE_DIR=str(catalog), PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "LOADED" in p.stdout
+    assert "REFUSED kernel fc_attn_fwd_sm90_f16_d128_m16n32_w1_s1 is not in the cache" in p.stdout
+    assert "nvidia-cutlass-dsl is not installed" in p.stdout and "FLASHCORE_CACHE_DIR" in p.stdout
+
+
+def test_load_catalog_checks_integrity_and_arch(catalog, tmp_path, monkeypatch):
+    import shutil
+
+    import flashcore
+    from flashcore import catalog as cat
+    from flashcore.errors import CatalogError
+
+    monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path / "before"))
+    assert flashcore.load_catalog(catalog) == catalog.resolve()
+    assert os.environ["FLASHCORE_CACHE_DIR"] == str(catalog.resolve())
+    # a GPU of another arch than the catalog's
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr("flashcore.ops._kernels.arch_of", lambda dev: "sm_90")
+    with pytest.raises(CatalogError, match=r"holds kernels for \['sm_89'\].*needs sm_90"):
+        cat.load_catalog(catalog)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    # a tampered entry
+    copy = tmp_path / "cat"
+    shutil.copytree(catalog, copy)
+    meta = next(copy.rglob("meta.json"))
+    meta.write_text(meta.read_text().replace('"registers": ', '"registers": 1'))
+    with pytest.raises(CatalogError, match="modified"):
+        cat.load_catalog(copy)
+    with pytest.raises(CatalogError, match="no index.json"):
+        cat.load_catalog(tmp_path)
