@@ -67,16 +67,16 @@ ATTENTION_FWD_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
 
 
 # FP8: Q, K (batch, heads, seq, head_dim) e4m3; V transposed (batch, heads, head_dim, seq_k padded
-# to a multiple of 32, keys permuted within each 32, see flashcore.ops.fp8); per-(batch, head)
-# float32 descale factors for Q, K and V.
+# to a multiple of 128, keys permuted within each 32, see flashcore.ops.fp8); float32 descale
+# factors per token for Q (batch, heads, seq_q) and K (batch, heads, seq_k), per head for V.
 ATTENTION_FWD_FP8_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
     TensorParam("q", 3, 3),
     TensorParam("k", 3, 3),
     TensorParam("vt", 3, 3),
     TensorParam("o", 3, 3),
     TensorParam("lse", 3, 2),
-    TensorParam("q_descale", 2, 1),
-    TensorParam("k_descale", 2, 1),
+    TensorParam("q_descale", 3, 2),
+    TensorParam("k_descale", 3, 2),
     TensorParam("v_descale", 2, 1),
     ScalarParam("scale_log2", "<f"),
 )
@@ -91,9 +91,17 @@ QUANTIZE_FP8_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
 )
 
 
+# Per-token quantiser: the descale is (batch, heads, seq).
+QUANTIZE_FP8_TOKEN_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
+    TensorParam("x", 3, 3),
+    TensorParam("out", 3, 3),
+    TensorParam("descale", 3, 2),
+)
+
+
 def params_for(spec) -> tuple[TensorParam | ScalarParam, ...]:
     if spec.op == "quantize_fp8":
-        return QUANTIZE_FP8_PARAMS
+        return QUANTIZE_FP8_TOKEN_PARAMS if spec.granularity == "token" else QUANTIZE_FP8_PARAMS
     return ATTENTION_FWD_FP8_PARAMS if spec.precision == "fp8" else ATTENTION_FWD_PARAMS
 
 

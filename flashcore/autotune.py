@@ -87,7 +87,8 @@ def build(arch: str, out: Path, jobs: int | None) -> None:
 def run(out: Path | None, precisions=("fp16", "fp8")) -> Path:
     import torch
 
-    from .bench import time_kernel
+    from .bench import fp8_kernel_only, time_kernel
+    from .compiler import compile_kernel
     from .ops import attention
     from .ops._kernels import arch_of
 
@@ -101,9 +102,15 @@ def run(out: Path | None, precisions=("fp16", "fp8")) -> Path:
                           for _ in range(3)) for _ in range(4)]
             best = None
             for spec in candidates(arch, d, causal, prec):
-                def fn(q, k, v, c, spec=spec):
-                    return attention(q, k, v, tile=spec.tile, warps=spec.warps, causal=c,
-                                     precision=spec.precision)
+                res = compile_kernel(spec).resources
+                if res.stack_frame_bytes or res.spill_store_bytes:
+                    print(f"  {spec.name}: spills, skipped")
+                    continue
+                if prec == "fp8":  # the kernel alone, on inputs quantised beforehand
+                    fn = fp8_kernel_only(spec.tile, spec.warps)
+                else:
+                    def fn(q, k, v, c, spec=spec):
+                        return attention(q, k, v, tile=spec.tile, warps=spec.warps, causal=c)
                 try:
                     us = time_kernel(fn, sets, causal, reps=10)
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped

@@ -87,19 +87,22 @@ def e4m3_round(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float8_e4m3fn).to(torch.float64)
 
 
-def quantize_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The quantiser's arithmetic, simulated: per (batch, head) of a (B, H, S, D) tensor,
-    amax in float32, scale = 448 / amax, e4m3(x * scale). Returns (codes as float64, descale (B, H)
-    float32), so that x ≈ codes * descale."""
+def quantize_e4m3(x: torch.Tensor, granularity: str = "head") -> tuple[torch.Tensor, torch.Tensor]:
+    """The quantiser's arithmetic, simulated: per (batch, head), or per token, of a (B, H, S, D)
+    tensor: amax in float32, scale = 448 / amax, e4m3(x * scale). Returns (codes as float64,
+    float32 descale of shape (B, H) or (B, H, S)), so that x ≈ codes * descale."""
     xf = x.detach().to(device="cpu", dtype=torch.float32)
-    amax = xf.abs().amax(dim=(2, 3)).clamp_min(AMAX_FLOOR)
+    dims = (2, 3) if granularity == "head" else (3,)
+    amax = xf.abs().amax(dim=dims, keepdim=True).clamp_min(AMAX_FLOOR)
     scale = torch.tensor(E4M3_MAX, dtype=torch.float32) / amax
-    codes = e4m3_round(xf * scale[:, :, None, None])
-    return codes, amax / E4M3_MAX
+    codes = e4m3_round(xf * scale)
+    descale = amax / E4M3_MAX
+    return codes, descale.reshape(descale.shape[: 4 - len(dims)])
 
 
 def dequantize_e4m3(codes: torch.Tensor, descale: torch.Tensor) -> torch.Tensor:
-    return codes.to(torch.float64) * descale.to(torch.float64)[:, :, None, None]
+    d = descale.to(torch.float64)
+    return codes.to(torch.float64) * d.reshape(*d.shape, *([1] * (4 - d.dim())))
 
 
 def attention_fp8(
@@ -112,11 +115,11 @@ def attention_fp8(
     round_p: bool = True,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Float64 attention of the FP8 kernel's quantised computation: q, k, v quantised as the
-    quantiser does (same scales, e4m3 rounding), and, with ``round_p``, P rounded to e4m3 after
-    scaling by P_SCALE (relative to the final row max; the kernel uses the running max, so the
-    two round P differently by at most one e4m3 step)."""
-    deq = [dequantize_e4m3(*quantize_e4m3(t)) for t in (q, k, v)]
+    """Float64 attention of the FP8 kernel's quantised computation: q and k quantised per token
+    and v per head as the quantiser does (same scales, e4m3 rounding), and, with ``round_p``, P
+    rounded to e4m3 after scaling by P_SCALE (relative to the final row max; the kernel uses the
+    running max, so the two round P differently by at most one e4m3 step)."""
+    deq = [dequantize_e4m3(*quantize_e4m3(t, g)) for t, g in ((q, "token"), (k, "token"), (v, "head"))]
 
     def rp(p: torch.Tensor) -> torch.Tensor:
         return e4m3_round(p * P_SCALE).to(p.device) / P_SCALE

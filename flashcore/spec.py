@@ -240,6 +240,7 @@ class QuantizeSpec:
     head_dim: int = 64
     transpose: bool = False
     threads: int = 256
+    granularity: str = "head"  # one scale per (batch, head), or per (batch, head, token)
     op: str = field(default="quantize_fp8")
 
     def __post_init__(self) -> None:
@@ -258,16 +259,23 @@ class QuantizeSpec:
             raise bad(f"transpose must be a bool, got {self.transpose!r}")
         if self.threads not in (128, 256, 512):
             raise bad(f"threads={self.threads} is not one of (128, 256, 512)")
+        if self.granularity not in ("head", "token"):
+            raise bad(f"granularity={self.granularity!r} is not 'head' or 'token'")
+        if self.granularity == "token" and self.transpose:
+            raise bad("per-token scales are for Q and K; V (transpose=True) is scaled per head")
 
     @property
     def name(self) -> str:
         dt = {"float16": "f16", "bfloat16": "bf16"}[self.dtype]
         t = "_vt" if self.transpose else ""
-        return f"fc_quant_e4m3_{self.arch.replace('_', '')}_{dt}_d{self.head_dim}_t{self.threads}{t}"
+        g = "_tok" if self.granularity == "token" else ""
+        return (f"fc_quant_e4m3_{self.arch.replace('_', '')}_{dt}_d{self.head_dim}"
+                f"_t{self.threads}{t}{g}")
 
     @property
     def smem_bytes(self) -> int:
-        return 4 * (self.threads // 32)  # one float per warp for the amax reduction
+        # per-head: one float per warp for the amax reduction; per-token: shuffles only
+        return 4 * (self.threads // 32) if self.granularity == "head" else 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

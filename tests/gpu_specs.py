@@ -27,8 +27,10 @@ def gpu_test_specs(arch: str) -> list[AttentionSpec | QuantizeSpec]:
         specs.append(AttentionSpec(arch=arch, head_dim=d, tile=tile, warps=default_warps(tile[0]),
                                    causal=causal))
     if arch in ("sm_89", "sm_90"):
-        for dtype, d, t in itertools.product(("float16", "bfloat16"), (64, 128), (False, True)):
-            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=t))
+        for dtype, d in itertools.product(("float16", "bfloat16"), (64, 128)):
+            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=False))
+            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=True))
+            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, granularity="token"))
         for dtype, d, causal, tile in itertools.product(
             ("float16", "bfloat16"), (64, 128), (False, True), ((64, 64), (128, 64), (128, 128))
         ):

@@ -19,8 +19,9 @@ first and initialise the running row max. Per key block:
 
 Causal masking is torch's ``is_causal`` (top-left): query i sees key j iff j <= i.
 
-FP8 (``spec.precision == "fp8"``): Q, K and Vᵀ are float8_e4m3fn with per-(batch, head) descale
-factors. The descales of Q and K fold into the softmax scale; P is multiplied by ``P_SCALE`` before
+FP8 (``spec.precision == "fp8"``): Q, K and Vᵀ are float8_e4m3fn with descale factors per token
+for Q and K and per (batch, head) for V. Each key's descale multiplies its column of scores, each
+query's folds into its row's exp2 scale; P is multiplied by ``P_SCALE`` before
 its e4m3 conversion (so small probabilities keep normal-range precision) and O by
 ``v_descale / P_SCALE`` at the end. An m16n8 fp32 accumulator holds, per thread, keys {2t, 2t+1} of
 each group of 8, while the e4m3 A operand wants keys {4t..4t+3} of each 16: instead of shuffling
@@ -205,18 +206,17 @@ class AttentionForward:
         tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
     ):
         _, head, batch = cute.arch.block_idx()
-        # scores = (q8 · k8) * q_descale * k_descale; O = (P8 · v8) * v_descale / P_SCALE
-        s_scale = scale_log2 * mQd[batch, head] * mKd[batch, head]
+        # score(i, j) = (q8_i · k8_j) * q_descale_i * k_descale_j; O = (P8 · v8) * v_descale / P_SCALE
         o_scale = mVd[batch, head] * (1.0 / P_SCALE)
         self.attend(
-            mQ, mK, mVt, mO, mLSE, s_scale, o_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
-            g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage,
+            mQ, mK, mVt, mO, mLSE, scale_log2, o_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
+            g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage, mQd, mKd,
         )
 
     @cute.jit
     def attend(
         self, mQ, mK, mV, mO, mLSE, scale_log2, o_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
-        g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage: cutlass.Constexpr,
+        g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage: cutlass.Constexpr, mQd=None, mKd=None,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
@@ -305,8 +305,18 @@ class AttentionForward:
         row_sum = cute.make_rmem_tensor(cute.size(acc_O_mn, mode=[0]), cutlass.Float32)
         row_max.fill(-cutlass.Float32.inf)
         row_sum.fill(0.0)
+        # each row's exp2 scale: the softmax scale, times its query's descale for fp8
+        row_scale = cute.make_rmem_tensor(cute.size(acc_O_mn, mode=[0]), cutlass.Float32)
+        row_scale.fill(scale_log2)
+        if cutlass.const_expr(self.fp8):
+            tOcO_rows = self.mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_m, d))))
+            for r in cutlass.range_constexpr(cute.size(row_scale)):
+                row = m_block * tile_m + tOcO_rows[r, 0][0]
+                if row < seqlen_q:
+                    row_scale[r] = scale_log2 * mQd[batch, head, row]
 
         frags = (tSrQ, tSrK, tOrVt, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view)
+        softmax_state = (row_max, row_sum, row_scale, mKd)
         copies = (s2r_Q, s2r_K, s2r_V)
         gmem = (g2s_qk, g2s_v, tKgK, tKsK, tVgV, tVsV, tKVcKV)
 
@@ -320,12 +330,12 @@ class AttentionForward:
             if n_block >= 0:
                 self.one_block(
                     n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
-                    acc_O, row_max, row_sum, scale_log2, masked=True, ragged=(step == 0),
+                    acc_O, softmax_state, masked=True, ragged=(step == 0),
                 )
         for n_block in range(n_block_max - 1 - mask_steps, -1, -1):
             self.one_block(
                 n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
-                acc_O, row_max, row_sum, scale_log2, masked=False, ragged=False,
+                acc_O, softmax_state, masked=False, ragged=False,
             )
 
         # ---- epilogue ---------------------------------------------------------------------------
@@ -338,7 +348,7 @@ class AttentionForward:
             row_sum[r] = total
 
         if cutlass.const_expr(self.return_lse):
-            self.store_lse(mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, scale_log2)
+            self.store_lse(mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, row_scale)
 
         rO = cute.make_rmem_tensor(acc_O.layout, self.out_dtype)
         rO.store(acc_O.load().to(self.out_dtype))
@@ -374,7 +384,7 @@ class AttentionForward:
     @cute.jit
     def one_block(
         self, n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
-        acc_O, row_max, row_sum, scale_log2, masked: cutlass.Constexpr, ragged: cutlass.Constexpr,
+        acc_O, softmax_state, masked: cutlass.Constexpr, ragged: cutlass.Constexpr,
     ):
         tSrQ, tSrK, tOrVt, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view = frags
         s2r_Q, s2r_K, s2r_V = copies
@@ -415,8 +425,7 @@ class AttentionForward:
             cute.arch.cp_async_commit_group()
 
         self.online_softmax(
-            acc_S, acc_O, row_max, row_sum, thr_mma, m_block, n_block, seqlen_q, seqlen_k,
-            scale_log2, masked,
+            acc_S, acc_O, softmax_state, thr_mma, m_block, n_block, seqlen_q, seqlen_k, masked
         )
 
         # P in the operand precision, re-viewed as the A operand of P·V
@@ -441,18 +450,30 @@ class AttentionForward:
 
     @cute.jit
     def online_softmax(
-        self, acc_S, acc_O, row_max, row_sum, thr_mma, m_block, n_block, seqlen_q, seqlen_k,
-        scale_log2, masked: cutlass.Constexpr,
+        self, acc_S, acc_O, softmax_state, thr_mma, m_block, n_block, seqlen_q, seqlen_k,
+        masked: cutlass.Constexpr,
     ):
+        row_max, row_sum, row_scale, mKd = softmax_state
         S = self.mn_view(acc_S)
         O = self.mn_view(acc_O)
-        if cutlass.const_expr(masked):
+        if cutlass.const_expr(masked or self.fp8):
             cS = cute.local_tile(
                 cute.make_identity_tensor((seqlen_q, seqlen_k)),
                 (self.tile_m, self.tile_n),
                 (m_block, n_block),
             )
             tScS = self.mn_view(thr_mma.partition_C(cS))
+        if cutlass.const_expr(self.fp8):
+            # each key's descale multiplies its column of scores
+            _, head, batch = cute.arch.block_idx()
+            for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+                col = tScS[0, c][1]
+                k_descale = cutlass.Float32(1.0)
+                if col < seqlen_k:
+                    k_descale = mKd[batch, head, col]
+                for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                    S[r, c] = S[r, c] * k_descale
+        if cutlass.const_expr(masked):
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 limit = seqlen_k
                 if cutlass.const_expr(self.causal):
@@ -462,6 +483,7 @@ class AttentionForward:
                         S[r, c] = -cutlass.Float32.inf
 
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            scale_log2 = row_scale[r]
             row = S[r, None].load()
             prev_max = row_max[r]
             cur_max = self.quad_max(row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
@@ -470,15 +492,22 @@ class AttentionForward:
             # exp2(-inf) = 0 rather than NaN. The stored max stays -inf.
             safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
             offset = safe_max * scale_log2
-            p = cute.math.exp2(row * scale_log2 - offset, fastmath=True)
-            correction = cute.math.exp2(prev_max * scale_log2 - offset, fastmath=True)
+            # one fused multiply-add: s * scale - max * scale rounds only its (small) result,
+            # where a rounded product of a large logit would shift the exponent
+            p = cute.math.exp2(
+                cute.math.fma(row, cute.full_like(row, scale_log2), cute.full_like(row, -offset)),
+                fastmath=True,
+            )
+            correction = cute.math.exp2(
+                cute.math.fma(prev_max, scale_log2, -offset), fastmath=True
+            )
             row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
             row_max[r] = cur_max
             O[r, None] = O[r, None].load() * correction
             S[r, None] = p
 
     @cute.jit
-    def store_lse(self, mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, scale_log2):
+    def store_lse(self, mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, row_scale):
         """lse = max * scale + ln(sum), natural log; -inf for a row that saw no key."""
         gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
         cO = cute.local_tile(
@@ -490,7 +519,7 @@ class AttentionForward:
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(row_sum)):
             row = tOcO[r, 0][0]
-            lse = (row_max[r] * scale_log2 + cute.math.log2(row_sum[r], fastmath=False)) * LN_2
+            lse = (row_max[r] * row_scale[r] + cute.math.log2(row_sum[r], fastmath=False)) * LN_2
             lse = -cutlass.Float32.inf if row_sum[r] == 0.0 else lse
             if lane % 4 == 0 and row < seqlen_q:
                 gLSE[row - m_block * self.tile_m] = lse

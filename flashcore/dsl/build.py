@@ -52,14 +52,19 @@ def _fake_tensors(spec: AttentionSpec):
     if not fp8:
         return bhsd(op), bhsd(op), bhsd(op), bhsd(out), lse
 
-    def descale():
+    def per_token():  # (batch, heads, seq)
         return make_fake_tensor(
-            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1),
+            cutlass.Float32,
+            (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+            (cute.sym_int64(), cute.sym_int64(), 1),
             assumed_align=4,
         )
 
+    v_descale = make_fake_tensor(  # (batch, heads)
+        cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1), assumed_align=4
+    )
     return (bhsd(op), bhsd(op), bhsd(op, transposed=True), bhsd(out), lse,
-            descale(), descale(), descale())
+            per_token(), per_token(), v_descale)
 
 
 def _quantize_args(spec: QuantizeSpec):
@@ -84,9 +89,18 @@ def _quantize_args(spec: QuantizeSpec):
         tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,),
         assumed_align=16,
     )
-    descale = make_fake_tensor(
-        cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1), assumed_align=4
-    )
+    if spec.granularity == "token":
+        descale = make_fake_tensor(
+            cutlass.Float32,
+            (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+            (cute.sym_int64(), cute.sym_int64(), 1),
+            assumed_align=4,
+        )
+    else:
+        descale = make_fake_tensor(
+            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1),
+            assumed_align=4,
+        )
     return x, y, descale
 
 
@@ -101,10 +115,15 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     from .attention_fwd import AttentionForward
 
     if isinstance(spec, QuantizeSpec):
-        from .quantize_fp8 import QuantizeFP8
+        from .quantize_fp8 import QuantizeFP8, QuantizeFP8PerToken
 
-        traced = QuantizeFP8(spec.dtype, spec.head_dim, spec.transpose, spec.threads)
-        device_fn, host_fn, args = QuantizeFP8.kernel, traced.host, _quantize_args(spec)
+        if spec.granularity == "token":
+            traced = QuantizeFP8PerToken(spec.dtype, spec.head_dim, spec.threads)
+            device_fn = QuantizeFP8PerToken.kernel
+        else:
+            traced = QuantizeFP8(spec.dtype, spec.head_dim, spec.transpose, spec.threads)
+            device_fn = QuantizeFP8.kernel
+        host_fn, args = traced.host, _quantize_args(spec)
     else:
         traced = AttentionForward(spec)
         fp8 = spec.precision == "fp8"

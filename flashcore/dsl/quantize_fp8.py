@@ -1,11 +1,15 @@
-"""Fused fp16/bf16 -> float8_e4m3fn quantisation with a per-(batch, head) scale, one CTA per head.
+"""Fused fp16/bf16 -> float8_e4m3fn quantisation with scales taken from the data.
 
-Pass 1 finds amax over the head (16-byte loads, warp then CTA reduction); pass 2 casts
-``x * 448 / amax`` (so no finite input saturates: |x| <= amax maps into [-448, 448]) and writes
-either the same (batch, heads, seq, head_dim) layout or, for V, the transpose
-(batch, heads, head_dim, seq_padded) with keys permuted inside each group of 32 (see the FP8 notes
-in attention_fwd.py). The descale amax / 448 goes to a (batch, heads) float32 tensor.
-amax is clamped below at AMAX_FLOOR so that an all-zero head gets a finite scale.
+Every value is cast as ``x * 448 / amax``, so no finite input saturates (|x| <= amax maps into
+[-448, 448]); amax is clamped below at AMAX_FLOOR so an all-zero group still gets a finite scale.
+
+* ``QuantizeFP8`` (per (batch, head), one CTA per head): pass 1 finds amax (16-byte loads, warp then
+  CTA reduction), pass 2 casts and writes either the same (batch, heads, seq, head_dim) layout or,
+  for V, the transpose (batch, heads, head_dim, seq_padded) with keys permuted inside each group of
+  32 (see the FP8 notes in attention_fwd.py). Descale amax / 448 to a (batch, heads) tensor.
+* ``QuantizeFP8PerToken`` (per (batch, head, token), one pass, a CTA per block of tokens): the
+  threads of one row reduce its amax with butterfly shuffles. An outlier token then costs
+  precision only to itself. Descale to a (batch, heads, seq) tensor.
 """
 
 import cutlass
@@ -98,3 +102,47 @@ class QuantizeFP8:
                     Y[chunk * 8 + i, pos] = q8[i]
             else:
                 cute.autovec_copy(q8, cute.local_tile(Y[row, None], (8,), (chunk,)))
+
+
+class QuantizeFP8PerToken:
+    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
+        self.in_dtype = _DTYPES[dtype]
+        self.head_dim = head_dim
+        self.threads = threads
+        self.tpr = head_dim // 8  # threads per row, 8 elements (16 bytes) each
+        self.rows = threads // self.tpr
+
+    @cute.jit
+    def host(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
+        self.smem_size = 0
+        self.kernel(mX, mOut, mDescale).launch(
+            grid=(cute.ceil_div(mX.shape[2], self.rows), cute.size(mX.shape[1]), cute.size(mX.shape[0])),
+            block=[self.threads, 1, 1],
+            smem=0,
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        blk, head, batch = cute.arch.block_idx()
+        row = blk * self.rows + tidx // self.tpr
+        chunk = tidx % self.tpr
+        valid = row < mX.shape[2]
+        frag = cute.make_rmem_tensor((8,), self.in_dtype)
+        frag.fill(0.0)
+        if valid:
+            cute.autovec_copy(cute.local_tile(mX[batch, head, row, None], (8,), (chunk,)), frag)
+        v = frag.load().to(cutlass.Float32)
+        amax = cute.arch.fmax(
+            v.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0),
+            -v.reduce(cute.ReductionOp.MIN, cutlass.Float32.inf, 0),
+        )
+        # every lane takes part in the shuffles (rows of a warp are aligned groups of tpr lanes)
+        amax = cute.arch.warp_reduction_max(amax, threads_in_group=self.tpr)
+        amax = cute.arch.fmax(amax, AMAX_FLOOR)
+        q8 = cute.make_rmem_tensor((8,), cutlass.Float8E4M3FN)
+        q8.store((v * (E4M3_MAX / amax)).to(cutlass.Float8E4M3FN))
+        if valid:
+            cute.autovec_copy(q8, cute.local_tile(mOut[batch, head, row, None], (8,), (chunk,)))
+            if chunk == 0:
+                mDescale[batch, head, row] = amax / E4M3_MAX

@@ -13,6 +13,16 @@ _loaded: dict[tuple[Any, int], Any] = {}
 
 def arch_of(device: torch.device) -> str:
     """The cubin arch to run on ``device``: sm_90 on Hopper, sm_89 on Ada, sm_80 on other Ampere."""
+    arch = _archs.get(device.index)
+    if arch is None:  # asking the driver costs tens of µs: once per device
+        arch = _archs[device.index] = _arch_of(device)
+    return arch
+
+
+_archs: dict[int | None, str] = {}
+
+
+def _arch_of(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     if major == 9 and minor == 0:
         return "sm_90"

@@ -1,10 +1,11 @@
 """FP8 (E4M3) attention: quantise with data-derived scales, then the e4m3 mma.sync kernel.
 
-``quantize_fp8`` scales each (batch, head) by 448 / amax, so no finite input saturates however
-large it is; ``attention_fp8`` takes tensors in the form it returns (the form a serving engine keeps
-its KV cache in): Q and K as (batch, heads, seq, head_dim) e4m3, V transposed to
+``quantize_fp8`` scales by 448 / amax, so no finite input saturates however large it is: Q and K
+per token (an outlier token costs precision only to itself), V per (batch, head). ``attention_fp8``
+takes tensors in the form it returns (the form a serving engine keeps its KV cache in): Q and K as
+(batch, heads, seq, head_dim) e4m3 with float32 (batch, heads, seq) descales, V transposed to
 (batch, heads, head_dim, seq_k padded to a multiple of 128) with keys permuted within each group of
-32 (``key_permutation``), and float32 (batch, heads) descale factors.
+32 (``key_permutation``) and a float32 (batch, heads) descale.
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ def padded_keys(seqlen_k: int) -> int:
     return -(-seqlen_k // VT_PAD) * VT_PAD
 
 
-def quantize_fp8(x: torch.Tensor, *, transpose: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x8, descale): x ≈ x8.float() * descale[..., None, None], per (batch, head).
+def quantize_fp8(
+    x: torch.Tensor, *, transpose: bool = False, granularity: str = "head"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x8, descale) with x ≈ x8.float() * descale, the descale per (batch, head) (shape (B, H))
+    or per token (``granularity="token"``, shape (B, H, S)).
 
     x is (batch, heads, seq, head_dim) float16/bfloat16 on CUDA, every element finite. With
     ``transpose`` x8 is Vᵀ in the FP8 attention kernel's layout (see module docstring).
@@ -57,17 +61,23 @@ def quantize_fp8(x: torch.Tensor, *, transpose: bool = False) -> tuple[torch.Ten
     if st[3] != 1 or x.data_ptr() % 16 or any(s % 8 for s in st[:3]):
         x = x.contiguous()
     spec = QuantizeSpec(arch=arch_of(x.device), dtype=_DTYPE_NAMES[x.dtype], head_dim=D,
-                        transpose=transpose)
+                        transpose=transpose, granularity=granularity)
     kern = kernel_for(spec, x.device)
     if transpose:
         # zero padding keys: P is 0 there and V must be finite
         out = torch.zeros((B, H, D, padded_keys(S)), dtype=torch.uint8, device=x.device).view(E4M3)
     else:
         out = torch.empty((B, H, S, D), dtype=E4M3, device=x.device)
-    descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
     out_arg = transposed_arg(out) if transpose else tensor_arg(out)
-    args = (tensor_arg(x), out_arg, (descale.data_ptr(), B, H, H))
-    launch(kern, (H, B, 1), args, x.device)
+    if granularity == "token":
+        descale = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
+        args = (tensor_arg(x), out_arg, (descale.data_ptr(), B, H, S, H * S, S))
+        rows = spec.threads // (D // 8)
+        launch(kern, (-(-S // rows), H, B), args, x.device)
+    else:
+        descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
+        args = (tensor_arg(x), out_arg, (descale.data_ptr(), B, H, H))
+        launch(kern, (H, B, 1), args, x.device)
     return out, descale
 
 
@@ -83,10 +93,11 @@ def _check_fp8(name: str, t: torch.Tensor, shape: tuple) -> None:
                          f"base and strides; got strides {st}")
 
 
-def _check_descale(name: str, t: torch.Tensor, B: int, H: int) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != (B, H):
-        raise ValueError(f"attention_fp8: {name} must be float32 of shape ({B}, {H}), got "
-                         f"{getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
+def _check_descale(name: str, t: torch.Tensor, shape: tuple, device) -> torch.Tensor:
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
+            or tuple(t.shape) != shape or t.device != device):
+        raise ValueError(f"attention_fp8: {name} must be float32 of shape {shape} on {device}, "
+                         f"got {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
     return t.contiguous()
 
 
@@ -120,9 +131,9 @@ def attention_fp8(
         raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
     if out_dtype not in _DTYPE_NAMES:
         raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
-    qd = _check_descale("q_descale", q_descale, B, H)
-    kd = _check_descale("k_descale", k_descale, B, H)
-    vd = _check_descale("v_descale", v_descale, B, H)
+    qd = _check_descale("q_descale", q_descale, (B, H, Sq), q8.device)
+    kd = _check_descale("k_descale", k_descale, (B, H, Sk), q8.device)
+    vd = _check_descale("v_descale", v_descale, (B, H), q8.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     tile = tuple(tile)
@@ -140,7 +151,8 @@ def attention_fp8(
     lse_arg = (lse.data_ptr(), B, H, Sq, H * Sq, Sq) if return_lse else (0,) * 6
     args = (
         tensor_arg(q8), tensor_arg(k8), transposed_arg(vt8), tensor_arg(out), lse_arg,
-        (qd.data_ptr(), B, H, H), (kd.data_ptr(), B, H, H), (vd.data_ptr(), B, H, H),
+        (qd.data_ptr(), B, H, Sq, H * Sq, Sq), (kd.data_ptr(), B, H, Sk, H * Sk, Sk),
+        (vd.data_ptr(), B, H, H),
         (softmax_scale * LOG2_E,),
     )
     launch(kern, attention_grid(Sq, H, B, spec.tile_m), args, q8.device)
@@ -149,8 +161,8 @@ def attention_fp8(
 
 def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, tile, warps, out):
     """Quantise fp16/bf16 q, k, v, then ``attention_fp8``; the output has q's dtype."""
-    q8, qd = quantize_fp8(q)
-    k8, kd = quantize_fp8(k)
+    q8, qd = quantize_fp8(q, granularity="token")
+    k8, kd = quantize_fp8(k, granularity="token")
     vt8, vd = quantize_fp8(v, transpose=True)
     return attention_fp8(
         q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=softmax_scale,
