@@ -20,3 +20,19 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 
 def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
+
+
+def attention_shapes(max_seq: int) -> dict:
+    """Hypothesis strategies for the shape, dtype and masking of one attention call: batch 1-4,
+    heads 1-16, sequence lengths up to ``max_seq`` (short ones drawn often), head dim 64 or 128."""
+    from hypothesis import strategies as st
+
+    return {
+        "b": st.integers(1, 4),
+        "h": st.integers(1, 16),
+        "sq": st.one_of(st.integers(1, 300), st.integers(1, max_seq)),
+        "sk": st.one_of(st.integers(1, 300), st.integers(1, max_seq)),
+        "d": st.sampled_from([64, 128]),
+        "dtype": st.sampled_from(["bfloat16", "float16"]),
+        "causal": st.booleans(),
+    }

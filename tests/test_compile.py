@@ -83,3 +83,28 @@ def test_sm80_has_no_fp8_but_compiles_fp16():
     # sm_80 builds the fp16 kernel; the spec refuses an unknown arch clearly
     with pytest.raises(ValueError, match="arch='sm_75'"):
         AttentionSpec(arch="sm_75")
+
+
+@pytest.mark.parametrize("spec", [SPECS[0], AttentionSpec(arch="sm_90", precision="fp8")],
+                         ids=lambda s: s.name)
+def test_launch_buffer_places_each_parameter_at_its_pointer(spec):
+    import ctypes
+    from types import SimpleNamespace
+
+    from flashcore.abi import params_for
+    from flashcore.runtime.loader import LoadedKernel
+
+    params = params_for(spec)
+    art = SimpleNamespace(entry="k", block=(spec.threads, 1, 1), smem_dynamic=0, spec=spec)
+    lk = LoadedKernel(art, 0, None, None, params)
+    per_param = []
+    for i, p in enumerate(params):
+        n = struct.unpack("<" + p.fmt.lstrip("<"), b"\0" * p.size).__len__()
+        vals = tuple(range(1000 * (i + 1), 1000 * (i + 1) + n))
+        per_param.append(tuple(float(x) for x in vals) if p.fmt.endswith("f") else vals)
+    lk._struct.pack_into(lk._buf, 0, *[x for t in per_param for x in t])
+    for i, p in enumerate(params):
+        addr = lk._argv[i]
+        assert addr % p.align == 0, p.name
+        raw = ctypes.string_at(addr, p.size)
+        assert struct.unpack(p.fmt, raw) == per_param[i], p.name

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops import attention
-from tests.gpu_utils import max_abs, requires_cuda
+from tests.gpu_utils import attention_shapes, max_abs, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -67,13 +67,7 @@ def _check_against_sdpa(q, k, v, causal, scale, tile=(64, 64)):
 
 @settings(settings.get_profile("gpu"))
 @given(
-    b=st.integers(1, 4),
-    h=st.integers(1, 16),
-    sq=st.one_of(st.integers(1, 300), st.integers(1, 2048)),
-    sk=st.one_of(st.integers(1, 300), st.integers(1, 2048)),
-    d=st.sampled_from([64, 128]),
-    dtype=st.sampled_from(sorted(DTYPES)),
-    causal=st.booleans(),
+    **attention_shapes(2048),
     scale=st.one_of(st.none(), st.floats(0.01, 1.0)),
     log_mag=st.floats(-3, 2),
     seed=st.integers(0, 2**31 - 1),

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention
 from flashcore.ops.fp8 import attention_fp8, key_permutation, padded_keys, quantize_fp8
-from tests.gpu_utils import requires_cuda
+from tests.gpu_utils import attention_shapes, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -53,13 +53,7 @@ def _metrics(out, ref):
 
 @settings(settings.get_profile("gpu"))
 @given(
-    b=st.integers(1, 4),
-    h=st.integers(1, 16),
-    sq=st.one_of(st.integers(1, 300), st.integers(1, 4096)),
-    sk=st.one_of(st.integers(1, 300), st.integers(1, 4096)),
-    d=st.sampled_from([64, 128]),
-    dtype=st.sampled_from(sorted(DTYPES)),
-    causal=st.booleans(),
+    **attention_shapes(4096),
     log_mag=st.tuples(st.floats(-3, 4), st.floats(-3, 4), st.floats(-3, 4)),
     pattern=st.sampled_from(["randn", "randn", "constant", "alternating"]),
     outlier=st.sampled_from([0, 0, 30.0, 1000.0]),

@@ -47,12 +47,17 @@ def kernel_for(spec: KernelSpec, device: torch.device):
 
 
 def launch(kernel, grid: tuple[int, int, int], args: tuple, device: torch.device) -> None:
-    """Launch on ``device``'s current torch stream, with that device's context current."""
-    if torch.cuda.current_device() == device.index:
-        kernel.launch(grid, args, torch.cuda.current_stream(device).cuda_stream)
+    """Launch on ``device``'s current torch stream, with that device's context current.
+
+    ``args``: one tuple per parameter; flattened here for the loader's single pack."""
+    values = tuple(x for a in args for x in a)
+    idx = device.index
+    # the raw handle: torch.cuda.current_stream() builds a Stream object (~6 µs)
+    if torch.cuda.current_device() == idx:
+        kernel.launch(grid, values, torch._C._cuda_getCurrentRawStream(idx))
     else:
         with torch.cuda.device(device):
-            kernel.launch(grid, args, torch.cuda.current_stream(device).cuda_stream)
+            kernel.launch(grid, values, torch._C._cuda_getCurrentRawStream(idx))
 
 
 def tensor_arg(t: torch.Tensor) -> tuple:

@@ -39,12 +39,17 @@ def _get_kernel(device: torch.device, dtype: torch.dtype, d: int, tile, warps, s
     return k
 
 
-def _kernel_ready(t: torch.Tensor) -> torch.Tensor:
-    """The kernel needs a contiguous last dim, 16-byte aligned base and strides: copy otherwise."""
-    st = t.stride()
-    if st[3] != 1 or t.data_ptr() % 16 or any(s % 8 for s in st[:3]):
+def _prepared(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(t, its kernel argument): the kernel needs a contiguous last dim and a 16-byte aligned base
+    and strides; anything else is copied first. Strides and pointer are read once."""
+    sb, sh, ss, sd = t.stride()
+    ptr = t.data_ptr()
+    if sd != 1 or ptr % 16 or sb % 8 or sh % 8 or ss % 8:
         t = t.contiguous()
-    return t
+        sb, sh, ss, _ = t.stride()
+        ptr = t.data_ptr()
+    b, h, s, _ = t.shape
+    return t, (ptr, b, h, s, sb, sh, ss)
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -79,7 +84,7 @@ def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             f"attention: k and v sequence lengths differ ({k.shape[2]} vs {v.shape[2]})"
         )
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.device.type != "cuda":
+        if not t.is_cuda:
             raise ValueError(f"attention: {name} is on {t.device}; flashcore runs on CUDA tensors")
     if not (q.device == k.device == v.device):
         raise ValueError(f"attention: devices differ: q {q.device}, k {k.device}, v {v.device}")
@@ -158,7 +163,9 @@ def attention(
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
 
     kern = _get_kernel(q.device, q.dtype, q.shape[3], tile, warps, stages, causal, return_lse)
-    q, k, v = _kernel_ready(q), _kernel_ready(k), _kernel_ready(v)
+    q, q_arg = _prepared(q)
+    _, k_arg = _prepared(k)
+    _, v_arg = _prepared(v)
     B, H, Sq, D = q.shape
     if out is None:
         out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
@@ -170,13 +177,6 @@ def attention(
     else:
         lse = None
         lse_arg = (0, 0, 0, 0, 0, 0)
-    args = (
-        tensor_arg(q),
-        tensor_arg(k),
-        tensor_arg(v),
-        tensor_arg(out),
-        lse_arg,
-        (softmax_scale * LOG2_E,),
-    )
+    args = (q_arg, k_arg, v_arg, tensor_arg(out), lse_arg, (softmax_scale * LOG2_E,))
     launch(kern, attention_grid(Sq, H, B, kern.artifact.spec.tile_m), args, q.device)
     return (out, lse) if return_lse else out

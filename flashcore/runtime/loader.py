@@ -30,35 +30,35 @@ class LoadedKernel:
     params: tuple
 
     def __post_init__(self) -> None:
-        self._bufs = [ctypes.create_string_buffer(p.size) for p in self.params]
-        self._argv = (ctypes.c_void_p * len(self._bufs))(
-            *[ctypes.addressof(b) for b in self._bufs]
-        )
+        # One buffer holds every parameter at its aligned offset, packed by one Struct: a launch
+        # is one pack_into and one cuLaunchKernel.
+        fmt, offsets, pos = "<", [], 0
+        for p in self.params:
+            pad = -pos % p.align
+            fmt += "x" * pad + p.fmt.lstrip("<")
+            pos += pad
+            offsets.append(pos)
+            pos += p.size
+        self._struct = struct.Struct(fmt)
+        if self._struct.size != pos:
+            raise LaunchError(f"{self.artifact.entry}: packed {self._struct.size} B, expected {pos}")
+        self._buf = ctypes.create_string_buffer(max(pos, 1))
+        base = ctypes.addressof(self._buf)
+        self._argv = (ctypes.c_void_p * len(offsets))(*[base + o for o in offsets])
         self._argv_addr = ctypes.addressof(self._argv)
-        self._structs = [struct.Struct(p.fmt) for p in self.params]
-        self._lock = threading.Lock()  # the buffers are shared; launches copy them
+        self._lock = threading.Lock()  # the buffer is shared; cuLaunchKernel copies it
         self._block = self.artifact.block
         self._smem = self.artifact.smem_dynamic
 
-    def launch(self, grid: tuple[int, int, int], args: tuple[tuple, ...], stream: int) -> None:
-        """``args[i]`` is the tuple of values packed for parameter i (see flashcore.abi)."""
+    def launch(self, grid: tuple[int, int, int], values: tuple, stream: int) -> None:
+        """``values``: every parameter's fields, flattened in ABI order (see flashcore.abi)."""
         bx, by, bz = self._block
         with self._lock:
-            for s, buf, a in zip(self._structs, self._bufs, args):
-                s.pack_into(buf, 0, *a)
+            self._struct.pack_into(self._buf, 0, *values)
             check(
                 cu.cuLaunchKernel(
-                    self.function,
-                    grid[0],
-                    grid[1],
-                    grid[2],
-                    bx,
-                    by,
-                    bz,
-                    self._smem,
-                    cu.CUstream(stream),
-                    self._argv_addr,
-                    0,
+                    self.function, grid[0], grid[1], grid[2], bx, by, bz, self._smem,
+                    stream, self._argv_addr, 0,
                 ),
                 f"cuLaunchKernel({self.artifact.entry}, grid={grid})",
             )
