@@ -25,8 +25,8 @@ TUNED_DIR = Path(__file__).resolve().parent / "tuned"
 DEFAULT = ((64, 64), 4)
 # (name, upper bound of seq_q, the shape timed for it: batch, heads, seq)
 BUCKETS = [("short", 1024, (1, 8, 512)), ("mid", 4096, (4, 16, 2048)), ("long", None, (2, 16, 8192))]
-TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32)]
-WARPS = [4, 8]
+TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
+WARPS = [1, 2, 4, 8]
 
 
 def bucket_of(seqlen: int) -> str:

@@ -81,7 +81,10 @@ def _run_worker(specs: list[AttentionSpec], out: Path) -> None:
     archs = {s.arch for s in specs}
     if len(archs) != 1:
         raise ValueError(f"one worker compiles one arch, got {sorted(archs)}")
-    env = dict(os.environ, CUTE_DSL_ARCH=archs.pop())
+    # CUTE_DSL_KEEP=ir: the DSL also writes the CuTe IR (after canonicalize+cse) into its dump
+    # dir; neither is read by the compile itself, so the cubin is unchanged
+    env = dict(os.environ, CUTE_DSL_ARCH=archs.pop(), CUTE_DSL_KEEP="ir",
+               CUTE_DSL_DUMP_DIR=str(out / "ir"))
     # the worker imports flashcore from the same place as this process
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

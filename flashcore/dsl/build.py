@@ -104,6 +104,17 @@ def _quantize_args(spec: QuantizeSpec):
     return x, y, descale
 
 
+def _cute_ir(compiled) -> str:
+    """The CuTe IR the DSL kept (CUTE_DSL_KEEP=ir, set by the compiler), else the final module."""
+    dump = os.environ.get("CUTE_DSL_DUMP_DIR")
+    if dump:
+        kept = sorted(Path(dump).rglob("*_clean*.mlir"), key=lambda p: p.stat().st_mtime)
+        if kept:
+            return kept[-1].read_text()
+    module = getattr(compiled, "ir_module", None)
+    return "" if module is None else str(module)
+
+
 def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     arch = os.environ.get("CUTE_DSL_ARCH")
     if arch != spec.arch:
@@ -150,7 +161,7 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     return BuildProducts(
         ptx=ptx,
         cubin=cubin,
-        ir=str(compiled.ir_module) if getattr(compiled, "ir_module", None) is not None else "",
+        ir=_cute_ir(compiled),
         smem_dynamic=smem,
         dsl_version=cutlass.__version__,
     )
