@@ -38,6 +38,8 @@ def bucket_of(seqlen: int) -> str:
 
 def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16"):
     for tile, warps in itertools.product(TILES, WARPS):
+        if tile[0] // warps > 32:  # more rows per warp than registers hold: spills, skip early
+            continue
         try:
             yield AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, tile=tile,
                                 warps=warps, causal=causal, precision=precision)

@@ -21,6 +21,7 @@ from ._kernels import arch_of, kernel_for, launch, tensor_arg, transposed_arg
 E4M3 = torch.float8_e4m3fn
 VT_PAD = 128  # Vᵀ's key extent is padded to this (the largest tile_n): its tiles are never ragged
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_kernels: dict[tuple, object] = {}  # call-site key -> loaded kernel (no spec work per call)
 
 
 def key_permutation() -> list[int]:
@@ -60,9 +61,12 @@ def quantize_fp8(
     st = x.stride()
     if st[3] != 1 or x.data_ptr() % 16 or any(s % 8 for s in st[:3]):
         x = x.contiguous()
-    spec = QuantizeSpec(arch=arch_of(x.device), dtype=_DTYPE_NAMES[x.dtype], head_dim=D,
-                        transpose=transpose, granularity=granularity)
-    kern = kernel_for(spec, x.device)
+    key = ("quant", x.device.index, x.dtype, D, transpose, granularity)
+    kern = _kernels.get(key)
+    if kern is None:  # building and validating a spec costs more than the launch
+        spec = QuantizeSpec(arch=arch_of(x.device), dtype=_DTYPE_NAMES[x.dtype], head_dim=D,
+                            transpose=transpose, granularity=granularity)
+        kern = _kernels[key] = kernel_for(spec, x.device)
     if transpose:
         # zero padding keys: P is 0 there and V must be finite
         out = torch.zeros((B, H, D, padded_keys(S)), dtype=torch.uint8, device=x.device).view(E4M3)
@@ -72,7 +76,7 @@ def quantize_fp8(
     if granularity == "token":
         descale = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
         args = (tensor_arg(x), out_arg, (descale.data_ptr(), B, H, S, H * S, S))
-        rows = spec.threads // (D // 8)
+        rows = kern.artifact.spec.threads // (D // 8)
         launch(kern, (-(-S // rows), H, B), args, x.device)
     else:
         descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
@@ -137,12 +141,16 @@ def attention_fp8(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     tile = tuple(tile)
-    spec = AttentionSpec(
-        arch=arch_of(q8.device), dtype=_DTYPE_NAMES[out_dtype], head_dim=D, tile=tile,
-        warps=warps or max(1, min(8, tile[0] // 16)), causal=causal, return_lse=return_lse,
-        precision="fp8",
-    )
-    kern = kernel_for(spec, q8.device)
+    key = ("attn", q8.device.index, out_dtype, D, tile, warps, causal, return_lse)
+    kern = _kernels.get(key)
+    if kern is None:
+        spec = AttentionSpec(
+            arch=arch_of(q8.device), dtype=_DTYPE_NAMES[out_dtype], head_dim=D, tile=tile,
+            warps=warps or max(1, min(8, tile[0] // 16)), causal=causal, return_lse=return_lse,
+            precision="fp8",
+        )
+        kern = _kernels[key] = kernel_for(spec, q8.device)
+    spec = kern.artifact.spec
     if out is None:
         out = torch.empty((B, H, Sq, D), dtype=out_dtype, device=q8.device)
     elif out.shape != (B, H, Sq, D) or out.dtype != out_dtype or not out.is_contiguous():
