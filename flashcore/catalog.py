@@ -131,3 +131,24 @@ def load_catalog(path: str | Path, *, device: int | None = None) -> Path:
             )
     os.environ[CACHE_ENV] = str(root)
     return root
+
+
+def copy_catalog(src: str | Path, dst: str | Path, *, keep_ir: bool = False) -> Path:
+    """Copy a catalog folder, by default without the IR (GPU hosts need only cubins); every entry
+    is verified on the way and re-saved with fresh checksums."""
+    import dataclasses
+
+    from .artifact import KernelArtifact
+    from .cache import KernelCache
+
+    src, dst = Path(src), Path(dst)
+    index = verify_catalog(src)
+    cache = KernelCache(dst)
+    arts = []
+    for k in index["kernels"]:
+        art = KernelArtifact.load(src / k["path"])
+        if not keep_ir:
+            art = dataclasses.replace(art, ir="")
+        cache.put(art)
+        arts.append(art)
+    return write_catalog(dst, arts)

@@ -172,6 +172,17 @@ def cmd_precompile(a: argparse.Namespace) -> int:
                             progress=lambda s: progress.advance(task))
     if a.out:
         index = write_catalog(Path(a.out), arts)
+        if a.no_ir:  # re-save without the IR: a catalog for GPU hosts is cubins and metadata
+            import shutil
+            import tempfile
+
+            from .catalog import copy_catalog
+
+            slim = Path(tempfile.mkdtemp(prefix="flashcore-catalog-"))
+            copy_catalog(a.out, slim / "c")
+            shutil.rmtree(a.out)
+            shutil.move(str(slim / "c"), a.out)
+            index = Path(a.out) / "index.json"
         print(f"catalog of {len(arts)} kernels for {', '.join(a.arch)} in {a.out} ({index.name})")
     else:
         print(f"{len(arts)} kernels in the cache")
@@ -251,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=None)
     p.add_argument("--out", default=None, help="write a self-contained catalog folder")
     p.add_argument("--limit", type=int, default=None, help="only the first N specs of each arch")
+    p.add_argument("--no-ir", action="store_true", help="leave the IR out of the --out catalog")
     p.set_defaults(fn=cmd_precompile)
 
     p = sub.add_parser("cache", help="list, verify or clear the kernel cache")

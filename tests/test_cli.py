@@ -170,3 +170,16 @@ def test_load_catalog_checks_integrity_and_arch(catalog, tmp_path, monkeypatch):
         cat.load_catalog(copy)
     with pytest.raises(CatalogError, match="no index.json"):
         cat.load_catalog(tmp_path)
+
+
+def test_catalog_without_ir_still_verifies_and_loads(catalog, tmp_path):
+    from flashcore.artifact import KernelArtifact
+    from flashcore.catalog import copy_catalog, verify_catalog
+
+    copy_catalog(catalog, tmp_path / "slim")
+    index = verify_catalog(tmp_path / "slim")
+    assert len(index["kernels"]) == 2
+    for k in index["kernels"]:
+        art = KernelArtifact.load(tmp_path / "slim" / k["path"])
+        assert art.ir == "" and len(art.cubin) > 0
+        assert not (tmp_path / "slim" / k["path"] / "kernel.mlir").exists()
