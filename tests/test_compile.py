@@ -108,3 +108,17 @@ def test_launch_buffer_places_each_parameter_at_its_pointer(spec):
         assert addr % p.align == 0, p.name
         raw = ctypes.string_at(addr, p.size)
         assert struct.unpack(p.fmt, raw) == per_param[i], p.name
+
+
+def test_prepared_keeps_kernel_ready_views_and_copies_the_rest():
+    import torch
+
+    from flashcore.ops._kernels import prepared, tensor_arg
+
+    base = torch.randn(2, 40, 3, 64, dtype=torch.float16)  # (b, s, h, d) storage
+    view = base.transpose(1, 2)  # (b, h, s, d): last dim contiguous, strides multiples of 8
+    t, arg = prepared(view)
+    assert t.data_ptr() == view.data_ptr() and arg == tensor_arg(view)
+    odd = torch.randn(2, 3, 64, 40, dtype=torch.float16).transpose(2, 3)  # last dim strided
+    t, arg = prepared(odd)
+    assert t.is_contiguous() and torch.equal(t, odd) and arg == tensor_arg(t)

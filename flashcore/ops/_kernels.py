@@ -68,6 +68,20 @@ def tensor_arg(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), b, h, s, sb, sh, ss)
 
 
+def prepared(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """(t, tensor_arg(t)) for a (batch, heads, seq, head_dim) input: the kernels need a contiguous
+    last dim and a 16-byte aligned base and strides; anything else is copied first. Strides and
+    pointer are read once (every attention call goes through here)."""
+    sb, sh, ss, sd = t.stride()
+    ptr = t.data_ptr()
+    if sd != 1 or ptr % 16 or sb % 8 or sh % 8 or ss % 8:
+        t = t.contiguous()
+        sb, sh, ss, _ = t.stride()
+        ptr = t.data_ptr()
+    b, h, s, _ = t.shape
+    return t, (ptr, b, h, s, sb, sh, ss)
+
+
 def transposed_arg(t: torch.Tensor) -> tuple:
     """The same for a (batch, heads, head_dim, seq) tensor (FP8 Vᵀ): head_dim (mode 2) is the
     static extent, so the dynamic extents are batch, heads, seq and the strides those of 0-2."""

@@ -9,7 +9,7 @@ import torch
 
 from ..abi import LOG2_E, attention_grid
 from ..spec import HEAD_DIMS, AttentionSpec
-from ._kernels import arch_of, kernel_for, launch, tensor_arg
+from ._kernels import arch_of, kernel_for, launch, prepared, tensor_arg
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -37,19 +37,6 @@ def _get_kernel(device: torch.device, dtype: torch.dtype, d: int, tile, warps, s
         )
         k = _kernels[key] = kernel_for(spec, device)
     return k
-
-
-def _prepared(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """(t, its kernel argument): the kernel needs a contiguous last dim and a 16-byte aligned base
-    and strides; anything else is copied first. Strides and pointer are read once."""
-    sb, sh, ss, sd = t.stride()
-    ptr = t.data_ptr()
-    if sd != 1 or ptr % 16 or sb % 8 or sh % 8 or ss % 8:
-        t = t.contiguous()
-        sb, sh, ss, _ = t.stride()
-        ptr = t.data_ptr()
-    b, h, s, _ = t.shape
-    return t, (ptr, b, h, s, sb, sh, ss)
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -163,9 +150,9 @@ def attention(
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
 
     kern = _get_kernel(q.device, q.dtype, q.shape[3], tile, warps, stages, causal, return_lse)
-    q, q_arg = _prepared(q)
-    _, k_arg = _prepared(k)
-    _, v_arg = _prepared(v)
+    q, q_arg = prepared(q)
+    _, k_arg = prepared(k)
+    _, v_arg = prepared(v)
     B, H, Sq, D = q.shape
     if out is None:
         out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)

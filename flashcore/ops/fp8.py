@@ -16,7 +16,7 @@ import torch
 
 from ..abi import LOG2_E, attention_grid
 from ..spec import HEAD_DIMS, AttentionSpec, QuantizeSpec
-from ._kernels import arch_of, kernel_for, launch, tensor_arg, transposed_arg
+from ._kernels import arch_of, kernel_for, launch, prepared, tensor_arg, transposed_arg
 
 E4M3 = torch.float8_e4m3fn
 VT_PAD = 128  # Vᵀ's key extent is padded to this (the largest tile_n): its tiles are never ragged
@@ -58,9 +58,7 @@ def quantize_fp8(
         raise ValueError(f"quantize_fp8: head_dim {D} is not supported; supported are {HEAD_DIMS}")
     if x.numel() == 0:
         raise ValueError(f"quantize_fp8: x is empty (shape {tuple(x.shape)})")
-    st = x.stride()
-    if st[3] != 1 or x.data_ptr() % 16 or any(s % 8 for s in st[:3]):
-        x = x.contiguous()
+    x, x_arg = prepared(x)
     key = ("quant", x.device.index, x.dtype, D, transpose, granularity)
     kern = _kernels.get(key)
     if kern is None:  # building and validating a spec costs more than the launch
@@ -75,12 +73,12 @@ def quantize_fp8(
     out_arg = transposed_arg(out) if transpose else tensor_arg(out)
     if granularity == "token":
         descale = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
-        args = (tensor_arg(x), out_arg, (descale.data_ptr(), B, H, S, H * S, S))
+        args = (x_arg, out_arg, (descale.data_ptr(), B, H, S, H * S, S))
         rows = kern.artifact.spec.threads // (D // 8)
         launch(kern, (-(-S // rows), H, B), args, x.device)
     else:
         descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
-        args = (tensor_arg(x), out_arg, (descale.data_ptr(), B, H, H))
+        args = (x_arg, out_arg, (descale.data_ptr(), B, H, H))
         launch(kern, (H, B, 1), args, x.device)
     return out, descale
 
