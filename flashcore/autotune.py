@@ -19,14 +19,17 @@ import os
 from functools import cache
 from pathlib import Path
 
+from .errors import KernelNotAvailableError
 from .spec import AttentionSpec, SpecError
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
-DEFAULT = ((64, 64), 4)
+DEFAULT = ((64, 64), 4, 1)
 # (name, upper bound of seq_q, the shape timed for it: batch, heads, seq)
-BUCKETS = [("short", 1024, (1, 8, 512)), ("mid", 4096, (4, 16, 2048)), ("long", None, (2, 16, 8192))]
+BUCKETS = [("short", 1024, (1, 8, 512)), ("mid", 2048, (4, 16, 2048)), ("long", None, (4, 16, 4096))]
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
 WARPS = [1, 2, 4, 8]
+KV_SPLITS = {"short": (1, 2, 4)}  # key splits pay only where the grid cannot fill the GPU
+SPLIT_TILES = [(16, 64), (32, 64), (64, 64), (32, 128)]
 
 
 def bucket_of(seqlen: int) -> str:
@@ -36,13 +39,22 @@ def bucket_of(seqlen: int) -> str:
     raise AssertionError
 
 
-def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16"):
-    for tile, warps in itertools.product(TILES, WARPS):
+def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
+               bucket: str | None = None):
+    """Every valid spec to try; ``bucket=None``: those of every bucket."""
+    splits = KV_SPLITS.get(bucket, (1,)) if bucket else sorted(set().union(*KV_SPLITS.values()))
+    for tile, warps, kv_splits in itertools.product(TILES, WARPS, splits):
         if tile[0] // warps > 32:  # more rows per warp than registers hold: spills, skip early
+            continue
+        if bucket == "short" and tile[0] > 64:  # too few CTAs to fill the GPU
+            continue
+        # a split CTA holds kv_splits K/V tiles, and is for latency: small tiles, 16 rows a warp
+        if kv_splits > 1 and (tile not in SPLIT_TILES or tile[0] != 16 * warps):
             continue
         try:
             yield AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, tile=tile,
-                                warps=warps, causal=causal, precision=precision)
+                                warps=warps, causal=causal, precision=precision,
+                                kv_splits=kv_splits)
         except SpecError:
             continue
 
@@ -61,32 +73,35 @@ def key(head_dim: int, causal: bool, bucket: str, precision: str = "fp16") -> st
 
 
 def lookup(arch: str, head_dim: int, causal: bool, seqlen_q: int, precision: str = "fp16"):
-    """(tile, warps) for ``tile=None``: the tuned winner, else the default (64, 64) x 4 warps."""
+    """(tile, warps, kv_splits) for ``tile=None``: the tuned winner, else (64, 64), 4 warps, 1."""
     w = _table(arch).get(key(head_dim, causal, bucket_of(seqlen_q), precision))
     if w is None:
         return DEFAULT
-    return tuple(w["tile"]), w["warps"]
+    return tuple(w["tile"]), w["warps"], w.get("kv_splits", 1)
 
 
 # -- build (CPU) and run (GPU) ---------------------------------------------------------------------
-def all_candidates(arch: str, precisions=("fp16",)) -> list[AttentionSpec]:
+def all_candidates(arch: str, precisions=("fp16",), buckets=None) -> list[AttentionSpec]:
     out = []
     for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
-        out += list(candidates(arch, d, causal, prec))
-    return out
+        for b in buckets or [None]:
+            out += list(candidates(arch, d, causal, prec, b))
+    return list(dict.fromkeys(out))
 
 
-def build(arch: str, out: Path, jobs: int | None) -> None:
+def build(arch: str, out: Path, jobs: int | None, buckets=None) -> None:
     from .cache import KernelCache
     from .compiler import compile_many
 
     precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
-    specs = all_candidates(arch, precisions)
+    specs = all_candidates(arch, precisions, buckets)
     compile_many(specs, jobs=jobs, cache=KernelCache(out))
     print(f"{len(specs)} candidates compiled into {out}")
 
 
-def run(out: Path | None, precisions=("fp16", "fp8")) -> Path:
+def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
+    """Time the candidates of ``buckets`` (default: all) and merge the winners into the table:
+    the entries of buckets not run are kept."""
     import torch
 
     from .bench import fp8_kernel_only, time_kernel
@@ -100,39 +115,55 @@ def run(out: Path | None, precisions=("fp16", "fp8")) -> Path:
         if prec == "fp8" and arch == "sm_80":
             continue
         for bname, _, (b, h, s) in BUCKETS:
+            if buckets and bname not in buckets:
+                continue
             sets = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
                           for _ in range(3)) for _ in range(4)]
             best = None
-            for spec in candidates(arch, d, causal, prec):
-                res = compile_kernel(spec).resources
+            for spec in candidates(arch, d, causal, prec, bname):
+                try:
+                    res = compile_kernel(spec).resources
+                except KernelNotAvailableError:  # not in this host's catalog: not a candidate
+                    print(f"  {spec.name}: not built, skipped")
+                    continue
                 if res.stack_frame_bytes or res.spill_store_bytes:
                     print(f"  {spec.name}: spills, skipped")
                     continue
                 if prec == "fp8":  # the kernel alone, on inputs quantised beforehand
-                    fn = fp8_kernel_only(spec.tile, spec.warps)
+                    fn = fp8_kernel_only(spec.tile, spec.warps, spec.kv_splits)
                 else:
                     def fn(q, k, v, c, spec=spec):
-                        return attention(q, k, v, tile=spec.tile, warps=spec.warps, causal=c)
+                        return attention(q, k, v, tile=spec.tile, warps=spec.warps, causal=c,
+                                         kv_splits=spec.kv_splits)
                 try:
                     us = time_kernel(fn, sets, causal, reps=10)
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped
                     print(f"  {spec.name}: failed ({type(e).__name__}: {e})")
                     continue
-                timings[f"{key(d, causal, bname, prec)} {spec.tile} w{spec.warps}"] = us
+                timings[f"{key(d, causal, bname, prec)} {spec.tile} w{spec.warps} "
+                        f"k{spec.kv_splits}"] = us
                 if best is None or us < best[0]:
                     best = (us, spec)
             if best is not None:
                 us, spec = best
                 winners[key(d, causal, bname, prec)] = {
-                    "tile": list(spec.tile), "warps": spec.warps, "us": round(us, 2),
+                    "tile": list(spec.tile), "warps": spec.warps, "kv_splits": spec.kv_splits,
+                    "us": round(us, 2),
                     "shape": [b, h, s, d],
                 }
-                print(f"{key(d, causal, bname, prec):28s} -> {spec.tile} w{spec.warps}: {us:.1f} us")
+                print(f"{key(d, causal, bname, prec):28s} -> {spec.tile} w{spec.warps} "
+                      f"k{spec.kv_splits}: {us:.1f} us", flush=True)
     path = out or TUNED_DIR / f"{arch}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
     path.write_text(json.dumps({
-        "arch": arch, "gpu": torch.cuda.get_device_name(0), "winners": winners,
-        "timings_us": {k: round(v, 2) for k, v in timings.items()},
+        "arch": arch, "gpu": torch.cuda.get_device_name(0),
+        "note": old.get("note", ""),
+        "winners": dict(sorted({**old.get("winners", {}), **winners}.items())),
+        "timings_us": {**old.get("timings_us", {}), **{k: round(v, 2) for k, v in timings.items()}},
     }, indent=1) + "\n")
     _table.cache_clear()
     return path
@@ -145,14 +176,17 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--arch", default="sm_90")
     b.add_argument("--out", required=True)
     b.add_argument("--jobs", type=int, default=None)
+    b.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
     r = sub.add_parser("run", help="time the candidates on this GPU and write the winners")
     r.add_argument("--out", default=None)
     r.add_argument("--no-fp8", action="store_true")
+    r.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
     a = ap.parse_args(argv)
     if a.verb == "build":
-        build(a.arch, Path(a.out), a.jobs)
+        build(a.arch, Path(a.out), a.jobs, a.buckets)
     else:
-        print(run(Path(a.out) if a.out else None, ("fp16",) if a.no_fp8 else ("fp16", "fp8")))
+        precisions = ("fp16",) if a.no_fp8 else ("fp16", "fp8")
+        print(run(Path(a.out) if a.out else None, precisions, a.buckets))
     return 0
 
 

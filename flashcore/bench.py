@@ -118,7 +118,7 @@ def _flashcore(tile=None, **kw) -> Impl:
     return run
 
 
-def fp8_kernel_only(tile=None, warps=None) -> Impl:
+def fp8_kernel_only(tile=None, warps=None, kv_splits=1) -> Impl:
     """The FP8 attention kernel alone, on inputs quantised once (as a serving engine keeps them).
     ``tile=None``: the autotuned choice."""
     from flashcore.autotune import lookup
@@ -128,16 +128,64 @@ def fp8_kernel_only(tile=None, warps=None) -> Impl:
     memo: dict = {}
 
     def run(q, k, v, causal):
-        key = (q.data_ptr(), k.data_ptr(), v.data_ptr())
-        if key not in memo:
-            memo[key] = (*quantize_fp8(q, granularity="token"),
-                         *quantize_fp8(k, granularity="token"), *quantize_fp8(v, transpose=True))
-        q8, qd, k8, kd, vt8, vd = memo[key]
-        t, w = (tile, warps)
+        # keyed by the tensors themselves (kept alive here): a pointer alone can come back for
+        # another tensor of the same size once the first is freed, with a stale quantisation
+        key = (id(q), id(k), id(v))
+        hit = memo.get(key)
+        if hit is None or hit[0] is not q or hit[1] is not k or hit[2] is not v:
+            hit = memo[key] = (q, k, v, *quantize_fp8(q, granularity="token"),
+                               *quantize_fp8(k, granularity="token"),
+                               *quantize_fp8(v, transpose=True))
+        q8, qd, k8, kd, vt8, vd = hit[3:]
+        t, w, ks = (tile, warps, kv_splits)
         if t is None:
-            t, w = lookup(arch_of(q.device), q.shape[3], causal, q.shape[2], "fp8")
+            t, w, ks = lookup(arch_of(q.device), q.shape[3], causal, q.shape[2], "fp8")
         return attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, out_dtype=q.dtype,
-                             tile=t, warps=w)
+                             tile=t, warps=w, kv_splits=ks)
+
+    return run
+
+
+def _nvidia_fa2_example() -> Impl | None:
+    """NVIDIA's CuTe DSL FA2 example (``FlashAttentionForwardAmpere`` in NVIDIA/cutlass
+    examples/python/CuTeDSL/.../flash_attention_v2.py), from a copy the user fetched and named in
+    ``FLASHCORE_NV_FA2`` (it is not part of flashcore), in its documented configuration: m128 n64,
+    128 threads. Needs the DSL on this host."""
+    import importlib.util
+    import os
+
+    path = os.environ.get("FLASHCORE_NV_FA2")
+    if not path:
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("nv_fa2_example", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        import cuda.bindings.driver as cu
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import from_dlpack
+    except Exception:  # no DSL or no file: the peer is absent
+        return None
+    compiled: dict = {}
+
+    def cute_view(t, bshd=False):  # (b, h, s, d) -> the example's (b, s, h, d), no copy
+        t = t if bshd else t.transpose(1, 2)
+        # as the example marks its tensors: dynamic, and strides divisible by 16 bytes
+        return (from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3)
+                .mark_compact_shape_dynamic(mode=3, stride_order=t.dim_order(),
+                                            divisibility=128 // (8 * t.element_size())))
+
+    def run(q, k, v, causal):
+        b, h, s, d = q.shape
+        out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device)
+        stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
+        args = [cute_view(q), cute_view(k), cute_view(v), cute_view(out, bshd=True)]
+        key = (q.dtype, d, causal)
+        if key not in compiled:
+            fa2 = mod.FlashAttentionForwardAmpere(d, 128, 64, 128, causal)
+            compiled[key] = cute.compile(fa2, *args, 1.0 / math.sqrt(d), stream)
+        compiled[key](*args, 1.0 / math.sqrt(d), stream)
+        return out.transpose(1, 2)
 
     return run
 
@@ -158,6 +206,9 @@ def implementations(ours: dict[str, Impl] | None = None) -> dict[str, Impl]:
     fa4 = _fa4()
     if fa4 is not None:
         impls["fa4"] = fa4
+    nv = _nvidia_fa2_example()
+    if nv is not None:
+        impls["nv-fa2-example"] = nv
     return impls
 
 

@@ -114,15 +114,128 @@ def attention_fp8(
     softmax_scale: float | None = None,
     round_p: bool = True,
     device: torch.device | str | None = None,
+    tile: tuple[int, int] | None = None,
+    kv_splits: int = 1,
 ) -> torch.Tensor:
     """Float64 attention of the FP8 kernel's quantised computation: q and k quantised per token
     and v per head as the quantiser does (same scales, e4m3 rounding), and, with ``round_p``, P
-    rounded to e4m3 after scaling by P_SCALE (relative to the final row max; the kernel uses the
-    running max, so the two round P differently by at most one e4m3 step)."""
-    deq = [dequantize_e4m3(*quantize_e4m3(t, g)) for t, g in ((q, "token"), (k, "token"), (v, "head"))]
+    rounded to e4m3 after scaling by P_SCALE.
+
+    With ``tile=None`` P is rounded relative to the final row max (the kernel uses the running
+    max, so the two differ by up to a few percent) and the result is not rounded further. With
+    ``tile=(tile_m, tile_n)`` (and the kernel's ``kv_splits``) the kernel's block loop is replayed
+    (``attention_fp8_online``) and the result is rounded to q's dtype, as the kernel's output is;
+    either way float64 is returned.
+    """
+    codes = [quantize_e4m3(t, g) for t, g in ((q, "token"), (k, "token"), (v, "head"))]
+    if tile is not None:
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        (qc, qd), (kc, kd), (vc, vd) = ((c.to(dev), d.to(dev)) for c, d in codes)
+        out = attention_fp8_online(qc, qd, kc, kd, vc, vd, causal=causal,
+                                   softmax_scale=softmax_scale, tile=tile, kv_splits=kv_splits,
+                                   round_p=round_p)
+        return out.to(q.dtype).to(torch.float64)
+    deq = [dequantize_e4m3(*c) for c in codes]
 
     def rp(p: torch.Tensor) -> torch.Tensor:
         return e4m3_round(p * P_SCALE).to(p.device) / P_SCALE
 
     return attention(*deq, causal=causal, softmax_scale=softmax_scale, device=device,
                      p_round=rp if round_p else None)
+
+
+def kernel_key_blocks(
+    seqlen_q: int, seqlen_k: int, tile: tuple[int, int], causal: bool, kv_splits: int = 1
+) -> list[list[tuple[int, int]]]:
+    """[split][m_block] -> (lo, hi): the key blocks [lo, hi) of tile_n keys that each split of
+    each query tile of tile_m rows walks (hi - 1 down to lo) in the attention kernel."""
+    tile_m, tile_n = tile
+    n_all = -(-seqlen_k // tile_n)
+    out: list[list[tuple[int, int]]] = [[] for _ in range(kv_splits)]
+    for mb in range(-(-seqlen_q // tile_m)):
+        # top-left causal: rows of this tile see keys < (mb + 1) * tile_m
+        n_max = min(n_all, -(-(mb + 1) * tile_m // tile_n)) if causal else n_all
+        per = -(-n_max // kv_splits)
+        for g in range(kv_splits):
+            out[g].append((min(g * per, n_max), min((g + 1) * per, n_max)))
+    return out
+
+
+def attention_fp8_online(
+    qc: torch.Tensor,
+    qd: torch.Tensor,
+    kc: torch.Tensor,
+    kd: torch.Tensor,
+    vc: torch.Tensor,
+    vd: torch.Tensor,
+    *,
+    causal: bool,
+    softmax_scale: float | None,
+    tile: tuple[int, int],
+    kv_splits: int = 1,
+    round_p: bool = True,
+) -> torch.Tensor:
+    """The FP8 kernel's online softmax replayed in float64 on e4m3 codes (as ``quantize_e4m3``
+    returns them: qd (B, H, Sq), kd (B, H, Sk), vd (B, H)). Returns the float64 output, before
+    the kernel's final rounding to the output dtype, on the codes' device.
+
+    Per row, key blocks of ``tile_n`` go from the last to the first with a running max m, sum l
+    and accumulator acc; P is rounded to e4m3 (``round_p``) against the running max, as the
+    kernel's P·V MMA sees it, while l sums the unrounded P. Each query tile of ``tile_m`` rows
+    walks only the blocks the kernel does (``kernel_key_blocks``: causal tiles skip those above
+    their diagonal; ``kv_splits`` > 1 gives each split its own range and state, merged at the
+    end). Not replayed: the kernel's float32 arithmetic (scale, logits, exp2, sums), ~1e-7
+    relative. Like the kernel, P is exp2((s - max) * scale), so the row max gets exactly 1 at any
+    logit magnitude; with logits of 1e7 and more, the float32 rounding of the scores themselves
+    can still decide between two keys that (nearly) tie.
+    """
+    tile_m, tile_n = tile
+    if tile_m <= 0 or tile_n <= 0 or kv_splits <= 0:
+        raise ValueError(f"tile and kv_splits must be positive, got {tile}, {kv_splits}")
+    sq, sk = qc.shape[2], kc.shape[2]
+    scale = 1.0 / math.sqrt(qc.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    # the q descale is folded into each row's exp2 scale; the k descale into the scores
+    rs = (scale * math.log2(math.e)) * qd.to(torch.float64).unsqueeze(-1)
+    kd64 = kd.to(torch.float64)
+    qc, kc, vc = (t.to(torch.float64) for t in (qc, kc, vc))
+    rows = torch.arange(sq, device=qc.device).unsqueeze(1)
+    splits = []
+    for ranges in kernel_key_blocks(sq, sk, tile, causal, kv_splits):
+        m = qc.new_full((*qc.shape[:3], 1), -math.inf)
+        l = qc.new_zeros((*qc.shape[:3], 1))
+        acc = qc.new_zeros((*qc.shape[:3], vc.shape[-1]))
+        for n in range(max((hi for _, hi in ranges), default=0) - 1, -1, -1):
+            # the query tiles walking block n are consecutive: lo and hi grow with the tile
+            tiles = [mb for mb, (lo, hi) in enumerate(ranges) if lo <= n < hi]
+            if not tiles:
+                continue
+            r = slice(tiles[0] * tile_m, min((tiles[-1] + 1) * tile_m, sq))
+            k = slice(n * tile_n, min((n + 1) * tile_n, sk))  # keys past sk: P = 0, no effect
+            s = (qc[:, :, r] @ kc[:, :, k].transpose(-1, -2)) * kd64[:, :, None, k]
+            if causal:
+                hidden = torch.arange(k.start, k.stop, device=qc.device) > rows[r]
+                s = s.masked_fill(hidden, -math.inf)
+            cur = torch.maximum(m[:, :, r], s.amax(dim=-1, keepdim=True))
+            # a row with nothing visible yet keeps max -inf and exponentiates against 0
+            safe = torch.where(cur == -math.inf, 0.0, cur)
+            p = torch.exp2((s - safe) * rs[:, :, r])
+            if causal:  # P = 0 for hidden keys explicitly, not via exp2(-inf * scale)
+                p = p.masked_fill(hidden, 0.0)
+            corr = _rescale(m[:, :, r], safe, rs[:, :, r])
+            l[:, :, r] = l[:, :, r] * corr + p.sum(dim=-1, keepdim=True)
+            pv = e4m3_round(p * P_SCALE).to(p.device) if round_p else p * P_SCALE
+            acc[:, :, r] = acc[:, :, r] * corr + pv @ vc[:, :, k]
+            m[:, :, r] = cur
+        splits.append((m, l, acc))
+    # merge the splits' states at their common max (a factor of exactly 1 for a single split)
+    m_all = torch.stack([m for m, _, _ in splits]).amax(dim=0)
+    safe = torch.where(m_all == -math.inf, 0.0, m_all)
+    l = torch.stack([l * _rescale(m, safe, rs) for m, l, _ in splits]).sum(dim=0)
+    acc = torch.stack([acc * _rescale(m, safe, rs) for m, _, acc in splits]).sum(dim=0)
+    o_scale = vd.to(torch.float64)[:, :, None, None] / P_SCALE
+    return torch.where(l > 0, acc / torch.where(l > 0, l, 1.0), 0.0) * o_scale
+
+
+def _rescale(m: torch.Tensor, safe: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:
+    """exp2((m - safe) * rs) as the kernel computes it, 0 where m is still -inf."""
+    return torch.where(m == -math.inf, 0.0, torch.exp2((m - safe) * rs))

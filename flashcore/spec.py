@@ -24,6 +24,8 @@ TILE_M = (16, 32, 64, 128)
 TILE_N = (32, 64, 128)
 WARPS = (1, 2, 4, 8)
 STAGES = (1,)
+KV_SPLITS = (1, 2, 4)
+MAX_THREADS = 512  # 128 registers per thread still fit the 64K register file
 
 # Largest dynamic shared memory one block may opt into, in bytes (CUDA programming guide,
 # "Technical specifications per compute capability").
@@ -48,6 +50,9 @@ class AttentionSpec:
 
     ``tile`` is (tile_m, tile_n): query rows per CTA and keys per inner iteration. Each warp owns
     ``tile_m / warps`` query rows, which must be a multiple of 16 (the MMA's M).
+    ``kv_splits`` > 1 gives the CTA that many groups of ``warps`` warps, each walking its own share
+    of the keys, combined through shared memory at the end: more parallelism for short problems
+    (split-KV inside one CTA: no workspace, no second launch).
     ``dtype`` is the output (and, for ``precision="fp16"``, the input) dtype; ``precision="fp8"``
     multiplies float8_e4m3fn operands (m16n8k32) that ``flashcore.ops.quantize_fp8`` produced.
     """
@@ -61,6 +66,7 @@ class AttentionSpec:
     causal: bool = False
     return_lse: bool = False
     precision: str = "fp16"
+    kv_splits: int = 1
     op: str = field(default="attention_fwd")
 
     def __post_init__(self) -> None:
@@ -87,7 +93,7 @@ class AttentionSpec:
                 f"precision='fp8' needs FP8 tensor cores (mma.sync e4m3), which {self.arch} does "
                 f"not have; use arch in {FP8_ARCHS} or precision='fp16'"
             )
-        for name in ("head_dim", "warps", "stages"):
+        for name in ("head_dim", "warps", "stages", "kv_splits"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise bad(f"{name} must be an int, got {v!r}")
@@ -111,23 +117,30 @@ class AttentionSpec:
                 f"tile_m={tm} must be a multiple of 16 * warps = {16 * self.warps} "
                 "(each warp owns whole 16-row MMA tiles)"
             )
+        if self.kv_splits not in KV_SPLITS:
+            raise bad(f"kv_splits={self.kv_splits} is not supported; choose one of {KV_SPLITS}")
+        if self.threads > MAX_THREADS:
+            raise bad(
+                f"warps * kv_splits = {self.warps * self.kv_splits} warps is {self.threads} threads, "
+                f"over {MAX_THREADS} (the register file could not hold them)"
+            )
         if self.stages not in STAGES:
             raise bad(f"stages={self.stages} is not supported; choose one of {STAGES}")
         if not isinstance(self.causal, bool):
             raise bad(f"causal must be a bool, got {self.causal!r}")
         if not isinstance(self.return_lse, bool):
             raise bad(f"return_lse must be a bool, got {self.return_lse!r}")
-        # Each thread copies 16-byte chunks; a tile must hold at least one chunk per thread.
+        # Each thread of a group copies 16-byte chunks; a tile must hold one chunk per thread.
         chunks_per_row = self.head_dim * self.elem_bytes // 16
         vt_chunks = self.head_dim * tn * self.elem_bytes // 16  # fp8 V is stored transposed
         if (
-            (tn * chunks_per_row) % self.threads
-            or (tm * chunks_per_row) % self.threads
-            or vt_chunks % self.threads
+            (tn * chunks_per_row) % self.group_threads
+            or (tm * chunks_per_row) % self.group_threads
+            or vt_chunks % self.group_threads
         ):
             raise bad(
                 f"tile {self.tile} with head_dim={self.head_dim} cannot be split evenly over "
-                f"{self.threads} threads in 16-byte copies"
+                f"{self.group_threads} threads in 16-byte copies"
             )
         budget = SMEM_PER_BLOCK[self.arch]
         if self.smem_bytes > budget:
@@ -146,8 +159,13 @@ class AttentionSpec:
         return self.tile[1]
 
     @property
-    def threads(self) -> int:
+    def group_threads(self) -> int:
+        """Threads that share one key range (all of them unless kv_splits > 1)."""
         return 32 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return self.group_threads * self.kv_splits
 
     @property
     def elem_bytes(self) -> int:
@@ -156,14 +174,21 @@ class AttentionSpec:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory the kernel allocates: Q tile, then K and V tiles per stage, and
-        for fp8 a separate 16-bit output tile (the e4m3 Q buffer is too small to stage it)."""
+        """Dynamic shared memory the kernel allocates: Q tile, then K and V tiles per stage and
+        key split, for fp8 a separate 16-bit output tile (the e4m3 Q buffer is too small to stage
+        it), and with kv_splits > 1 each split's row max and sum and all but one split's fp32
+        output, for the combine."""
         q = _align(self.tile_m * self.head_dim * self.elem_bytes, _SMEM_ALIGN)
-        kv = _align(self.tile_n * self.head_dim * self.elem_bytes, _SMEM_ALIGN)
+        kv = _align(self.tile_n * self.head_dim * self.elem_bytes * self.kv_splits, _SMEM_ALIGN)
         o = 0
         if self.precision == "fp8":
             o = _align(self.tile_m * self.head_dim * _DTYPE_BYTES[self.dtype], _SMEM_ALIGN)
-        return q + 2 * self.stages * kv + o
+        combine = 0
+        if self.kv_splits > 1:
+            combine = _align(self.kv_splits * 2 * self.tile_m * 4, _SMEM_ALIGN) + _align(
+                (self.kv_splits - 1) * self.tile_m * self.head_dim * 4, _SMEM_ALIGN
+            )
+        return q + 2 * self.stages * kv + o + combine
 
     @property
     def name(self) -> str:
@@ -178,6 +203,8 @@ class AttentionSpec:
             f"w{self.warps}",
             f"s{self.stages}",
         ]
+        if self.kv_splits > 1:
+            parts.append(f"k{self.kv_splits}")
         if self.causal:
             parts.append("causal")
         if self.return_lse:

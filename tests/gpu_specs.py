@@ -13,6 +13,7 @@ from pathlib import Path
 
 from flashcore.catalog import catalog_specs
 from flashcore.spec import AttentionSpec, QuantizeSpec
+from tests.gpu_utils import FP8_SPLIT_CONFIGS, SPLIT_CONFIGS
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
 
@@ -21,11 +22,27 @@ def default_warps(tile_m: int) -> int:
     return max(1, min(8, tile_m // 16))
 
 
-def gpu_test_specs(arch: str) -> list[AttentionSpec | QuantizeSpec]:
+def tuned_specs(arch: str) -> list[AttentionSpec]:
+    """The autotuned winners (what ``tile=None`` and the benchmark run)."""
+    from flashcore.autotune import _table
+
+    out = []
+    for name, w in _table(arch).items():
+        d, mask, _, prec = name.split("-")
+        out.append(AttentionSpec(arch=arch, head_dim=int(d[1:]), tile=tuple(w["tile"]),
+                                 warps=w["warps"], kv_splits=w.get("kv_splits", 1),
+                                 causal=mask == "causal", precision=prec))
+    return out
+
+
+def gpu_test_specs(arch: str, buckets=None) -> list[AttentionSpec | QuantizeSpec]:
     specs: list = list(catalog_specs((arch,)))
     for tile, causal, d in itertools.product(TEST_TILES, (False, True), (64, 128)):
         specs.append(AttentionSpec(arch=arch, head_dim=d, tile=tile, warps=default_warps(tile[0]),
                                    causal=causal))
+    for (tile, warps, splits), causal, d in itertools.product(SPLIT_CONFIGS, (False, True), (64, 128)):
+        specs.append(AttentionSpec(arch=arch, head_dim=d, tile=tile, warps=warps, causal=causal,
+                                   return_lse=True, kv_splits=splits))
     if arch in ("sm_89", "sm_90"):
         for dtype, d in itertools.product(("float16", "bfloat16"), (64, 128)):
             specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=False))
@@ -40,9 +57,15 @@ def gpu_test_specs(arch: str) -> list[AttentionSpec | QuantizeSpec]:
         for d, causal in itertools.product((64, 128), (False, True)):
             specs.append(AttentionSpec(arch=arch, head_dim=d, causal=causal, return_lse=True,
                                        precision="fp8"))
+        for (tile, warps, splits), causal, d in itertools.product(
+            FP8_SPLIT_CONFIGS, (False, True), (64, 128)
+        ):
+            specs.append(AttentionSpec(arch=arch, head_dim=d, tile=tile, warps=warps,
+                                       causal=causal, precision="fp8", kv_splits=splits))
     from flashcore.autotune import all_candidates
 
-    specs += all_candidates(arch, ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",))
+    precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
+    specs += tuned_specs(arch) + all_candidates(arch, precisions, buckets)
     return list(dict.fromkeys(specs))
 
 
@@ -51,12 +74,14 @@ def main() -> None:
     ap.add_argument("--arch", default="sm_90")
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", type=int, default=None)
+    ap.add_argument("--buckets", nargs="*", default=None,
+                    help="autotune candidates of these buckets only (default: all)")
     a = ap.parse_args()
     from flashcore.cache import KernelCache
     from flashcore.catalog import write_catalog
     from flashcore.compiler import compile_many
 
-    specs = gpu_test_specs(a.arch)
+    specs = gpu_test_specs(a.arch, a.buckets)
     arts = compile_many(specs, jobs=a.jobs, cache=KernelCache(Path(a.out)),
                         progress=lambda s: print("built", s.name, flush=True))
     print(write_catalog(Path(a.out), arts), len(arts), "kernels")

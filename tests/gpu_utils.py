@@ -36,3 +36,8 @@ def attention_shapes(max_seq: int) -> dict:
         "dtype": st.sampled_from(["bfloat16", "float16"]),
         "causal": st.booleans(),
     }
+
+
+# (tile, warps, kv_splits) of the split-KV kernels the GPU tests check
+SPLIT_CONFIGS = [((32, 64), 2, 4), ((64, 64), 4, 2), ((16, 32), 1, 4), ((32, 64), 1, 2)]
+FP8_SPLIT_CONFIGS = [((32, 64), 2, 4)]

@@ -1,15 +1,18 @@
 """GPU tests of the FP8 (E4M3) path: no overflow for any finite input, bounded error.
 
-Error budget: on i.i.d. Gaussian inputs, e4m3's 3-bit mantissa alone costs about 5.2% relative L2
-against exact attention (simulated on the CPU: Q and K rounding ~3.9%, V 2.6%, P 2.4%), and on
-a few keys nothing averages out (9 keys: 8.3% seen; one e4m3 rounding is up to 6.25%), so these
-tests bound the error at 10% (and cosine 0.995), and check the kernel against the simulated
-quantisation, which separates rounding from kernel bugs. The 5% target of the FP8 issue is not
-met on such data; see the closing notes.
+Two references. The simulated quantised computation (``reference.attention_fp8`` with the
+kernel's tile) repeats the kernel's arithmetic in float64: same scales, same e4m3 roundings of
+Q, K, V, and of P against the running max block by block. The kernel must match it to fp32
+tolerance (``SIM_TOL``): that separates kernel bugs from quantisation error. Against exact
+attention the error is e4m3's: on i.i.d. Gaussian inputs its 3-bit mantissa alone costs about
+5.2% relative L2 (simulated: Q and K rounding ~3.9%, V 2.6%, P 2.4%), and on a few keys nothing
+averages out (9 keys: 8.3% seen; one e4m3 rounding is up to 6.25%), so that bound is 10% (and
+cosine 0.995). The 5% target of the FP8 issue sits inside that spread; see the closing notes.
 
 Inputs reach magnitudes far beyond e4m3's ±448 (1e-3 .. 1e4, outlier tokens, constant and
-alternating-sign rows); the softmax scale keeps the logits O(1) as a model's would, because with
-logits of 1e5 softmax is a hard argmax that any 3-bit-mantissa rounding may flip.
+alternating-sign rows). The property test scales the softmax so logits stay O(1) as a model's
+would; ``test_fp8_huge_logits_default_scale`` covers the default scale on such inputs, a hard
+argmax, against the simulation.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention
 from flashcore.ops.fp8 import attention_fp8, key_permutation, padded_keys, quantize_fp8
-from tests.gpu_utils import attention_shapes, requires_cuda
+from tests.gpu_utils import FP8_SPLIT_CONFIGS, attention_shapes, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 WORST = {"rel_l2": 0.0, "vs_sim": 0.0}
+SIM_TOL = 2e-3  # kernel vs its float64 simulation (2.2e-4 seen with O(1) logits)
 
 
 def _make(shape, mag, pattern, outlier, dtype, g):
@@ -86,12 +90,13 @@ def test_fp8_attention_never_overflows_and_stays_accurate(
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "NaN/Inf (or unwritten elements) in the FP8 output"
     if b * h * sq * sk <= 2**22:  # the simulated-quantisation reference runs on the CPU
-        sim = reference.attention_fp8(q, k, v, causal=causal, softmax_scale=scale)
-        rel_sim, cos_sim = _metrics(out, sim)
+        # the kernel's own computation in float64: same scales, same e4m3 roundings of Q, K, V
+        # and of P (against the running max, key block by key block): what is left is fp32
+        # accumulation order and exp2/reciprocal approximations
+        sim = reference.attention_fp8(q, k, v, causal=causal, softmax_scale=scale, tile=(64, 64))
+        rel_sim, _ = _metrics(out, sim)
         WORST["vs_sim"] = max(WORST["vs_sim"], rel_sim)
-        # the kernel rounds P against the running row max, the reference against the final one,
-        # and sums in another order: they differ by that alone
-        assert rel_sim <= 3e-2 and cos_sim >= 0.999, f"vs simulated quantisation {rel_sim:.3g}"
+        assert rel_sim <= SIM_TOL, f"vs simulated quantisation {rel_sim:.3g}"
     if not k_outlier:
         exact = reference.attention(q, k, v, causal=causal, softmax_scale=scale, device=q.device)
         rel, cos = _metrics(out, exact)
@@ -149,3 +154,42 @@ def test_low_level_entry_and_errors():
         attention_fp8(q8, k8, vt8[..., :64], qd, kd, vd)
     with pytest.raises(TypeError, match="float8_e4m3fn"):
         attention_fp8(q, k8, vt8, qd, kd, vd)
+
+
+@pytest.mark.parametrize("config", FP8_SPLIT_CONFIGS, ids=lambda c: f"{c[0]}w{c[1]}k{c[2]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(333, 700), (77, 40)])
+def test_fp8_kv_splits(config, causal, d, sq, sk):
+    """The FP8 kernel with split key ranges: same answer as the simulated quantisation."""
+    tile, warps, splits = config
+    g = torch.Generator(device="cuda").manual_seed(sq * d + causal)
+    q, k, v = (torch.randn(2, 3, s, d, device="cuda", generator=g, dtype=torch.float16)
+               for s in (sq, sk, sk))
+    out = torch.full_like(q, float("nan"))
+    attention(q, k, v, tile=tile, warps=warps, kv_splits=splits, causal=causal, precision="fp8",
+              out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    sim = reference.attention_fp8(q, k, v, causal=causal, tile=tile, kv_splits=splits)
+    rel, _ = _metrics(out, sim)
+    assert rel <= SIM_TOL, f"vs simulated quantisation {rel:.3g}"
+
+
+@pytest.mark.parametrize("dtype,mag", [(torch.float16, 3e3), (torch.bfloat16, 1e4),
+                                       (torch.bfloat16, 1e6)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_huge_logits_default_scale(dtype, mag, causal):
+    """Inputs far beyond e4m3's range with the default 1/sqrt(d) scale: logits of 1e7-1e13, a
+    hard argmax. The row max must still get p = 1 (no exp2 of a rounded product), so the output
+    is finite and equals the simulated quantised computation."""
+    g = torch.Generator(device="cuda").manual_seed(int(mag) + causal)
+    q, k, v = ((torch.randn(2, 4, 300, 64, device="cuda", generator=g) * mag).to(dtype)
+               for _ in range(3))
+    out = torch.full_like(q, float("nan"))
+    attention(q, k, v, causal=causal, precision="fp8", out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    sim = reference.attention_fp8(q, k, v, causal=causal, tile=(64, 64))
+    rel, _ = _metrics(out, sim)
+    assert rel <= 1e-2, f"vs simulated quantisation {rel:.3g}"

@@ -148,9 +148,9 @@ def test_hash_is_sha256_of_canonical_json():
 
 def test_hash_pinned():
     # The cache is keyed by these; if this fails, a spec change alters every cache key. Update
-    # the value only on purpose (old caches then miss, which is safe).
+    # the value only on purpose (old caches then miss, which is safe). Last: kv_splits added.
     assert AttentionSpec().name == "fc_attn_fwd_sm89_f16_d64_m64n64_w4_s1"
-    assert AttentionSpec().content_hash == "eb98bc1ebb91fb51"
+    assert AttentionSpec().content_hash == "edf6010c6e07e5aa"
 
 
 @given(
@@ -189,3 +189,19 @@ def test_frozen_and_replace():
     assert t.causal and not s.causal and t.name == s.name + "_causal"
     with pytest.raises(SpecError):
         s.replace(warps=5)
+
+
+def test_kv_splits_threads_smem_and_name():
+    one = AttentionSpec(arch="sm_89", tile=(32, 64), warps=2)
+    four = one.replace(kv_splits=4)
+    assert (four.threads, four.group_threads) == (256, 64)
+    assert four.name == one.name + "_k4"
+    # K and V per split, plus each split's row stats and three fp32 partial outputs
+    assert four.smem_bytes == one.smem_bytes + 2 * 3 * 64 * 64 * 2 + 1024 + 3 * 32 * 64 * 4
+    assert AttentionSpec.from_json(four.to_json()) == four
+    with pytest.raises(SpecError, match="kv_splits=3"):
+        one.replace(kv_splits=3)
+    with pytest.raises(SpecError, match="over 512"):
+        AttentionSpec(arch="sm_90", tile=(128, 64), warps=8, kv_splits=4)
+    with pytest.raises(SpecError, match="shared memory"):
+        AttentionSpec(arch="sm_89", head_dim=128, tile=(64, 128), kv_splits=4)

@@ -6,6 +6,8 @@ first and initialise the running row max. Per key block:
 
     wait K(n) ─ issue V(n) ─ S = Q·Kᵀ ─ wait V(n) ─ issue K(n-1) ─ mask, online softmax ─ O += P·V
 
+(the first block's V is issued by the prologue, with its K).
+
 * global→shared: 128-bit ``cp.async``; rows past the sequence end are zero-filled in shared memory.
 * shared layouts: row-major atoms of 128-byte lines under a swizzle that XORs the line index into
   the 16-byte chunk index, so ldmatrix reads are conflict-free.
@@ -68,6 +70,8 @@ class AttentionForward:
         self.head_dim = spec.head_dim
         self.tile_m, self.tile_n = spec.tile
         self.threads = spec.threads
+        self.group_threads = spec.group_threads  # threads sharing one key range
+        self.splits = spec.kv_splits
         self.warps = spec.warps
         self.causal = spec.causal
         self.return_lse = spec.return_lse
@@ -80,9 +84,12 @@ class AttentionForward:
         op, d, tm, tn = self.op_dtype, self.head_dim, self.tile_m, self.tile_n
         row_atom = _smem_atom(op.width, 64 if (op.width == 16 or d < 128) else 128)
         sQ_layout = cute.tile_to_shape(row_atom, (tm, d), (0, 1))
-        sK_layout = cute.tile_to_shape(row_atom, (tn, d), (0, 1))
+        # K and V: one tile per key split (the last mode), each split's group reads its own
+        sK_layout = cute.tile_to_shape(row_atom, (tn, d, self.splits), (0, 1, 2))
         if self.fp8:  # Vᵀ tile: head_dim rows of tile_n keys
-            sV_layout = cute.tile_to_shape(_smem_atom(op.width, min(tn, 128)), (d, tn), (0, 1))
+            sV_layout = cute.tile_to_shape(
+                _smem_atom(op.width, min(tn, 128)), (d, tn, self.splits), (0, 1, 2)
+            )
         else:
             sV_layout = sK_layout
         sO_layout = cute.tile_to_shape(_smem_atom(16, 64), (tm, d), (0, 1))
@@ -95,7 +102,7 @@ class AttentionForward:
             )
             return cute.make_tiled_copy_tv(
                 atom,
-                cute.make_layout((self.threads // tpr, tpr), stride=(tpr, 1)),
+                cute.make_layout((self.group_threads // tpr, tpr), stride=(tpr, 1)),
                 cute.make_layout((1, per_copy)),
             )
 
@@ -104,7 +111,7 @@ class AttentionForward:
         out_per_copy = 128 // self.out_dtype.width
         r2g_o = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype, num_bits_per_copy=128),
-            cute.make_layout((self.threads // 8, 8), stride=(8, 1)),
+            cute.make_layout((self.group_threads // 8, 8), stride=(8, 1)),
             cute.make_layout((1, out_per_copy)),
         )
         if self.fp8:
@@ -119,24 +126,20 @@ class AttentionForward:
         return sQ_layout, sK_layout, sV_layout, sO_layout, g2s_qk, g2s_v, r2g_o, tiled_mma
 
     def _shared_storage(self, sQ_layout, sK_layout, sV_layout, sO_layout):
-        op, out = self.op_dtype, self.out_dtype
-        if self.fp8:
-            # e4m3 Q cannot hold the 16-bit output tile: O gets its own buffer
-
-            @cute.struct
-            class SharedStorageFP8:
-                sQ: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sQ_layout)], 1024]
-                sK: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sK_layout)], 1024]
-                sV: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sV_layout)], 1024]
-                sO: cute.struct.Align[cute.struct.MemRange[out, cute.cosize(sO_layout)], 1024]
-
-            return SharedStorageFP8
+        op, out, fp8, splits = self.op_dtype, self.out_dtype, self.fp8, self.splits
+        n_ml = splits * 2 * self.tile_m  # per split: row max and row sum
+        n_acc = (splits - 1) * self.tile_m * self.head_dim  # all splits but the first: fp32 O
 
         @cute.struct
         class SharedStorage:
             sQ: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[op, cute.cosize(sV_layout)], 1024]
+            if fp8:  # e4m3 Q cannot hold the 16-bit output tile: O gets its own buffer
+                sO: cute.struct.Align[cute.struct.MemRange[out, cute.cosize(sO_layout)], 1024]
+            if splits > 1:
+                sML: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_ml], 1024]
+                sAcc: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, n_acc], 1024]
 
         return SharedStorage
 
@@ -218,8 +221,13 @@ class AttentionForward:
         self, mQ, mK, mV, mO, mLSE, scale_log2, o_scale, sQ_layout, sK_layout, sV_layout, sO_layout,
         g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage: cutlass.Constexpr, mQd=None, mKd=None,
     ):
-        tidx, _, _ = cute.arch.thread_idx()
-        m_block, head, batch = cute.arch.block_idx()
+        cta_tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = self.tile_index()
+        # kv_splits groups of `warps` warps; each works like a CTA of its own on its key range
+        split, tidx = 0, cta_tidx
+        if cutlass.const_expr(self.splits > 1):
+            split = cta_tidx // self.group_threads
+            tidx = cta_tidx % self.group_threads
         seqlen_q = mQ.shape[2]
         seqlen_k = mK.shape[2]
         tile_m, tile_n, d = self.tile_m, self.tile_n, self.head_dim
@@ -228,6 +236,12 @@ class AttentionForward:
         if cutlass.const_expr(self.causal):
             # top-left causal: rows of this block see keys < (m_block + 1) * tile_m
             n_block_max = cutlass.min(n_block_max, cute.ceil_div((m_block + 1) * tile_m, tile_n))
+        # this group's key blocks: [n_lo, n_hi), possibly empty
+        n_lo, n_hi = 0, n_block_max
+        if cutlass.const_expr(self.splits > 1):
+            per_split = cute.ceil_div(n_block_max, self.splits)
+            n_lo = split * per_split
+            n_hi = cutlass.min(n_lo + per_split, n_block_max)
 
         # ---- tiles of this CTA ------------------------------------------------------------------
         gQ = cute.local_tile(mQ[batch, head, None, None], (tile_m, d), (m_block, 0))
@@ -243,8 +257,8 @@ class AttentionForward:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
-        sK = storage.sK.get_tensor(sK_layout)
-        sV = storage.sV.get_tensor(sV_layout)
+        sK = storage.sK.get_tensor(sK_layout)[None, None, split]
+        sV = storage.sV.get_tensor(sV_layout)[None, None, split]
         if cutlass.const_expr(self.fp8):
             sVt = sV  # already (head_dim, keys)
             sO = storage.sO.get_tensor(sO_layout)
@@ -291,13 +305,25 @@ class AttentionForward:
         tOsVt = s2r_V_thr.partition_S(sVt)
         tOrVt_view = s2r_V_thr.retile(tOrVt)
 
-        # ---- prologue: Q and the last K block in flight -----------------------------------------
-        self.load_rows(g2s_qk, tQgQ, tQsQ, tQcQ, seqlen_q)
-        n_last = n_block_max - 1
-        self.load_rows(
-            g2s_qk, tKgK[None, None, None, n_last], tKsK, tKVcKV[None, None, None, n_last], seqlen_k
-        )
+        # ---- prologue: Q, then the first K and V blocks in flight, as two groups ----------------
+        # (V too: a short problem has few blocks per CTA, and each would otherwise wait one more
+        # DRAM round trip for its V)
+        if split == 0:
+            self.load_rows(g2s_qk, tQgQ, tQsQ, tQcQ, seqlen_q)
+        n_last = n_hi - 1
+        if n_hi > n_lo:
+            self.load_rows(
+                g2s_qk, tKgK[None, None, None, n_last], tKsK, tKVcKV[None, None, None, n_last],
+                seqlen_k,
+            )
         cute.arch.cp_async_commit_group()
+        if n_hi > n_lo:
+            self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_last, seqlen_k, ragged=True)
+        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.splits > 1):
+            # the first group loaded Q for all: it must land before anyone reads it
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.sync_threads()
 
         # running softmax state, one entry per accumulator row this thread holds
         acc_O_mn = self.mn_view(acc_O)
@@ -325,27 +351,58 @@ class AttentionForward:
         mask_steps = 1
         if cutlass.const_expr(self.causal):
             mask_steps = (tile_m + tile_n - 1) // tile_n
+        # (A split's first blocks are masked too: harmless where nothing is out of range.)
         for step in cutlass.range_constexpr(mask_steps):
-            n_block = n_block_max - 1 - step
-            if n_block >= 0:
+            n_block = n_hi - 1 - step
+            if n_block >= n_lo:
                 self.one_block(
-                    n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
-                    acc_O, softmax_state, masked=True, ragged=(step == 0),
+                    n_block, n_lo, split, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags,
+                    copies, gmem, acc_O, softmax_state, masked=True, ragged=(step == 0),
+                    first=(step == 0),
                 )
-        for n_block in range(n_block_max - 1 - mask_steps, -1, -1):
+        for n_block in range(n_hi - 1 - mask_steps, n_lo - 1, -1):
             self.one_block(
-                n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
-                acc_O, softmax_state, masked=False, ragged=False,
+                n_block, n_lo, split, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags,
+                copies, gmem, acc_O, softmax_state, masked=False, ragged=False,
             )
 
-        # ---- epilogue ---------------------------------------------------------------------------
         for r in cutlass.range_constexpr(cute.size(row_sum)):
-            total = self.quad_sum(row_sum[r])
+            row_sum[r] = self.quad_sum(row_sum[r])
+        if cutlass.const_expr(self.splits > 1):
+            self.combine_splits(storage, split, tidx, thr_mma, acc_O, row_max, row_sum, row_scale)
+        if split == 0:
+            self.epilogue(
+                mO, mLSE, o_scale, seqlen_q, sO, r2g_o, thr_mma, tiled_mma, tidx, acc_O, row_max,
+                row_sum, row_scale,
+            )
+
+    @cute.jit
+    def tile_index(self):
+        """(query tile, head, batch) of this CTA. Causal grids run the last query tiles (the
+        ones that see the most keys) first, so no long CTA is left for the tail of the grid.
+        Read again where needed rather than kept live through the key loop (registers)."""
+        m_block, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.causal):
+            m_block = cute.arch.grid_dim()[0] - 1 - m_block
+        return m_block, head, batch
+
+    @cute.jit
+    def epilogue(
+        self, mO, mLSE, o_scale, seqlen_q, sO, r2g_o, thr_mma, tiled_mma, tidx, acc_O, row_max,
+        row_sum, row_scale,
+    ):
+        """O / row sum (times the fp8 output scale), through shared memory to 16-byte stores."""
+        acc_O_mn = self.mn_view(acc_O)
+        tile_m, d = self.tile_m, self.head_dim
+        m_block, head, batch = self.tile_index()
+        cQ = cute.local_tile(cute.make_identity_tensor((seqlen_q, d)), (tile_m, d), (m_block, 0))
+
+        for r in cutlass.range_constexpr(cute.size(row_sum)):
+            total = row_sum[r]
             inv = cute.arch.rcp_approx(total)
             # a row that saw no key has sum 0: write 0, not NaN
             inv = 0.0 if total == 0.0 else inv
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * (inv * o_scale)
-            row_sum[r] = total
 
         if cutlass.const_expr(self.return_lse):
             self.store_lse(mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, row_scale)
@@ -356,9 +413,9 @@ class AttentionForward:
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype), tiled_mma
         )
         r2s_thr = r2s.get_slice(tidx)
-        cute.arch.sync_threads()  # every warp is done reading sQ (O may reuse it)
+        self.group_sync(0)  # every warp is done reading sQ (O may reuse it)
         cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(sO))
-        cute.arch.sync_threads()
+        self.group_sync(0)
 
         gO = cute.local_tile(mO[batch, head, None, None], (tile_m, d), (m_block, 0))
         r2g = r2g_o.get_slice(tidx)
@@ -382,9 +439,21 @@ class AttentionForward:
                 dst[None, m, None].fill(0)
 
     @cute.jit
+    def load_v(self, g2s_v, tVgV, tVsV, tKVcKV, n_block, seqlen_k, ragged: cutlass.Constexpr):
+        """cp.async V's block n (fp8 Vᵀ is padded with zero keys, so never ragged)."""
+        if cutlass.const_expr(ragged and not self.fp8):
+            self.load_rows(
+                g2s_v, tVgV[None, None, None, n_block], tVsV, tKVcKV[None, None, None, n_block],
+                seqlen_k,
+            )
+        else:
+            cute.copy(g2s_v, tVgV[None, None, None, n_block], tVsV)
+
+    @cute.jit
     def one_block(
-        self, n_block, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies, gmem,
-        acc_O, softmax_state, masked: cutlass.Constexpr, ragged: cutlass.Constexpr,
+        self, n_block, n_lo, split, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies,
+        gmem, acc_O, softmax_state, masked: cutlass.Constexpr, ragged: cutlass.Constexpr,
+        first: cutlass.Constexpr = False,
     ):
         tSrQ, tSrK, tOrVt, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view = frags
         s2r_Q, s2r_K, s2r_V = copies
@@ -394,18 +463,22 @@ class AttentionForward:
             thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32
         )
         acc_S.fill(0.0)
+        k_descale = None
+        if cutlass.const_expr(self.fp8):
+            # issued before the MMAs so their global-load latency hides behind them
+            k_descale = self.load_k_descale(softmax_state[3], acc_S, thr_mma, m_block, n_block,
+                                            seqlen_q, seqlen_k)
 
-        # K(n) has landed; every warp is done with the previous V
-        cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        if cutlass.const_expr(ragged and not self.fp8):
-            self.load_rows(
-                g2s_v, tVgV[None, None, None, n_block], tVsV, tKVcKV[None, None, None, n_block],
-                seqlen_k,
-            )
+        if cutlass.const_expr(first):
+            # K(n) has landed; V(n), loaded by the prologue, may still be in flight
+            cute.arch.cp_async_wait_group(1)
+            self.group_sync(split)
         else:
-            cute.copy(g2s_v, tVgV[None, None, None, n_block], tVsV)
-        cute.arch.cp_async_commit_group()
+            # K(n) has landed; every warp is done with the previous V
+            cute.arch.cp_async_wait_group(0)
+            self.group_sync(split)
+            self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_block, seqlen_k, ragged)
+            cute.arch.cp_async_commit_group()
 
         # S = Q · K^T, software-pipelined over head_dim: load k+1 while multiplying k
         k_steps = cute.size(tSsQ, mode=[2])
@@ -419,13 +492,14 @@ class AttentionForward:
 
         # V(n) has landed; every warp is done reading K(n): prefetch K(n-1) over it
         cute.arch.cp_async_wait_group(0)
-        cute.arch.sync_threads()
-        if n_block > 0:
+        self.group_sync(split)
+        if n_block > n_lo:
             cute.copy(g2s_qk, tKgK[None, None, None, n_block - 1], tKsK)
             cute.arch.cp_async_commit_group()
 
         self.online_softmax(
-            acc_S, acc_O, softmax_state, thr_mma, m_block, n_block, seqlen_q, seqlen_k, masked
+            acc_S, acc_O, softmax_state, thr_mma, m_block, n_block, seqlen_q, seqlen_k, masked,
+            k_descale,
         )
 
         # P in the operand precision, re-viewed as the A operand of P·V
@@ -451,28 +525,22 @@ class AttentionForward:
     @cute.jit
     def online_softmax(
         self, acc_S, acc_O, softmax_state, thr_mma, m_block, n_block, seqlen_q, seqlen_k,
-        masked: cutlass.Constexpr,
+        masked: cutlass.Constexpr, k_descale=None,
     ):
-        row_max, row_sum, row_scale, mKd = softmax_state
+        row_max, row_sum, row_scale, _ = softmax_state
         S = self.mn_view(acc_S)
         O = self.mn_view(acc_O)
-        if cutlass.const_expr(masked or self.fp8):
+        if cutlass.const_expr(masked):
             cS = cute.local_tile(
                 cute.make_identity_tensor((seqlen_q, seqlen_k)),
                 (self.tile_m, self.tile_n),
                 (m_block, n_block),
             )
             tScS = self.mn_view(thr_mma.partition_C(cS))
-        if cutlass.const_expr(self.fp8):
-            # each key's descale multiplies its column of scores
-            _, head, batch = cute.arch.block_idx()
+        if cutlass.const_expr(self.fp8):  # each key's descale multiplies its column of scores
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-                col = tScS[0, c][1]
-                k_descale = cutlass.Float32(1.0)
-                if col < seqlen_k:
-                    k_descale = mKd[batch, head, col]
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                    S[r, c] = S[r, c] * k_descale
+                    S[r, c] = S[r, c] * k_descale[c]
         if cutlass.const_expr(masked):
             for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
                 limit = seqlen_k
@@ -491,20 +559,97 @@ class AttentionForward:
             # A row with nothing visible yet keeps max = -inf; exponentiate against 0 instead so
             # exp2(-inf) = 0 rather than NaN. The stored max stays -inf.
             safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
-            offset = safe_max * scale_log2
-            # one fused multiply-add: s * scale - max * scale rounds only its (small) result,
-            # where a rounded product of a large logit would shift the exponent
-            p = cute.math.exp2(
-                cute.math.fma(row, cute.full_like(row, scale_log2), cute.full_like(row, -offset)),
-                fastmath=True,
-            )
-            correction = cute.math.exp2(
-                cute.math.fma(prev_max, scale_log2, -offset), fastmath=True
-            )
+            if cutlass.const_expr(self.fp8):
+                # (s - max) first: exact near the max, so the row max gets p = 1 however large
+                # the logits (e4m3 inputs of any magnitude); one more instruction per score
+                p = cute.math.exp2((row - safe_max) * scale_log2, fastmath=True)
+                correction = cute.math.exp2((prev_max - safe_max) * scale_log2, fastmath=True)
+            else:
+                # FA2's form, one FMA: s * scale - max * scale rounds only its (small) result;
+                # the rounding of max * scale (relative 6e-8) shifts p once logits pass ~1e5
+                offset = safe_max * scale_log2
+                p = cute.math.exp2(
+                    cute.math.fma(
+                        row, cute.full_like(row, scale_log2), cute.full_like(row, -offset)
+                    ),
+                    fastmath=True,
+                )
+                correction = cute.math.exp2(
+                    cute.math.fma(prev_max, scale_log2, -offset), fastmath=True
+                )
             row_sum[r] = row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
             row_max[r] = cur_max
             O[r, None] = O[r, None].load() * correction
             S[r, None] = p
+
+    @cute.jit
+    def group_sync(self, split):
+        """Barrier of one split's threads (the whole CTA when there is one split)."""
+        if cutlass.const_expr(self.splits == 1):
+            cute.arch.sync_threads()
+        else:
+            cute.arch.barrier(barrier_id=1 + split, number_of_threads=self.group_threads)
+
+    @cute.jit
+    def combine_splits(self, storage, split, tidx, thr_mma, acc_O, row_max, row_sum, row_scale):
+        """Merge the splits' softmax states into the first split's registers.
+
+        Each split publishes its row max and sum; every split rescales its O to the common max;
+        the others add theirs into the first through fp32 shared memory."""
+        tile_m, d = self.tile_m, self.head_dim
+        sML = storage.sML.get_tensor(cute.make_layout((tile_m, 2, self.splits)))
+        sAcc = storage.sAcc.get_tensor(
+            cute.make_layout((tile_m, d, self.splits - 1), stride=(d, 1, tile_m * d))
+        )
+        rows = self.mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_m, d))))
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            if lane % 4 == 0:
+                sML[rows[r, 0][0], 0, split] = row_max[r]
+                sML[rows[r, 0][0], 1, split] = row_sum[r]
+        cute.arch.sync_threads()
+        O = self.mn_view(acc_O)
+        for r in cutlass.range_constexpr(cute.size(row_max)):
+            row = rows[r, 0][0]
+            scale_log2 = row_scale[r]
+            new_max = sML[row, 0, 0]
+            for g in cutlass.range_constexpr(1, self.splits):
+                new_max = cute.arch.fmax(new_max, sML[row, 0, g])
+            safe_max = 0.0 if new_max == -cutlass.Float32.inf else new_max
+            total = cutlass.Float32(0.0)
+            for g in cutlass.range_constexpr(self.splits):
+                total += sML[row, 1, g] * cute.math.exp2(
+                    (sML[row, 0, g] - safe_max) * scale_log2, fastmath=True
+                )
+            mine = cute.math.exp2((row_max[r] - safe_max) * scale_log2, fastmath=True)
+            O[r, None] = O[r, None].load() * mine
+            row_max[r] = new_max
+            row_sum[r] = total
+        if split > 0:
+            tAcc = thr_mma.partition_C(sAcc[None, None, split - 1])
+            tAcc.store(acc_O.load())
+        cute.arch.sync_threads()
+        if split == 0:
+            for g in cutlass.range_constexpr(self.splits - 1):
+                acc_O.store(acc_O.load() + thr_mma.partition_C(sAcc[None, None, g]).load())
+
+    @cute.jit
+    def load_k_descale(self, mKd, acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k):
+        """The descales of the keys whose scores this thread holds (1 past the last key)."""
+        _, head, batch = cute.arch.block_idx()  # (head and batch are never reordered)
+        cS = cute.local_tile(
+            cute.make_identity_tensor((seqlen_q, seqlen_k)),
+            (self.tile_m, self.tile_n),
+            (m_block, n_block),
+        )
+        cols = self.mn_view(thr_mma.partition_C(cS))
+        kd = cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
+        for c in cutlass.range_constexpr(cute.size(cols, mode=[1])):
+            col = cols[0, c][1]
+            kd[c] = cutlass.Float32(1.0)
+            if col < seqlen_k:
+                kd[c] = mKd[batch, head, col]
+        return kd
 
     @cute.jit
     def store_lse(self, mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, row_scale):

@@ -13,7 +13,7 @@ from ._kernels import arch_of, kernel_for, launch, prepared, tensor_arg
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-# (device, dtype, head_dim, tile, warps, stages, causal, lse) -> LoadedKernel
+# (device, dtype, head_dim, tile, warps, stages, kv_splits, causal, lse) -> LoadedKernel
 _kernels: dict[tuple, Any] = {}
 
 
@@ -21,8 +21,10 @@ def _default_warps(tile_m: int) -> int:
     return max(1, min(8, tile_m // 16))
 
 
-def _get_kernel(device: torch.device, dtype: torch.dtype, d: int, tile, warps, stages, causal, lse):
-    key = (device.index, dtype, d, tile, warps, stages, causal, lse)
+def _get_kernel(
+    device: torch.device, dtype: torch.dtype, d: int, tile, warps, stages, kv_splits, causal, lse
+):
+    key = (device.index, dtype, d, tile, warps, stages, kv_splits, causal, lse)
     k = _kernels.get(key)
     if k is None:
         spec = AttentionSpec(
@@ -32,6 +34,7 @@ def _get_kernel(device: torch.device, dtype: torch.dtype, d: int, tile, warps, s
             tile=tile,
             warps=warps,
             stages=stages,
+            kv_splits=kv_splits,
             causal=causal,
             return_lse=lse,
         )
@@ -40,6 +43,26 @@ def _get_kernel(device: torch.device, dtype: torch.dtype, d: int, tile, warps, s
 
 
 def _validate(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Raise an error naming the first problem with q, k, v; return quietly if there is none."""
+    # Fast path, one pass over the attributes (every call pays for it); the named errors below.
+    try:
+        qs, ks, vs, dt = q.shape, k.shape, v.shape, q.dtype
+        if (
+            len(qs) == 4 and len(ks) == 4 and len(vs) == 4
+            and dt in _DTYPE_NAMES and k.dtype == dt and v.dtype == dt
+            and qs[3] in HEAD_DIMS and ks[3] == qs[3] and vs[3] == qs[3]
+            and ks[:2] == qs[:2] and vs[:3] == ks[:3]
+            and 0 not in qs and 0 not in ks
+            and q.is_cuda and k.is_cuda and v.is_cuda
+            and q.get_device() == k.get_device() == v.get_device()
+        ):
+            return
+    except AttributeError:  # not a tensor: named below
+        pass
+    _explain(q, k, v)
+
+
+def _explain(q, k, v) -> None:
     # Shape and dtype problems are reported before device ones, so each is named precisely.
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -104,6 +127,7 @@ def attention(
     *,
     warps: int | None = None,
     stages: int = 1,
+    kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     precision: str = "fp16",
 ):
@@ -114,8 +138,9 @@ def attention(
     seq_q) of the scaled scores (natural log; -inf for a row with no visible key).
 
     ``out``, if given, receives the result: shape and dtype of q, on q's device, last dim
-    contiguous, 16-byte aligned. ``tile``, ``warps`` and ``stages`` pick the compiled kernel;
-    ``tile=None`` takes the autotuner's winner for this GPU, head dim, masking and sequence length
+    contiguous, 16-byte aligned. ``tile``, ``warps``, ``stages`` and ``kv_splits`` (key-range
+    splits inside a CTA, for short problems) pick the compiled kernel; ``tile=None`` takes the
+    autotuner's winner for this GPU, head dim, masking and sequence length
     (``flashcore.autotune``), or (64, 64) where none was tuned.
 
     ``precision="fp8"`` (sm_89, sm_90) quantises q, k, v to float8_e4m3fn with per-(batch, head)
@@ -132,8 +157,12 @@ def attention(
     if tile is None:
         from ..autotune import lookup
 
-        tile, tuned_warps = lookup(arch_of(q.device), q.shape[3], causal, q.shape[2], precision)
+        tile, tuned_warps, tuned_splits = lookup(
+            arch_of(q.device), q.shape[3], causal, q.shape[2], precision
+        )
         warps = warps or tuned_warps
+        kv_splits = kv_splits or tuned_splits
+    kv_splits = kv_splits or 1
     tile = tuple(tile)
     if warps is None:
         warps = _default_warps(tile[0]) if tile and isinstance(tile[0], int) else 4
@@ -144,12 +173,14 @@ def attention(
             _check_out(out, q)
         return attention_via_fp8(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-            tile=tile, warps=warps, out=out,
+            tile=tile, warps=warps, kv_splits=kv_splits, out=out,
         )
     if precision != "fp16":
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
 
-    kern = _get_kernel(q.device, q.dtype, q.shape[3], tile, warps, stages, causal, return_lse)
+    kern = _get_kernel(
+        q.device, q.dtype, q.shape[3], tile, warps, stages, kv_splits, causal, return_lse
+    )
     q, q_arg = prepared(q)
     _, k_arg = prepared(k)
     _, v_arg = prepared(v)
