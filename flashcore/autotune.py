@@ -52,11 +52,14 @@ def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
         if kv_splits > 1 and (tile not in SPLIT_TILES or tile[0] != 16 * warps):
             continue
         try:
-            yield AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, tile=tile,
-                                warps=warps, causal=causal, precision=precision,
-                                kv_splits=kv_splits)
+            spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, tile=tile,
+                                 warps=warps, causal=causal, precision=precision,
+                                 kv_splits=kv_splits)
+            # a config tuned on Hopper must also fit an L4 (sm_89: 99 KB of shared memory)
+            spec.replace(arch="sm_89")
         except SpecError:
             continue
+        yield spec
 
 
 @cache

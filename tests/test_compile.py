@@ -134,3 +134,31 @@ def test_prepared_keeps_kernel_ready_views_and_copies_the_rest():
     odd = torch.randn(2, 3, 64, 40, dtype=torch.float16).transpose(2, 3)  # last dim strided
     t, arg = prepared(odd)
     assert t.is_contiguous() and torch.equal(t, odd) and arg == tensor_arg(t)
+
+
+def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):
+    """The performance issue's sm_89 target: each autotuned fp16 config of the sm_90 table,
+    compiled for sm_89, stays within the L4's 99 KB of shared memory per block and does not
+    spill (beyond a value parked across the key loop, as above)."""
+    monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
+    from flashcore.autotune import _table
+    from flashcore.compiler import compile_many
+    from flashcore.inspect import sass, sass_opcodes
+
+    specs = []
+    for name, w in sorted(_table("sm_90").items()):
+        d, mask, _, prec = name.split("-")
+        if prec == "fp16":
+            specs.append(AttentionSpec(arch="sm_89", head_dim=int(d[1:]), tile=tuple(w["tile"]),
+                                       warps=w["warps"], kv_splits=w.get("kv_splits", 1),
+                                       causal=mask == "causal"))
+    assert len(specs) == 12
+    unique = list(dict.fromkeys(specs))
+    for spec, art in zip(unique, compile_many(unique, jobs=2)):
+        r = art.resources
+        assert art.smem_dynamic <= SMEM_PER_BLOCK["sm_89"], spec.name
+        assert r.stack_frame_bytes <= 16, (spec.name, r)
+        text = sass(art.cubin)
+        if text is not None:
+            ops = sass_opcodes(text)
+            assert sum(op.startswith(("STL", "LDL")) for op in ops) <= 4, spec.name

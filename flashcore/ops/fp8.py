@@ -6,11 +6,16 @@ takes tensors in the form it returns (the form a serving engine keeps its KV cac
 (batch, heads, seq, head_dim) e4m3 with float32 (batch, heads, seq) descales, V transposed to
 (batch, heads, head_dim, seq_k padded to a multiple of 128) with keys permuted within each group of
 32 (``key_permutation``) and a float32 (batch, heads) descale.
+
+Speed: on Ada (sm_89) the e4m3 MMAs are native (twice the fp16 rate). Hopper (sm_90) has FP8 only
+in wgmma: ptxas lowers e4m3 ``mma.sync`` to f16 MMAs plus unpacks, so there this path is correct
+but slower than fp16 (a warning says so when such a kernel is first loaded).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -149,6 +154,13 @@ def attention_fp8(
             precision="fp8", kv_splits=kv_splits,
         )
         kern = _kernels[key] = kernel_for(spec, q8.device)
+        if spec.arch == "sm_90":
+            warnings.warn(
+                "flashcore FP8 on sm_90: Hopper has no e4m3 mma.sync (ptxas emulates it with f16 "
+                "MMAs), so this path is slower than precision='fp16' there; it is fast on sm_89",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     spec = kern.artifact.spec
     if out is None:
         out = torch.empty((B, H, Sq, D), dtype=out_dtype, device=q8.device)
