@@ -23,13 +23,14 @@ from .errors import KernelNotAvailableError
 from .spec import AttentionSpec, SpecError
 
 TUNED_DIR = Path(__file__).resolve().parent / "tuned"
-DEFAULT = ((64, 64), 4, 1)
+DEFAULT = ((64, 64), 4, 1, 1)  # tile, warps, kv_splits, stages
 # (name, upper bound of seq_q, the shape timed for it: batch, heads, seq)
 BUCKETS = [("short", 1024, (1, 8, 512)), ("mid", 2048, (4, 16, 2048)), ("long", None, (4, 16, 4096))]
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
 WARPS = [1, 2, 4, 8]
 KV_SPLITS = {"short": (1, 2, 4)}  # key splits pay only where the grid cannot fill the GPU
 SPLIT_TILES = [(16, 64), (32, 64), (64, 64), (32, 128)]
+STAGES = [1, 2]  # K/V blocks in flight
 
 
 def bucket_of(seqlen: int) -> str:
@@ -43,7 +44,7 @@ def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
                bucket: str | None = None):
     """Every valid spec to try; ``bucket=None``: those of every bucket."""
     splits = KV_SPLITS.get(bucket, (1,)) if bucket else sorted(set().union(*KV_SPLITS.values()))
-    for tile, warps, kv_splits in itertools.product(TILES, WARPS, splits):
+    for tile, warps, kv_splits, stages in itertools.product(TILES, WARPS, splits, STAGES):
         if tile[0] // warps > 32:  # more rows per warp than registers hold: spills, skip early
             continue
         if bucket == "short" and tile[0] > 64:  # too few CTAs to fill the GPU
@@ -54,7 +55,7 @@ def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
         try:
             spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, tile=tile,
                                  warps=warps, causal=causal, precision=precision,
-                                 kv_splits=kv_splits)
+                                 kv_splits=kv_splits, stages=stages)
             # a config tuned on Hopper must also fit an L4 (sm_89: 99 KB of shared memory)
             spec.replace(arch="sm_89")
         except SpecError:
@@ -76,11 +77,11 @@ def key(head_dim: int, causal: bool, bucket: str, precision: str = "fp16") -> st
 
 
 def lookup(arch: str, head_dim: int, causal: bool, seqlen_q: int, precision: str = "fp16"):
-    """(tile, warps, kv_splits) for ``tile=None``: the tuned winner, else (64, 64), 4 warps, 1."""
+    """(tile, warps, kv_splits, stages) for ``tile=None``: the tuned winner, else ``DEFAULT``."""
     w = _table(arch).get(key(head_dim, causal, bucket_of(seqlen_q), precision))
     if w is None:
         return DEFAULT
-    return tuple(w["tile"]), w["warps"], w.get("kv_splits", 1)
+    return tuple(w["tile"]), w["warps"], w.get("kv_splits", 1), w.get("stages", 1)
 
 
 # -- build (CPU) and run (GPU) ---------------------------------------------------------------------
@@ -92,11 +93,11 @@ def all_candidates(arch: str, precisions=("fp16",), buckets=None) -> list[Attent
     return list(dict.fromkeys(out))
 
 
-def build(arch: str, out: Path, jobs: int | None, buckets=None) -> None:
+def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True) -> None:
     from .cache import KernelCache
     from .compiler import compile_many
 
-    precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
+    precisions = ("fp16", "fp8") if fp8 and arch in ("sm_89", "sm_90") else ("fp16",)
     specs = all_candidates(arch, precisions, buckets)
     compile_many(specs, jobs=jobs, cache=KernelCache(out))
     print(f"{len(specs)} candidates compiled into {out}")
@@ -133,29 +134,30 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
                     print(f"  {spec.name}: spills, skipped")
                     continue
                 if prec == "fp8":  # the kernel alone, on inputs quantised beforehand
-                    fn = fp8_kernel_only(spec.tile, spec.warps, spec.kv_splits)
+                    fn = fp8_kernel_only(spec.tile, spec.warps, spec.kv_splits, spec.stages)
                 else:
                     def fn(q, k, v, c, spec=spec):
                         return attention(q, k, v, tile=spec.tile, warps=spec.warps, causal=c,
-                                         kv_splits=spec.kv_splits)
+                                         kv_splits=spec.kv_splits, stages=spec.stages)
                 try:
                     us = time_kernel(fn, sets, causal, reps=10)
                 except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped
                     print(f"  {spec.name}: failed ({type(e).__name__}: {e})")
                     continue
                 timings[f"{key(d, causal, bname, prec)} {spec.tile} w{spec.warps} "
-                        f"k{spec.kv_splits}"] = us
+                        f"k{spec.kv_splits} s{spec.stages}"] = us
                 if best is None or us < best[0]:
                     best = (us, spec)
             if best is not None:
                 us, spec = best
                 winners[key(d, causal, bname, prec)] = {
                     "tile": list(spec.tile), "warps": spec.warps, "kv_splits": spec.kv_splits,
+                    "stages": spec.stages,
                     "us": round(us, 2),
                     "shape": [b, h, s, d],
                 }
                 print(f"{key(d, causal, bname, prec):28s} -> {spec.tile} w{spec.warps} "
-                      f"k{spec.kv_splits}: {us:.1f} us", flush=True)
+                      f"k{spec.kv_splits} s{spec.stages}: {us:.1f} us", flush=True)
     path = out or TUNED_DIR / f"{arch}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -180,13 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", required=True)
     b.add_argument("--jobs", type=int, default=None)
     b.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
+    b.add_argument("--no-fp8", action="store_true")
     r = sub.add_parser("run", help="time the candidates on this GPU and write the winners")
     r.add_argument("--out", default=None)
     r.add_argument("--no-fp8", action="store_true")
     r.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
     a = ap.parse_args(argv)
     if a.verb == "build":
-        build(a.arch, Path(a.out), a.jobs, a.buckets)
+        build(a.arch, Path(a.out), a.jobs, a.buckets, fp8=not a.no_fp8)
     else:
         precisions = ("fp16",) if a.no_fp8 else ("fp16", "fp8")
         print(run(Path(a.out) if a.out else None, precisions, a.buckets))

@@ -118,7 +118,7 @@ def _flashcore(tile=None, **kw) -> Impl:
     return run
 
 
-def fp8_kernel_only(tile=None, warps=None, kv_splits=1) -> Impl:
+def fp8_kernel_only(tile=None, warps=None, kv_splits=1, stages=1) -> Impl:
     """The FP8 attention kernel alone, on inputs quantised once (as a serving engine keeps them).
     ``tile=None``: the autotuned choice."""
     from flashcore.autotune import lookup
@@ -137,11 +137,11 @@ def fp8_kernel_only(tile=None, warps=None, kv_splits=1) -> Impl:
                                *quantize_fp8(k, granularity="token"),
                                *quantize_fp8(v, transpose=True))
         q8, qd, k8, kd, vt8, vd = hit[3:]
-        t, w, ks = (tile, warps, kv_splits)
+        t, w, ks, st = (tile, warps, kv_splits, stages)
         if t is None:
-            t, w, ks = lookup(arch_of(q.device), q.shape[3], causal, q.shape[2], "fp8")
+            t, w, ks, st = lookup(arch_of(q.device), q.shape[3], causal, q.shape[2], "fp8")
         return attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, out_dtype=q.dtype,
-                             tile=t, warps=w, kv_splits=ks)
+                             tile=t, warps=w, kv_splits=ks, stages=st)
 
     return run
 

@@ -23,7 +23,7 @@ HEAD_DIMS = (64, 128)
 TILE_M = (16, 32, 64, 128)
 TILE_N = (32, 64, 128)
 WARPS = (1, 2, 4, 8)
-STAGES = (1,)
+STAGES = (1, 2, 3)
 KV_SPLITS = (1, 2, 4)
 MAX_THREADS = 512  # 128 registers per thread still fit the 64K register file
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flashcore.catalog import catalog_specs
 from flashcore.spec import AttentionSpec, QuantizeSpec
-from tests.gpu_utils import FP8_SPLIT_CONFIGS, SPLIT_CONFIGS
+from tests.gpu_utils import FP8_SPLIT_CONFIGS, SPLIT_CONFIGS, STAGE_CONFIGS
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
 
@@ -31,6 +31,7 @@ def tuned_specs(arch: str) -> list[AttentionSpec]:
         d, mask, _, prec = name.split("-")
         out.append(AttentionSpec(arch=arch, head_dim=int(d[1:]), tile=tuple(w["tile"]),
                                  warps=w["warps"], kv_splits=w.get("kv_splits", 1),
+                                 stages=w.get("stages", 1),
                                  causal=mask == "causal", precision=prec))
     return out
 
@@ -43,6 +44,12 @@ def gpu_test_specs(arch: str, buckets=None) -> list[AttentionSpec | QuantizeSpec
     for (tile, warps, splits), causal, d in itertools.product(SPLIT_CONFIGS, (False, True), (64, 128)):
         specs.append(AttentionSpec(arch=arch, head_dim=d, tile=tile, warps=warps, causal=causal,
                                    return_lse=True, kv_splits=splits))
+    for (tile, warps, splits, stages), causal, d in itertools.product(
+        STAGE_CONFIGS, (False, True), (64, 128)
+    ):
+        specs.append(AttentionSpec(arch=arch, dtype="bfloat16", head_dim=d, tile=tile, warps=warps,
+                                   causal=causal, return_lse=True, kv_splits=splits,
+                                   stages=stages))
     if arch in ("sm_89", "sm_90"):
         for dtype, d in itertools.product(("float16", "bfloat16"), (64, 128)):
             specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=False))
@@ -65,7 +72,9 @@ def gpu_test_specs(arch: str, buckets=None) -> list[AttentionSpec | QuantizeSpec
     from flashcore.autotune import all_candidates
 
     precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
-    specs += tuned_specs(arch) + all_candidates(arch, precisions, buckets)
+    specs += tuned_specs(arch)
+    if buckets != []:
+        specs += all_candidates(arch, precisions, buckets)
     return list(dict.fromkeys(specs))
 
 
@@ -75,7 +84,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--buckets", nargs="*", default=None,
-                    help="autotune candidates of these buckets only (default: all)")
+                    help="autotune candidates of these buckets only (default: all; none: "
+                    "`--buckets` alone)")
     a = ap.parse_args()
     from flashcore.cache import KernelCache
     from flashcore.catalog import write_catalog

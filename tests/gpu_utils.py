@@ -41,3 +41,5 @@ def attention_shapes(max_seq: int) -> dict:
 # (tile, warps, kv_splits) of the split-KV kernels the GPU tests check
 SPLIT_CONFIGS = [((32, 64), 2, 4), ((64, 64), 4, 2), ((16, 32), 1, 4), ((32, 64), 1, 2)]
 FP8_SPLIT_CONFIGS = [((32, 64), 2, 4)]
+# (tile, warps, kv_splits, stages) of the multi-stage K/V kernels the GPU tests check
+STAGE_CONFIGS = [((64, 64), 4, 1, 2), ((128, 64), 8, 1, 3), ((32, 64), 2, 2, 2), ((16, 32), 1, 1, 3)]

@@ -42,8 +42,8 @@ def test_bad_flags_are_usage_errors(args, tmp_path):
 
 def test_bad_spec_is_one_line_error(tmp_path):
     p = run(["compile", "--tile", "128", "64", "--warps", "8", "--head-dim", "128",
-             "--arch", "sm_89", "--stages", "3"], tmp_path)
-    assert p.returncode == 2 and "stages=3 is not supported" in p.stderr
+             "--arch", "sm_89", "--stages", "5"], tmp_path)
+    assert p.returncode == 2 and "stages=5 is not supported" in p.stderr
     assert "Traceback" not in p.stderr
 
 

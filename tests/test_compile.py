@@ -18,6 +18,8 @@ SPECS = [
     AttentionSpec(arch="sm_90", dtype="float16", head_dim=64, tile=(64, 64), causal=True),
     AttentionSpec(arch="sm_89", dtype="float16", head_dim=64, tile=(32, 64), warps=2, kv_splits=4,
                   causal=True, return_lse=True),
+    AttentionSpec(arch="sm_89", dtype="bfloat16", head_dim=128, tile=(64, 64), stages=2,
+                  causal=True),
 ]
 
 
@@ -151,6 +153,7 @@ def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):
         if prec == "fp16":
             specs.append(AttentionSpec(arch="sm_89", head_dim=int(d[1:]), tile=tuple(w["tile"]),
                                        warps=w["warps"], kv_splits=w.get("kv_splits", 1),
+                                       stages=w.get("stages", 1),
                                        causal=mask == "causal"))
     assert len(specs) == 12
     unique = list(dict.fromkeys(specs))

@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops import attention
-from tests.gpu_utils import SPLIT_CONFIGS, attention_shapes, max_abs, requires_cuda
+from tests.gpu_utils import (
+    SPLIT_CONFIGS,
+    STAGE_CONFIGS,
+    attention_shapes,
+    max_abs,
+    requires_cuda,
+)
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -109,6 +115,27 @@ def test_kv_splits(config, causal, d, sq, sk):
     out = torch.full_like(q, float("nan"))
     _, lse = attention(q, k, v, tile=tile, warps=warps, kv_splits=splits, causal=causal,
                        return_lse=True, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "NaN or unwritten elements"
+    err = max_abs(out, ref)
+    err_sdpa = max_abs(_sdpa(q, k, v, causal, None), ref)
+    assert err <= _allowed(err_sdpa, ref, q.dtype), f"max err {err:.3g} vs SDPA's {err_sdpa:.3g}"
+    assert max_abs(lse, ref_lse) < 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+@pytest.mark.parametrize("config", STAGE_CONFIGS, ids=lambda c: f"{c[0]}w{c[1]}k{c[2]}s{c[3]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(333, 700), (700, 333), (77, 40), (1, 1)])
+def test_stages(config, causal, d, sq, sk):
+    """K/V blocks in flight several at a time: fewer blocks than stages (sk=40, 1), a ragged
+    first block, causal tiles, and stages with key splits; output and LSE against the reference."""
+    tile, warps, splits, stages = config
+    q, k, v = _inputs(2, 3, sq, sk, d, torch.bfloat16, 1.0, seed=hash((config, causal, d, sq)) % 2**31)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device)
+    out = torch.full_like(q, float("nan"))
+    _, lse = attention(q, k, v, tile=tile, warps=warps, kv_splits=splits, stages=stages,
+                       causal=causal, return_lse=True, out=out)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "NaN or unwritten elements"
     err = max_abs(out, ref)

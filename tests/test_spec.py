@@ -67,7 +67,7 @@ def test_default_is_valid():
         ("tile", (64, 16), "tile_n=16"),
         ("warps", 3, "warps=3"),
         ("warps", "4", "warps must be an int"),
-        ("stages", 2, "stages=2"),
+        ("stages", 4, "stages=4"),
         ("stages", None, "stages must be an int"),
         ("causal", 1, "causal must be a bool"),
         ("return_lse", "yes", "return_lse must be a bool"),

@@ -72,6 +72,7 @@ class AttentionForward:
         self.threads = spec.threads
         self.group_threads = spec.group_threads  # threads sharing one key range
         self.splits = spec.kv_splits
+        self.stages = spec.stages  # K/V blocks in flight (1: FA2's K/V overlap, below)
         self.warps = spec.warps
         self.causal = spec.causal
         self.return_lse = spec.return_lse
@@ -84,11 +85,13 @@ class AttentionForward:
         op, d, tm, tn = self.op_dtype, self.head_dim, self.tile_m, self.tile_n
         row_atom = _smem_atom(op.width, 64 if (op.width == 16 or d < 128) else 128)
         sQ_layout = cute.tile_to_shape(row_atom, (tm, d), (0, 1))
-        # K and V: one tile per key split (the last mode), each split's group reads its own
-        sK_layout = cute.tile_to_shape(row_atom, (tn, d, self.splits), (0, 1, 2))
+        # K and V: one tile per stage and key split (the last two modes); each split's group
+        # reads its own
+        kv_modes = (self.stages, self.splits)
+        sK_layout = cute.tile_to_shape(row_atom, (tn, d, *kv_modes), (0, 1, 2, 3))
         if self.fp8:  # Vᵀ tile: head_dim rows of tile_n keys
             sV_layout = cute.tile_to_shape(
-                _smem_atom(op.width, min(tn, 128)), (d, tn, self.splits), (0, 1, 2)
+                _smem_atom(op.width, min(tn, 128)), (d, tn, *kv_modes), (0, 1, 2, 3)
             )
         else:
             sV_layout = sK_layout
@@ -257,14 +260,16 @@ class AttentionForward:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout)
-        sK = storage.sK.get_tensor(sK_layout)[None, None, split]
-        sV = storage.sV.get_tensor(sV_layout)[None, None, split]
+        sK = storage.sK.get_tensor(sK_layout)[None, None, None, split]  # (keys, d, stage)
+        sV = storage.sV.get_tensor(sV_layout)[None, None, None, split]
         if cutlass.const_expr(self.fp8):
             sVt = sV  # already (head_dim, keys)
             sO = storage.sO.get_tensor(sO_layout)
         else:
             # V read as (head_dim, keys): the B operand of P·V
-            sVt = cute.composition(sV, cute.make_layout((d, tile_n), stride=(tile_n, 1)))
+            sVt = cute.composition(
+                sV, cute.make_layout((d, tile_n, self.stages), stride=(tile_n, 1, tile_n * d))
+            )
             sO = cute.make_tensor(sQ.iterator, sO_layout)  # Q's buffer, free by the epilogue
 
         g2s = g2s_qk.get_slice(tidx)
@@ -281,8 +286,8 @@ class AttentionForward:
         # ---- MMA fragments ----------------------------------------------------------------------
         thr_mma = tiled_mma.get_slice(tidx)
         tSrQ = thr_mma.make_fragment_A(thr_mma.partition_A(sQ))
-        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK))
-        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt))
+        tSrK = thr_mma.make_fragment_B(thr_mma.partition_B(sK[None, None, 0]))
+        tOrVt = thr_mma.make_fragment_B(thr_mma.partition_B(sVt[None, None, 0]))
         acc_O = cute.make_rmem_tensor(thr_mma.partition_shape_C((tile_m, d)), cutlass.Float32)
         acc_O.fill(0.0)
 
@@ -300,29 +305,34 @@ class AttentionForward:
         s2r_V_thr = s2r_V.get_slice(tidx)
         tSsQ = s2r_Q_thr.partition_S(sQ)
         tSrQ_view = s2r_Q_thr.retile(tSrQ)
-        tSsK = s2r_K_thr.partition_S(sK)
+        tSsK = s2r_K_thr.partition_S(sK)  # every partition of K and V has a last stage mode
         tSrK_view = s2r_K_thr.retile(tSrK)
         tOsVt = s2r_V_thr.partition_S(sVt)
         tOrVt_view = s2r_V_thr.retile(tOrVt)
 
-        # ---- prologue: Q, then the first K and V blocks in flight, as two groups ----------------
-        # (V too: a short problem has few blocks per CTA, and each would otherwise wait one more
-        # DRAM round trip for its V)
+        # ---- prologue -------------------------------------------------------------------------
         if split == 0:
             self.load_rows(g2s_qk, tQgQ, tQsQ, tQcQ, seqlen_q)
         n_last = n_hi - 1
-        if n_hi > n_lo:
-            self.load_rows(
-                g2s_qk, tKgK[None, None, None, n_last], tKsK, tKVcKV[None, None, None, n_last],
-                seqlen_k,
-            )
-        cute.arch.cp_async_commit_group()
-        if n_hi > n_lo:
-            self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_last, seqlen_k, ragged=True)
-        cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.stages == 1):
+            # Q and the first K, then the first V, as two groups (V too: a short problem has few
+            # blocks per CTA, and each would otherwise wait one more DRAM round trip for its V)
+            if n_hi > n_lo:
+                self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_last, 0, seqlen_k, ragged=True)
+            cute.arch.cp_async_commit_group()
+            if n_hi > n_lo:
+                self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_last, 0, seqlen_k, ragged=True)
+            cute.arch.cp_async_commit_group()
+        else:
+            # the first `stages` K and V blocks, one group each (Q joins the first)
+            for i in cutlass.range_constexpr(self.stages):
+                if n_last - i >= n_lo:
+                    self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_last - i, i, seqlen_k, i == 0)
+                    self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_last - i, i, seqlen_k, i == 0)
+                cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.splits > 1):
             # the first group loaded Q for all: it must land before anyone reads it
-            cute.arch.cp_async_wait_group(1)
+            cute.arch.cp_async_wait_group(1 if self.stages == 1 else self.stages - 1)
             cute.arch.sync_threads()
 
         # running softmax state, one entry per accumulator row this thread holds
@@ -352,18 +362,22 @@ class AttentionForward:
         if cutlass.const_expr(self.causal):
             mask_steps = (tile_m + tile_n - 1) // tile_n
         # (A split's first blocks are masked too: harmless where nothing is out of range.)
+        # The i-th block walked (block n_hi - 1 - i) uses K/V stage i % stages.
         for step in cutlass.range_constexpr(mask_steps):
             n_block = n_hi - 1 - step
             if n_block >= n_lo:
                 self.one_block(
-                    n_block, n_lo, split, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags,
-                    copies, gmem, acc_O, softmax_state, masked=True, ragged=(step == 0),
-                    first=(step == 0),
+                    n_block, n_lo, split, step % self.stages, m_block, seqlen_q, seqlen_k,
+                    thr_mma, tiled_mma, frags, copies, gmem, acc_O, softmax_state, masked=True,
+                    ragged=(step == 0), first=(step == 0),
                 )
         for n_block in range(n_hi - 1 - mask_steps, n_lo - 1, -1):
+            slot = 0
+            if cutlass.const_expr(self.stages > 1):
+                slot = (n_hi - 1 - n_block) % self.stages
             self.one_block(
-                n_block, n_lo, split, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags,
-                copies, gmem, acc_O, softmax_state, masked=False, ragged=False,
+                n_block, n_lo, split, slot, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma,
+                frags, copies, gmem, acc_O, softmax_state, masked=False, ragged=False,
             )
 
         for r in cutlass.range_constexpr(cute.size(row_sum)):
@@ -439,25 +453,44 @@ class AttentionForward:
                 dst[None, m, None].fill(0)
 
     @cute.jit
-    def load_v(self, g2s_v, tVgV, tVsV, tKVcKV, n_block, seqlen_k, ragged: cutlass.Constexpr):
-        """cp.async V's block n (fp8 Vᵀ is padded with zero keys, so never ragged)."""
-        if cutlass.const_expr(ragged and not self.fp8):
+    def load_k(self, g2s_qk, tKgK, tKsK, tKVcKV, n_block, slot, seqlen_k, ragged: cutlass.Constexpr):
+        """cp.async K's block n into stage ``slot`` (rows past the keys zero-filled if ragged)."""
+        if cutlass.const_expr(ragged):
             self.load_rows(
-                g2s_v, tVgV[None, None, None, n_block], tVsV, tKVcKV[None, None, None, n_block],
-                seqlen_k,
+                g2s_qk, tKgK[None, None, None, n_block], tKsK[None, None, None, slot],
+                tKVcKV[None, None, None, n_block], seqlen_k,
             )
         else:
-            cute.copy(g2s_v, tVgV[None, None, None, n_block], tVsV)
+            cute.copy(g2s_qk, tKgK[None, None, None, n_block], tKsK[None, None, None, slot])
+
+    @cute.jit
+    def load_v(self, g2s_v, tVgV, tVsV, tKVcKV, n_block, slot, seqlen_k, ragged: cutlass.Constexpr):
+        """cp.async V's block n into stage ``slot`` (fp8 Vᵀ is padded with zero keys, so never
+        ragged)."""
+        if cutlass.const_expr(ragged and not self.fp8):
+            self.load_rows(
+                g2s_v, tVgV[None, None, None, n_block], tVsV[None, None, None, slot],
+                tKVcKV[None, None, None, n_block], seqlen_k,
+            )
+        else:
+            cute.copy(g2s_v, tVgV[None, None, None, n_block], tVsV[None, None, None, slot])
 
     @cute.jit
     def one_block(
-        self, n_block, n_lo, split, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags, copies,
-        gmem, acc_O, softmax_state, masked: cutlass.Constexpr, ragged: cutlass.Constexpr,
+        self, n_block, n_lo, split, slot, m_block, seqlen_q, seqlen_k, thr_mma, tiled_mma, frags,
+        copies, gmem, acc_O, softmax_state, masked: cutlass.Constexpr, ragged: cutlass.Constexpr,
         first: cutlass.Constexpr = False,
     ):
+        """One key block: S = Q·Kᵀ, mask, online softmax, O += P·V, with its loads.
+
+        One stage (FA2's schedule): wait K(n), issue V(n), S, wait V(n), issue K(n-1) over
+        K(n), softmax, P·V. Several stages: K and V of block n were issued ``stages`` blocks
+        ago; wait for them, compute, then issue block n - stages into the freed stage."""
         tSrQ, tSrK, tOrVt, tSsQ, tSrQ_view, tSsK, tSrK_view, tOsVt, tOrVt_view = frags
         s2r_Q, s2r_K, s2r_V = copies
         g2s_qk, g2s_v, tKgK, tKsK, tVgV, tVsV, tKVcKV = gmem
+        tSsK = tSsK[None, None, None, slot]  # this block's stage
+        tOsVt = tOsVt[None, None, None, slot]
 
         acc_S = cute.make_rmem_tensor(
             thr_mma.partition_shape_C((self.tile_m, self.tile_n)), cutlass.Float32
@@ -469,7 +502,11 @@ class AttentionForward:
             k_descale = self.load_k_descale(softmax_state[3], acc_S, thr_mma, m_block, n_block,
                                             seqlen_q, seqlen_k)
 
-        if cutlass.const_expr(first):
+        if cutlass.const_expr(self.stages > 1):
+            # block n's group is the oldest of `stages` in flight
+            cute.arch.cp_async_wait_group(self.stages - 1)
+            self.group_sync(split)
+        elif cutlass.const_expr(first):
             # K(n) has landed; V(n), loaded by the prologue, may still be in flight
             cute.arch.cp_async_wait_group(1)
             self.group_sync(split)
@@ -477,7 +514,7 @@ class AttentionForward:
             # K(n) has landed; every warp is done with the previous V
             cute.arch.cp_async_wait_group(0)
             self.group_sync(split)
-            self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_block, seqlen_k, ragged)
+            self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_block, 0, seqlen_k, ragged)
             cute.arch.cp_async_commit_group()
 
         # S = Q · K^T, software-pipelined over head_dim: load k+1 while multiplying k
@@ -490,12 +527,13 @@ class AttentionForward:
                 cute.copy(s2r_K, tSsK[None, None, k + 1], tSrK_view[None, None, k + 1])
             cute.gemm(tiled_mma, acc_S, tSrQ[None, None, k], tSrK[None, None, k], acc_S)
 
-        # V(n) has landed; every warp is done reading K(n): prefetch K(n-1) over it
-        cute.arch.cp_async_wait_group(0)
-        self.group_sync(split)
-        if n_block > n_lo:
-            cute.copy(g2s_qk, tKgK[None, None, None, n_block - 1], tKsK)
-            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.stages == 1):
+            # V(n) has landed; every warp is done reading K(n): prefetch K(n-1) over it
+            cute.arch.cp_async_wait_group(0)
+            self.group_sync(split)
+            if n_block > n_lo:
+                self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_block - 1, 0, seqlen_k, ragged=False)
+                cute.arch.cp_async_commit_group()
 
         self.online_softmax(
             acc_S, acc_O, softmax_state, thr_mma, m_block, n_block, seqlen_q, seqlen_k, masked,
@@ -521,6 +559,15 @@ class AttentionForward:
             if cutlass.const_expr(k + 1 < v_steps):
                 cute.copy(s2r_V, tOsVt[None, None, k + 1], tOrVt_view[None, None, k + 1])
             cute.gemm(tiled_mma, acc_O, tOrP[None, None, k], tOrVt[None, None, k], acc_O)
+
+        if cutlass.const_expr(self.stages > 1):
+            # every warp is done with this stage: refill it with block n - stages
+            self.group_sync(split)
+            n_next = n_block - self.stages
+            if n_next >= n_lo:
+                self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_next, slot, seqlen_k, ragged=False)
+                self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_next, slot, seqlen_k, ragged=False)
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def online_softmax(

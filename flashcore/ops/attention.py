@@ -126,7 +126,7 @@ def attention(
     return_lse: bool = False,
     *,
     warps: int | None = None,
-    stages: int = 1,
+    stages: int | None = None,
     kv_splits: int | None = None,
     out: torch.Tensor | None = None,
     precision: str = "fp16",
@@ -157,12 +157,14 @@ def attention(
     if tile is None:
         from ..autotune import lookup
 
-        tile, tuned_warps, tuned_splits = lookup(
+        tile, tuned_warps, tuned_splits, tuned_stages = lookup(
             arch_of(q.device), q.shape[3], causal, q.shape[2], precision
         )
         warps = warps or tuned_warps
         kv_splits = kv_splits or tuned_splits
+        stages = stages or tuned_stages
     kv_splits = kv_splits or 1
+    stages = stages or 1
     tile = tuple(tile)
     if warps is None:
         warps = _default_warps(tile[0]) if tile and isinstance(tile[0], int) else 4
@@ -173,7 +175,7 @@ def attention(
             _check_out(out, q)
         return attention_via_fp8(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-            tile=tile, warps=warps, kv_splits=kv_splits, out=out,
+            tile=tile, warps=warps, kv_splits=kv_splits, stages=stages, out=out,
         )
     if precision != "fp16":
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")

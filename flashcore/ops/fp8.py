@@ -123,6 +123,7 @@ def attention_fp8(
     tile: tuple[int, int] = (64, 64),
     warps: int | None = None,
     kv_splits: int = 1,
+    stages: int = 1,
     out: torch.Tensor | None = None,
 ):
     """Attention on already-quantised tensors (see module docstring for their layout)."""
@@ -145,13 +146,14 @@ def attention_fp8(
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     tile = tuple(tile)
-    key = ("attn", q8.device.index, out_dtype, D, tile, warps, kv_splits, causal, return_lse)
+    key = ("attn", q8.device.index, out_dtype, D, tile, warps, kv_splits, stages, causal,
+           return_lse)
     kern = _kernels.get(key)
     if kern is None:
         spec = AttentionSpec(
             arch=arch_of(q8.device), dtype=_DTYPE_NAMES[out_dtype], head_dim=D, tile=tile,
             warps=warps or max(1, min(8, tile[0] // 16)), causal=causal, return_lse=return_lse,
-            precision="fp8", kv_splits=kv_splits,
+            precision="fp8", kv_splits=kv_splits, stages=stages,
         )
         kern = _kernels[key] = kernel_for(spec, q8.device)
         if spec.arch == "sm_90":
@@ -178,7 +180,9 @@ def attention_fp8(
     return (out, lse) if return_lse else out
 
 
-def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, tile, warps, kv_splits, out):
+def attention_via_fp8(
+    q, k, v, *, causal, softmax_scale, return_lse, tile, warps, kv_splits, stages, out
+):
     """Quantise fp16/bf16 q, k, v, then ``attention_fp8``; the output has q's dtype."""
     q8, qd = quantize_fp8(q, granularity="token")
     k8, kd = quantize_fp8(k, granularity="token")
@@ -186,5 +190,5 @@ def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, tile, warps
     return attention_fp8(
         q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=softmax_scale,
         return_lse=return_lse, out_dtype=q.dtype, tile=tile, warps=warps, kv_splits=kv_splits,
-        out=out,
+        stages=stages, out=out,
     )
