@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
+from flashcore.errors import SpecError
 from flashcore.ops import attention
 from tests.gpu_utils import (
     SPLIT_CONFIGS,
@@ -227,4 +228,11 @@ def test_bad_gpu_inputs_rejected():
         attention(e, k, v)
     with pytest.raises(ValueError, match="on cpu"):
         attention(q.cpu(), k, v)
+    # kernel knobs: 0 is not "unset", it is an error (also with the tuned tile)
+    with pytest.raises(SpecError, match="kv_splits=0"):
+        attention(q, k, v, kv_splits=0)
+    with pytest.raises(SpecError, match="stages=0"):
+        attention(q, k, v, tile=None, stages=0)
+    with pytest.raises(SpecError, match="over 512"):
+        attention(q, k, v, tile=(128, 64), warps=8, kv_splits=4)
     assert math.isfinite(attention(q, k, v).float().sum().item())

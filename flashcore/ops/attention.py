@@ -160,11 +160,12 @@ def attention(
         tile, tuned_warps, tuned_splits, tuned_stages = lookup(
             arch_of(q.device), q.shape[3], causal, q.shape[2], precision
         )
-        warps = warps or tuned_warps
-        kv_splits = kv_splits or tuned_splits
-        stages = stages or tuned_stages
-    kv_splits = kv_splits or 1
-    stages = stages or 1
+        # only what the caller left unset comes from the table (0 is an error, not "unset")
+        warps = tuned_warps if warps is None else warps
+        kv_splits = tuned_splits if kv_splits is None else kv_splits
+        stages = tuned_stages if stages is None else stages
+    kv_splits = 1 if kv_splits is None else kv_splits
+    stages = 1 if stages is None else stages
     tile = tuple(tile)
     if warps is None:
         warps = _default_warps(tile[0]) if tile and isinstance(tile[0], int) else 4
