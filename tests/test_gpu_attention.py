@@ -103,25 +103,29 @@ def test_tiles(tile, causal, d):
     assert err <= _allowed(err_sdpa, ref, q.dtype)
 
 
-@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: f"{c[0]}w{c[1]}k{c[2]}")
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("sq,sk", [(333, 700), (700, 333), (77, 40), (512, 512), (1, 1)])
-def test_kv_splits(config, causal, d, sq, sk):
-    """Split-KV CTAs: ranges that divide unevenly, splits with no key block at all (sk=40),
-    causal rows whose first blocks are masked; output and LSE against the reference."""
-    tile, warps, splits = config
-    q, k, v = _inputs(2, 3, sq, sk, d, torch.float16, 1.0, seed=hash((config, causal, d, sq)) % 2**31)
+def _check_with_lse(q, k, v, causal, **knobs):
+    """Poisoned output and LSE of one kernel configuration against the float64 reference."""
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device)
     out = torch.full_like(q, float("nan"))
-    _, lse = attention(q, k, v, tile=tile, warps=warps, kv_splits=splits, causal=causal,
-                       return_lse=True, out=out)
+    _, lse = attention(q, k, v, causal=causal, return_lse=True, out=out, **knobs)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "NaN or unwritten elements"
     err = max_abs(out, ref)
     err_sdpa = max_abs(_sdpa(q, k, v, causal, None), ref)
     assert err <= _allowed(err_sdpa, ref, q.dtype), f"max err {err:.3g} vs SDPA's {err_sdpa:.3g}"
     assert max_abs(lse, ref_lse) < 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=lambda c: f"{c[0]}w{c[1]}k{c[2]}")
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq,sk", [(333, 700), (700, 333), (77, 40), (512, 512), (1, 1)])
+def test_kv_splits(config, causal, d, sq, sk):
+    """Split-KV CTAs: ranges that divide unevenly, splits with no key block at all (sk=40),
+    causal rows whose first blocks are masked."""
+    tile, warps, splits = config
+    q, k, v = _inputs(2, 3, sq, sk, d, torch.float16, 1.0, seed=hash((config, causal, d, sq)) % 2**31)
+    _check_with_lse(q, k, v, causal, tile=tile, warps=warps, kv_splits=splits)
 
 
 @pytest.mark.parametrize("config", STAGE_CONFIGS, ids=lambda c: f"{c[0]}w{c[1]}k{c[2]}s{c[3]}")
@@ -130,19 +134,10 @@ def test_kv_splits(config, causal, d, sq, sk):
 @pytest.mark.parametrize("sq,sk", [(333, 700), (700, 333), (77, 40), (1, 1)])
 def test_stages(config, causal, d, sq, sk):
     """K/V blocks in flight several at a time: fewer blocks than stages (sk=40, 1), a ragged
-    first block, causal tiles, and stages with key splits; output and LSE against the reference."""
+    first block, causal tiles, and stages with key splits."""
     tile, warps, splits, stages = config
     q, k, v = _inputs(2, 3, sq, sk, d, torch.bfloat16, 1.0, seed=hash((config, causal, d, sq)) % 2**31)
-    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device)
-    out = torch.full_like(q, float("nan"))
-    _, lse = attention(q, k, v, tile=tile, warps=warps, kv_splits=splits, stages=stages,
-                       causal=causal, return_lse=True, out=out)
-    torch.cuda.synchronize()
-    assert torch.isfinite(out).all(), "NaN or unwritten elements"
-    err = max_abs(out, ref)
-    err_sdpa = max_abs(_sdpa(q, k, v, causal, None), ref)
-    assert err <= _allowed(err_sdpa, ref, q.dtype), f"max err {err:.3g} vs SDPA's {err_sdpa:.3g}"
-    assert max_abs(lse, ref_lse) < 1e-3 * max(1.0, ref_lse.abs().max().item())
+    _check_with_lse(q, k, v, causal, tile=tile, warps=warps, kv_splits=splits, stages=stages)
 
 
 def test_every_element_written_and_deterministic():

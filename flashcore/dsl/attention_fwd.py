@@ -453,27 +453,26 @@ class AttentionForward:
                 dst[None, m, None].fill(0)
 
     @cute.jit
-    def load_k(self, g2s_qk, tKgK, tKsK, tKVcKV, n_block, slot, seqlen_k, ragged: cutlass.Constexpr):
-        """cp.async K's block n into stage ``slot`` (rows past the keys zero-filled if ragged)."""
+    def load_block(self, tiled_copy, src, dst, coords, n_block, slot, seqlen_k,
+                   ragged: cutlass.Constexpr):
+        """cp.async key block n of K or V into stage ``slot``; if ``ragged``, rows past the keys
+        are zero-filled."""
         if cutlass.const_expr(ragged):
             self.load_rows(
-                g2s_qk, tKgK[None, None, None, n_block], tKsK[None, None, None, slot],
-                tKVcKV[None, None, None, n_block], seqlen_k,
+                tiled_copy, src[None, None, None, n_block], dst[None, None, None, slot],
+                coords[None, None, None, n_block], seqlen_k,
             )
         else:
-            cute.copy(g2s_qk, tKgK[None, None, None, n_block], tKsK[None, None, None, slot])
+            cute.copy(tiled_copy, src[None, None, None, n_block], dst[None, None, None, slot])
+
+    @cute.jit
+    def load_k(self, g2s_qk, tKgK, tKsK, tKVcKV, n_block, slot, seqlen_k, ragged: cutlass.Constexpr):
+        self.load_block(g2s_qk, tKgK, tKsK, tKVcKV, n_block, slot, seqlen_k, ragged)
 
     @cute.jit
     def load_v(self, g2s_v, tVgV, tVsV, tKVcKV, n_block, slot, seqlen_k, ragged: cutlass.Constexpr):
-        """cp.async V's block n into stage ``slot`` (fp8 Vᵀ is padded with zero keys, so never
-        ragged)."""
-        if cutlass.const_expr(ragged and not self.fp8):
-            self.load_rows(
-                g2s_v, tVgV[None, None, None, n_block], tVsV[None, None, None, slot],
-                tKVcKV[None, None, None, n_block], seqlen_k,
-            )
-        else:
-            cute.copy(g2s_v, tVgV[None, None, None, n_block], tVsV[None, None, None, slot])
+        # fp8 Vᵀ is padded with zero keys: never ragged
+        self.load_block(g2s_v, tVgV, tVsV, tKVcKV, n_block, slot, seqlen_k, ragged and not self.fp8)
 
     @cute.jit
     def one_block(
