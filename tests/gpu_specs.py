@@ -69,6 +69,9 @@ def gpu_test_specs(arch: str, buckets=None) -> list[AttentionSpec | QuantizeSpec
         ):
             specs.append(AttentionSpec(arch=arch, head_dim=d, tile=tile, warps=warps,
                                        causal=causal, precision="fp8", kv_splits=splits))
+        for causal, d in itertools.product((False, True), (64, 128)):  # test_fp8_stages
+            specs.append(AttentionSpec(arch=arch, head_dim=d, tile=(64, 64), warps=4,
+                                       causal=causal, precision="fp8", stages=2))
     from flashcore.autotune import all_candidates
 
     precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
