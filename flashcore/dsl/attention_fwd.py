@@ -2,11 +2,19 @@
 
 One CTA computes ``tile_m`` query rows of one (batch, head). It walks the key blocks from the last to
 the first, so the blocks that need masking (the ragged end of the keys; the diagonal when causal) come
-first and initialise the running row max. Per key block:
+first and initialise the running row max. Per key block, with one K/V stage (FA2's schedule):
 
     wait K(n) ─ issue V(n) ─ S = Q·Kᵀ ─ wait V(n) ─ issue K(n-1) ─ mask, online softmax ─ O += P·V
 
-(the first block's V is issued by the prologue, with its K).
+(the first block's V is issued by the prologue, with its K). With ``stages`` > 1, K and V of each
+block are issued ``stages`` blocks ahead as one cp.async group, into a ring of stages:
+
+    wait block n ─ S = Q·Kᵀ ─ mask, online softmax ─ O += P·V ─ issue block n - stages
+
+With ``kv_splits`` > 1 the CTA holds that many groups of ``warps`` warps; each walks its own share
+of the key blocks (its own named barrier), and the groups merge their softmax states and partial
+outputs through shared memory at the end. Causal grids run the last query tiles (the most keys)
+first.
 
 * global→shared: 128-bit ``cp.async``; rows past the sequence end are zero-filled in shared memory.
 * shared layouts: row-major atoms of 128-byte lines under a swizzle that XORs the line index into
@@ -30,7 +38,8 @@ each group of 8, while the e4m3 A operand wants keys {4t..4t+3} of each 16: inst
 registers, Vᵀ's keys are stored permuted within each 32 (``flashcore.ops.fp8.key_permutation``),
 so P's registers are used as they are.
 
-ABI: see ``flashcore.abi`` (the grid is (ceil(seq_q / tile_m), heads, batch), the block 32·warps).
+ABI: see ``flashcore.abi`` (the grid is (ceil(seq_q / tile_m), heads, batch), the block
+32·warps·kv_splits).
 """
 
 
