@@ -91,6 +91,16 @@ QUANTIZE_FP8_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
 )
 
 
+# V's quantiser (per head, transposed): the amax per (batch, heads) comes in, computed beforehand
+# (one torch reduction), so every block of keys can be quantised by its own CTA.
+QUANTIZE_FP8_VT_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
+    TensorParam("x", 3, 3),
+    TensorParam("out", 3, 3),
+    TensorParam("amax", 2, 1),
+    TensorParam("descale", 2, 1),
+)
+
+
 # Per-token quantiser: the descale is (batch, heads, seq).
 QUANTIZE_FP8_TOKEN_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
     TensorParam("x", 3, 3),
@@ -101,7 +111,9 @@ QUANTIZE_FP8_TOKEN_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
 
 def params_for(spec) -> tuple[TensorParam | ScalarParam, ...]:
     if spec.op == "quantize_fp8":
-        return QUANTIZE_FP8_TOKEN_PARAMS if spec.granularity == "token" else QUANTIZE_FP8_PARAMS
+        if spec.granularity == "token":
+            return QUANTIZE_FP8_TOKEN_PARAMS
+        return QUANTIZE_FP8_VT_PARAMS if spec.transpose else QUANTIZE_FP8_PARAMS
     return ATTENTION_FWD_FP8_PARAMS if spec.precision == "fp8" else ATTENTION_FWD_PARAMS
 
 

@@ -301,8 +301,9 @@ class QuantizeSpec:
 
     @property
     def smem_bytes(self) -> int:
-        # per-head: one float per warp for the amax reduction; per-token: shuffles only
-        return 4 * (self.threads // 32) if self.granularity == "head" else 0
+        # per head: one float per warp for the amax reduction; per token, and Vᵀ (amax given):
+        # none
+        return 4 * (self.threads // 32) if self.granularity == "head" and not self.transpose else 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -101,6 +101,12 @@ def _quantize_args(spec: QuantizeSpec):
             cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1),
             assumed_align=4,
         )
+    if spec.transpose:  # Vᵀ takes its (batch, heads) amax as an input
+        amax = make_fake_tensor(
+            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1),
+            assumed_align=4,
+        )
+        return x, y, amax, descale
     return x, y, descale
 
 
@@ -126,14 +132,18 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     from .attention_fwd import AttentionForward
 
     if isinstance(spec, QuantizeSpec):
-        from .quantize_fp8 import QuantizeFP8, QuantizeFP8PerToken
+        from .quantize_fp8 import QuantizeFP8, QuantizeFP8PerToken, QuantizeFP8Transposed
 
         if spec.granularity == "token":
             traced = QuantizeFP8PerToken(spec.dtype, spec.head_dim, spec.threads)
             device_fn = QuantizeFP8PerToken.kernel
         else:
-            traced = QuantizeFP8(spec.dtype, spec.head_dim, spec.transpose, spec.threads)
-            device_fn = QuantizeFP8.kernel
+            if spec.transpose:
+                traced = QuantizeFP8Transposed(spec.dtype, spec.head_dim, spec.threads)
+                device_fn = QuantizeFP8Transposed.kernel
+            else:
+                traced = QuantizeFP8(spec.dtype, spec.head_dim, spec.threads)
+                device_fn = QuantizeFP8.kernel
         host_fn, args = traced.host, _quantize_args(spec)
     else:
         traced = AttentionForward(spec)

@@ -4,9 +4,11 @@ Every value is cast as ``x * 448 / amax``, so no finite input saturates (|x| <= 
 [-448, 448]); amax is clamped below at AMAX_FLOOR so an all-zero group still gets a finite scale.
 
 * ``QuantizeFP8`` (per (batch, head), one CTA per head): pass 1 finds amax (16-byte loads, warp then
-  CTA reduction), pass 2 casts and writes either the same (batch, heads, seq, head_dim) layout or,
-  for V, the transpose (batch, heads, head_dim, seq_padded) with keys permuted inside each group of
-  32 (see the FP8 notes in attention_fwd.py). Descale amax / 448 to a (batch, heads) tensor.
+  CTA reduction), pass 2 casts and writes the same (batch, heads, seq, head_dim) layout. Descale
+  amax / 448 to a (batch, heads) tensor.
+* ``QuantizeFP8Transposed`` (V: per (batch, head), amax given): a CTA per block of keys writes the
+  transpose (batch, heads, head_dim, seq_padded) with keys permuted inside each group of 32 (see
+  the FP8 notes in attention_fwd.py), zeros past the keys, in 16-byte stores along the keys.
 * ``QuantizeFP8PerToken`` (per (batch, head, token), one pass, a CTA per block of tokens): the
   threads of one row reduce its amax with butterfly shuffles. An outlier token then costs
   precision only to itself. Descale to a (batch, heads, seq) tensor.
@@ -22,10 +24,9 @@ _DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
 class QuantizeFP8:
-    def __init__(self, dtype: str, head_dim: int, transpose: bool, threads: int = 256):
+    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
         self.in_dtype = _DTYPES[dtype]
         self.head_dim = head_dim
-        self.transpose = transpose
         self.threads = threads
         self.warps = threads // 32
 
@@ -92,16 +93,61 @@ class QuantizeFP8:
             chunk = c % chunks_per_row
             cute.autovec_copy(cute.local_tile(X[row, None], (8,), (chunk,)), frag)
             q8.store((frag.load().to(cutlass.Float32) * scale).to(cutlass.Float8E4M3FN))
-            if cutlass.const_expr(self.transpose):
-                # key `row` goes to position p of its group of 32 (inverse of the MMA's key order)
-                k = row % 32
-                j = (k % 16) // 8
-                t = (k % 8) // 2
-                pos = row - k + (k // 16) * 16 + 4 * t + 2 * j + (k % 2)
-                for i in cutlass.range_constexpr(8):
-                    Y[chunk * 8 + i, pos] = q8[i]
-            else:
-                cute.autovec_copy(q8, cute.local_tile(Y[row, None], (8,), (chunk,)))
+            cute.autovec_copy(q8, cute.local_tile(Y[row, None], (8,), (chunk,)))
+
+
+def _key_at(p: int) -> int:
+    """The key stored at position p of a group of 32 in Vᵀ (flashcore.ops.fp8.key_permutation)."""
+    half, q = divmod(p, 16)
+    t, i = divmod(q, 4)
+    return 16 * half + 8 * (i // 2) + 2 * t + i % 2
+
+
+class QuantizeFP8Transposed:
+    """V -> Vᵀ in e4m3 with a given per-(batch, head) amax. Thread (d, g) of a CTA owns head-dim
+    index d of one group of 32 keys: it reads its 32 values (a warp reads whole 2-byte rows,
+    coalesced), converts them in the permuted key order and writes 32 contiguous bytes."""
+
+    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
+        self.in_dtype = _DTYPES[dtype]
+        self.head_dim = head_dim
+        self.threads = threads
+        self.groups = threads // head_dim  # groups of 32 keys per CTA
+
+    @cute.jit
+    def host(self, mX: cute.Tensor, mOut: cute.Tensor, mAmax: cute.Tensor, mDescale: cute.Tensor):
+        self.smem_size = 0
+        keys_per_cta = 32 * self.groups
+        self.kernel(mX, mOut, mAmax, mDescale).launch(
+            grid=(cute.ceil_div(mOut.shape[3], keys_per_cta), cute.size(mX.shape[1]),
+                  cute.size(mX.shape[0])),
+            block=[self.threads, 1, 1],
+            smem=0,
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mAmax: cute.Tensor, mDescale: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        blk, head, batch = cute.arch.block_idx()
+        d = tidx % self.head_dim
+        group = blk * self.groups + tidx // self.head_dim
+        amax = cute.arch.fmax(mAmax[batch, head], AMAX_FLOOR)
+        scale = E4M3_MAX / amax
+        if blk == 0 and tidx == 0:
+            mDescale[batch, head] = amax / E4M3_MAX
+        X = mX[batch, head, None, None]  # (seq, head_dim)
+        Y = mOut[batch, head, None, None]  # (head_dim, seq_padded)
+        seqlen = mX.shape[2]
+        if group * 32 < mOut.shape[3]:
+            vals = cute.make_rmem_tensor((32,), cutlass.Float32)
+            for p in cutlass.range_constexpr(32):
+                key = group * 32 + _key_at(p)
+                vals[p] = cutlass.Float32(0.0)  # keys past the end: zeros (P is 0 there)
+                if key < seqlen:
+                    vals[p] = X[key, d].to(cutlass.Float32) * scale
+            q8 = cute.make_rmem_tensor((32,), cutlass.Float8E4M3FN)
+            q8.store(vals.load().to(cutlass.Float8E4M3FN))
+            cute.autovec_copy(q8, cute.local_tile(Y[d, None], (32,), (group,)))
 
 
 class QuantizeFP8PerToken:
