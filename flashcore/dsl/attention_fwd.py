@@ -327,7 +327,7 @@ class AttentionForward:
             # Q and the first K, then the first V, as two groups (V too: a short problem has few
             # blocks per CTA, and each would otherwise wait one more DRAM round trip for its V)
             if n_hi > n_lo:
-                self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_last, 0, seqlen_k, ragged=True)
+                self.load_block(g2s_qk, tKgK, tKsK, tKVcKV, n_last, 0, seqlen_k, ragged=True)
             cute.arch.cp_async_commit_group()
             if n_hi > n_lo:
                 self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_last, 0, seqlen_k, ragged=True)
@@ -336,7 +336,7 @@ class AttentionForward:
             # the first `stages` K and V blocks, one group each (Q joins the first)
             for i in cutlass.range_constexpr(self.stages):
                 if n_last - i >= n_lo:
-                    self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_last - i, i, seqlen_k, i == 0)
+                    self.load_block(g2s_qk, tKgK, tKsK, tKVcKV, n_last - i, i, seqlen_k, i == 0)
                     self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_last - i, i, seqlen_k, i == 0)
                 cute.arch.cp_async_commit_group()
         if cutlass.const_expr(self.splits > 1):
@@ -354,9 +354,9 @@ class AttentionForward:
         row_scale = cute.make_rmem_tensor(cute.size(acc_O_mn, mode=[0]), cutlass.Float32)
         row_scale.fill(scale_log2)
         if cutlass.const_expr(self.fp8):
-            tOcO_rows = self.mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_m, d))))
+            rows = self.row_coords(thr_mma)
             for r in cutlass.range_constexpr(cute.size(row_scale)):
-                row = m_block * tile_m + tOcO_rows[r, 0][0]
+                row = m_block * tile_m + rows[r]
                 if row < seqlen_q:
                     row_scale[r] = scale_log2 * mQd[batch, head, row]
 
@@ -475,10 +475,6 @@ class AttentionForward:
             cute.copy(tiled_copy, src[None, None, None, n_block], dst[None, None, None, slot])
 
     @cute.jit
-    def load_k(self, g2s_qk, tKgK, tKsK, tKVcKV, n_block, slot, seqlen_k, ragged: cutlass.Constexpr):
-        self.load_block(g2s_qk, tKgK, tKsK, tKVcKV, n_block, slot, seqlen_k, ragged)
-
-    @cute.jit
     def load_v(self, g2s_v, tVgV, tVsV, tKVcKV, n_block, slot, seqlen_k, ragged: cutlass.Constexpr):
         # fp8 Vᵀ is padded with zero keys: never ragged
         self.load_block(g2s_v, tVgV, tVsV, tKVcKV, n_block, slot, seqlen_k, ragged and not self.fp8)
@@ -540,7 +536,7 @@ class AttentionForward:
             cute.arch.cp_async_wait_group(0)
             self.group_sync(split)
             if n_block > n_lo:
-                self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_block - 1, 0, seqlen_k, ragged=False)
+                self.load_block(g2s_qk, tKgK, tKsK, tKVcKV, n_block - 1, 0, seqlen_k, ragged=False)
                 cute.arch.cp_async_commit_group()
 
         self.online_softmax(
@@ -573,7 +569,7 @@ class AttentionForward:
             self.group_sync(split)
             n_next = n_block - self.stages
             if n_next >= n_lo:
-                self.load_k(g2s_qk, tKgK, tKsK, tKVcKV, n_next, slot, seqlen_k, ragged=False)
+                self.load_block(g2s_qk, tKgK, tKsK, tKVcKV, n_next, slot, seqlen_k, ragged=False)
                 self.load_v(g2s_v, tVgV, tVsV, tKVcKV, n_next, slot, seqlen_k, ragged=False)
             cute.arch.cp_async_commit_group()
 
@@ -586,12 +582,7 @@ class AttentionForward:
         S = self.mn_view(acc_S)
         O = self.mn_view(acc_O)
         if cutlass.const_expr(masked):
-            cS = cute.local_tile(
-                cute.make_identity_tensor((seqlen_q, seqlen_k)),
-                (self.tile_m, self.tile_n),
-                (m_block, n_block),
-            )
-            tScS = self.mn_view(thr_mma.partition_C(cS))
+            tScS = self.score_coords(thr_mma, m_block, n_block, seqlen_q, seqlen_k)
         if cutlass.const_expr(self.fp8):  # each key's descale multiplies its column of scores
             for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
                 for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
@@ -656,16 +647,16 @@ class AttentionForward:
         sAcc = storage.sAcc.get_tensor(
             cute.make_layout((tile_m, d, self.splits - 1), stride=(d, 1, tile_m * d))
         )
-        rows = self.mn_view(thr_mma.partition_C(cute.make_identity_tensor((tile_m, d))))
+        rows = self.row_coords(thr_mma)
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(row_max)):
             if lane % 4 == 0:
-                sML[rows[r, 0][0], 0, split] = row_max[r]
-                sML[rows[r, 0][0], 1, split] = row_sum[r]
+                sML[rows[r], 0, split] = row_max[r]
+                sML[rows[r], 1, split] = row_sum[r]
         cute.arch.sync_threads()
         O = self.mn_view(acc_O)
         for r in cutlass.range_constexpr(cute.size(row_max)):
-            row = rows[r, 0][0]
+            row = rows[r]
             scale_log2 = row_scale[r]
             new_max = sML[row, 0, 0]
             for g in cutlass.range_constexpr(1, self.splits):
@@ -692,12 +683,7 @@ class AttentionForward:
     def load_k_descale(self, mKd, acc_S, thr_mma, m_block, n_block, seqlen_q, seqlen_k):
         """The descales of the keys whose scores this thread holds (1 past the last key)."""
         _, head, batch = cute.arch.block_idx()  # (head and batch are never reordered)
-        cS = cute.local_tile(
-            cute.make_identity_tensor((seqlen_q, seqlen_k)),
-            (self.tile_m, self.tile_n),
-            (m_block, n_block),
-        )
-        cols = self.mn_view(thr_mma.partition_C(cS))
+        cols = self.score_coords(thr_mma, m_block, n_block, seqlen_q, seqlen_k)
         kd = cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
         for c in cutlass.range_constexpr(cute.size(cols, mode=[1])):
             col = cols[0, c][1]
@@ -710,23 +696,34 @@ class AttentionForward:
     def store_lse(self, mLSE, batch, head, m_block, seqlen_q, thr_mma, row_max, row_sum, row_scale):
         """lse = max * scale + ln(sum), natural log; -inf for a row that saw no key."""
         gLSE = cute.local_tile(mLSE[batch, head, None], (self.tile_m,), (m_block,))
-        cO = cute.local_tile(
-            cute.make_identity_tensor((seqlen_q, self.head_dim)),
-            (self.tile_m, self.head_dim),
-            (m_block, 0),
-        )
-        tOcO = self.mn_view(thr_mma.partition_C(cO))
+        rows = self.row_coords(thr_mma)
         lane = cute.arch.lane_idx()
         for r in cutlass.range_constexpr(cute.size(row_sum)):
-            row = tOcO[r, 0][0]
             lse = (row_max[r] * row_scale[r] + cute.math.log2(row_sum[r], fastmath=False)) * LN_2
             lse = -cutlass.Float32.inf if row_sum[r] == 0.0 else lse
-            if lane % 4 == 0 and row < seqlen_q:
-                gLSE[row - m_block * self.tile_m] = lse
+            if lane % 4 == 0 and m_block * self.tile_m + rows[r] < seqlen_q:
+                gLSE[rows[r]] = lse
 
     # ------------------------------------------------------------------------------------------
     # register-layout helpers (pure layout algebra, no instructions)
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def score_coords(self, thr_mma, m_block, n_block, seqlen_q, seqlen_k):
+        """(row, key) of each score this thread holds, as an (rows, cols) view."""
+        cS = cute.local_tile(
+            cute.make_identity_tensor((seqlen_q, seqlen_k)),
+            (self.tile_m, self.tile_n),
+            (m_block, n_block),
+        )
+        return self.mn_view(thr_mma.partition_C(cS))
+
+    def row_coords(self, thr_mma) -> list:
+        """The row, within the query tile, of each accumulator row this thread holds (static)."""
+        rows = self.mn_view(
+            thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        )
+        return [rows[r, 0][0] for r in range(cute.size(rows, mode=[0]))]
+
     @staticmethod
     def mn_view(acc: cute.Tensor) -> cute.Tensor:
         """Re-view an m16n8 accumulator fragment ((2, 2), M, N) as (rows, cols).

@@ -184,9 +184,11 @@ def attention(
     kern = _get_kernel(
         q.device, q.dtype, q.shape[3], tile, warps, stages, kv_splits, causal, return_lse
     )
+    # keep any copy prepared() made alive until the launch: freed earlier, its memory could be
+    # handed to `out` below while the kernel still reads it
     q, q_arg = prepared(q)
-    _, k_arg = prepared(k)
-    _, v_arg = prepared(v)
+    k, k_arg = prepared(k)
+    v, v_arg = prepared(v)
     B, H, Sq, D = q.shape
     if out is None:
         out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
