@@ -79,9 +79,28 @@ def key(head_dim: int, causal: bool, bucket: str, precision: str = "fp16") -> st
 def lookup(arch: str, head_dim: int, causal: bool, seqlen_q: int, precision: str = "fp16"):
     """(tile, warps, kv_splits, stages) for ``tile=None``: the tuned winner, else ``DEFAULT``."""
     w = _table(arch).get(key(head_dim, causal, bucket_of(seqlen_q), precision))
-    if w is None:
-        return DEFAULT
-    return tuple(w["tile"]), w["warps"], w.get("kv_splits", 1), w.get("stages", 1)
+    return DEFAULT if w is None else _knobs(w)
+
+
+def _knobs(winner: dict) -> tuple:
+    """(tile, warps, kv_splits, stages) of one table entry (older entries lack the last two)."""
+    return (tuple(winner["tile"]), winner["warps"], winner.get("kv_splits", 1),
+            winner.get("stages", 1))
+
+
+def winner_specs(arch: str, build_arch: str | None = None,
+                 precisions=("fp16", "fp8")) -> dict[str, AttentionSpec]:
+    """The tuned winners of ``arch``'s table as specs for ``build_arch`` (default ``arch``), by
+    table key: what ``tile=None`` runs, or its twin on another arch."""
+    out = {}
+    for name, w in sorted(_table(arch).items()):
+        d, mask, _, prec = name.split("-")
+        if prec in precisions:
+            tile, warps, kv_splits, stages = _knobs(w)
+            out[name] = AttentionSpec(arch=build_arch or arch, head_dim=int(d[1:]), tile=tile,
+                                      warps=warps, kv_splits=kv_splits, stages=stages,
+                                      causal=mask == "causal", precision=prec)
+    return out
 
 
 # -- build (CPU) and run (GPU) ---------------------------------------------------------------------

@@ -22,20 +22,6 @@ def default_warps(tile_m: int) -> int:
     return max(1, min(8, tile_m // 16))
 
 
-def tuned_specs(arch: str) -> list[AttentionSpec]:
-    """The autotuned winners (what ``tile=None`` and the benchmark run)."""
-    from flashcore.autotune import _table
-
-    out = []
-    for name, w in _table(arch).items():
-        d, mask, _, prec = name.split("-")
-        out.append(AttentionSpec(arch=arch, head_dim=int(d[1:]), tile=tuple(w["tile"]),
-                                 warps=w["warps"], kv_splits=w.get("kv_splits", 1),
-                                 stages=w.get("stages", 1),
-                                 causal=mask == "causal", precision=prec))
-    return out
-
-
 def gpu_test_specs(arch: str, buckets=None) -> list[AttentionSpec | QuantizeSpec]:
     specs: list = list(catalog_specs((arch,)))
     for tile, causal, d in itertools.product(TEST_TILES, (False, True), (64, 128)):
@@ -75,7 +61,9 @@ def gpu_test_specs(arch: str, buckets=None) -> list[AttentionSpec | QuantizeSpec
     from flashcore.autotune import all_candidates
 
     precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
-    specs += tuned_specs(arch)
+    from flashcore.autotune import winner_specs
+
+    specs += list(winner_specs(arch).values())  # what tile=None and the benchmark run
     if buckets != []:
         specs += all_candidates(arch, precisions, buckets)
     return list(dict.fromkeys(specs))

@@ -143,18 +143,11 @@ def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):
     compiled for sm_89, stays within the L4's 99 KB of shared memory per block and does not
     spill (beyond a value parked across the key loop, as above)."""
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
-    from flashcore.autotune import _table
+    from flashcore.autotune import winner_specs
     from flashcore.compiler import compile_many
     from flashcore.inspect import sass, sass_opcodes
 
-    specs = []
-    for name, w in sorted(_table("sm_90").items()):
-        d, mask, _, prec = name.split("-")
-        if prec == "fp16":
-            specs.append(AttentionSpec(arch="sm_89", head_dim=int(d[1:]), tile=tuple(w["tile"]),
-                                       warps=w["warps"], kv_splits=w.get("kv_splits", 1),
-                                       stages=w.get("stages", 1),
-                                       causal=mask == "causal"))
+    specs = list(winner_specs("sm_90", build_arch="sm_89", precisions=("fp16",)).values())
     assert len(specs) == 12
     unique = list(dict.fromkeys(specs))
     for spec, art in zip(unique, compile_many(unique, jobs=2)):
