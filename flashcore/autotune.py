@@ -76,9 +76,22 @@ def key(head_dim: int, causal: bool, bucket: str, precision: str = "fp16") -> st
     return f"d{head_dim}-{'causal' if causal else 'full'}-{bucket}-{precision}"
 
 
+# An arch without a table of its own borrows one: there is no Ada GPU to tune on, and every
+# Hopper candidate is required to fit an L4 (``candidates``; test_compile checks each winner).
+BORROWED_TABLES = {"sm_89": "sm_90"}
+
+
+def table_arch(arch: str) -> str:
+    """The arch whose table ``tile=None`` reads on ``arch``: its own if it has one."""
+    if _table(arch) or arch not in BORROWED_TABLES:
+        return arch
+    return BORROWED_TABLES[arch]
+
+
 def lookup(arch: str, head_dim: int, causal: bool, seqlen_q: int, precision: str = "fp16"):
-    """(tile, warps, kv_splits, stages) for ``tile=None``: the tuned winner, else ``DEFAULT``."""
-    w = _table(arch).get(key(head_dim, causal, bucket_of(seqlen_q), precision))
+    """(tile, warps, kv_splits, stages) for ``tile=None``: the tuned winner (from a borrowed table
+    where ``arch`` has none, see ``BORROWED_TABLES``), else ``DEFAULT``."""
+    w = _table(table_arch(arch)).get(key(head_dim, causal, bucket_of(seqlen_q), precision))
     return DEFAULT if w is None else _knobs(w)
 
 

@@ -118,6 +118,18 @@ def _flashcore(tile=None, **kw) -> Impl:
     return run
 
 
+def _flashcore_plain(tile=None) -> Impl:
+    """Our op launched without programmatic dependent launch (the A/B of PDL on Hopper)."""
+    from flashcore.ops import attention
+    from flashcore.runtime.loader import plain_launches
+
+    def run(q, k, v, causal):
+        with plain_launches():
+            return attention(q, k, v, tile=tile, causal=causal)
+
+    return run
+
+
 def fp8_kernel_only(tile=None, warps=None, kv_splits=1, stages=1) -> Impl:
     """The FP8 attention kernel alone, on inputs quantised once (as a serving engine keeps them).
     ``tile=None``: the autotuned choice."""
@@ -324,6 +336,9 @@ def environment() -> dict:
     from flashcore.cache import dsl_version
 
     env["flashcore"] = flashcore.__version__
+    from flashcore.runtime.loader import programmatic_launch_enabled
+
+    env["flashcore_pdl"] = programmatic_launch_enabled()
     env["nvidia-cutlass-dsl"] = dsl_version()
     with contextlib.suppress(Exception):
         import importlib.metadata as md
@@ -411,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
     ours = {"flashcore": _flashcore(tuple(a.tile) if a.tile else None)}
+    if torch.cuda.get_device_capability() >= (9, 0):  # Hopper kernels launch with PDL
+        ours["flashcore-no-pdl"] = _flashcore_plain(tuple(a.tile) if a.tile else None)
     if a.fp8:
         ours["flashcore-fp8"] = _flashcore(tuple(a.tile) if a.tile else None, precision="fp8")
         ours["flashcore-fp8-kernel"] = fp8_kernel_only(tuple(a.tile) if a.tile else None)

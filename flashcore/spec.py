@@ -19,6 +19,7 @@ ARCHS = ("sm_80", "sm_89", "sm_90")
 DTYPES = ("float16", "bfloat16")
 PRECISIONS = ("fp16", "fp8")  # MMA operand precision: the input dtype, or float8_e4m3fn
 FP8_ARCHS = ("sm_89", "sm_90")  # e4m3 mma.sync exists from Ada on
+PDL_ARCHS = ("sm_90",)  # griddepcontrol (programmatic dependent launch) exists from Hopper on
 HEAD_DIMS = (64, 128)
 TILE_M = (16, 32, 64, 128)
 TILE_N = (32, 64, 128)
@@ -166,6 +167,13 @@ class AttentionSpec:
     @property
     def threads(self) -> int:
         return self.group_threads * self.kv_splits
+
+    @property
+    def programmatic_launch(self) -> bool:
+        """Hopper kernels take part in programmatic dependent launch: they wait for the grid
+        before them (``griddepcontrol.wait``) before touching global memory, so the runtime may
+        start them while that grid drains. Ada and Ampere have no such instruction."""
+        return self.arch in PDL_ARCHS
 
     @property
     def elem_bytes(self) -> int:

@@ -51,6 +51,17 @@ def test_ptx_has_the_instructions_we_meant(artifacts, spec):
     assert "ld.local" not in ptx and "st.local" not in ptx
     if spec.kv_splits > 1:  # each split's group syncs on its own named barrier of its threads
         assert re.search(rf"bar\.sync\s+\S+, {spec.group_threads};", ptx)
+    # Hopper kernels are launched with PDL: they must wait for the previous grid before their
+    # first global access; older archs have no griddepcontrol
+    body = ptx[ptx.index(".entry"):]
+    if spec.arch == "sm_90":
+        wait = body.index("griddepcontrol.wait;")
+        first_access = min(body.index(op) for op in ("cp.async", "ld.global", "st.global")
+                           if op in body)
+        assert wait < first_access, "a global access before griddepcontrol.wait"
+        assert wait < body.index("griddepcontrol.launch_dependents;")
+    else:
+        assert "griddepcontrol" not in body
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

@@ -202,6 +202,56 @@ def test_non_default_stream_and_cuda_graph():
     assert torch.equal(static_out, attention(q, k, v, causal=True))
 
 
+def test_chained_calls_wait_for_each_other():
+    """Each call reads what the previous one wrote, or overwrites what it read. On Hopper they
+    are launched with PDL (the next grid starts while the last drains), so a missing or late
+    griddepcontrol.wait would show as a difference from the same chain run with syncs."""
+    from flashcore.ops import attention as attention_module
+
+    q, k, v = _inputs(4, 16, 1024, 1024, 64, torch.float16, 1.0, seed=21)
+
+    def chain(sync: bool):
+        x, kk = q, k.clone()
+        outs = []
+        for _ in range(4):
+            x = attention(x, kk, v)  # reads the previous output
+            outs.append(x)
+            if sync:
+                torch.cuda.synchronize()
+        # overwrites kk, which the call before it (still draining) reads
+        last = attention(x, kk, v)
+        attention(q, k, v, out=kk)
+        if sync:
+            torch.cuda.synchronize()
+        return outs + [last, kk]
+
+    expected = chain(sync=True)
+    for _ in range(3):
+        got = chain(sync=False)
+        torch.cuda.synchronize()
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+    ref = reference.attention(expected[0], k, v, device=q.device)
+    assert max_abs(expected[1], ref) < 1e-2
+    if torch.cuda.get_device_capability() == (9, 0):  # the chain above ran with PDL
+        used = [kern for kern in attention_module._kernels.values() if kern.programmatic]
+        assert used, "Hopper kernels were not launched with programmatic serialisation"
+
+
+def test_copied_inputs_live_until_the_launch():
+    """k and v with a strided last dim are copied before the launch; were a copy freed first, the
+    caching allocator would hand its memory to the output (same size) while the kernel reads it."""
+    for _ in range(3):
+        q, k, v = _inputs(2, 4, 256, 256, 64, torch.float16, 1.0, seed=31)
+        kt = k.transpose(2, 3).contiguous().transpose(2, 3)  # same values, last dim strided
+        vt = v.transpose(2, 3).contiguous().transpose(2, 3)
+        assert kt.stride(3) != 1
+        out = attention(q, kt, vt)
+        ref = reference.attention(q, k, v, device=q.device)
+        assert max_abs(out, ref) <= _allowed(max_abs(_sdpa(q, k, v, False, None), ref), ref,
+                                             q.dtype)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_second_device():
     q, k, v = _inputs(1, 2, 100, 100, 64, torch.float16, 1.0, seed=9)

@@ -206,6 +206,7 @@ class AttentionForward:
         g2s_qk: cute.TiledCopy, g2s_v: cute.TiledCopy, r2g_o: cute.TiledCopy,
         tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
     ):
+        self.wait_for_inputs()
         self.attend(
             mQ, mK, mV, mO, mLSE, scale_log2, cutlass.Float32(1.0), sQ_layout, sK_layout, sV_layout,
             sO_layout, g2s_qk, g2s_v, r2g_o, tiled_mma, SharedStorage,
@@ -220,6 +221,7 @@ class AttentionForward:
         g2s_qk: cute.TiledCopy, g2s_v: cute.TiledCopy, r2g_o: cute.TiledCopy,
         tiled_mma: cute.TiledMma, SharedStorage: cutlass.Constexpr,
     ):
+        self.wait_for_inputs()
         _, head, batch = cute.arch.block_idx()
         # score(i, j) = (q8_i · k8_j) * q_descale_i * k_descale_j; O = (P8 · v8) * v_descale / P_SCALE
         o_scale = mVd[batch, head] * (1.0 / P_SCALE)
@@ -398,6 +400,17 @@ class AttentionForward:
                 mO, mLSE, o_scale, seqlen_q, sO, r2g_o, thr_mma, tiled_mma, tidx, acc_O, row_max,
                 row_sum, row_scale,
             )
+
+    @cute.jit
+    def wait_for_inputs(self):
+        """Programmatic dependent launch (Hopper): the runtime may start this grid while the one
+        before it in the stream still runs. Wait for that grid to finish and flush before the first
+        global access (it may write our inputs or read our output), then let the next grid start
+        its own launch: its CTAs take free slots and wait in turn. Without such a launch both are
+        no-ops."""
+        if cutlass.const_expr(self.spec.programmatic_launch):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
     def tile_index(self):

@@ -141,7 +141,8 @@ def attention(
     contiguous, 16-byte aligned. ``tile``, ``warps``, ``stages`` and ``kv_splits`` (key-range
     splits inside a CTA, for short problems) pick the compiled kernel; ``tile=None`` takes the
     autotuner's winner for this GPU, head dim, masking and sequence length
-    (``flashcore.autotune``), or (64, 64) where none was tuned.
+    (``flashcore.autotune``; Ada borrows the H100 table, whose configs all fit an L4), or
+    (64, 64) where none was tuned.
 
     ``precision="fp8"`` (sm_89, sm_90) quantises q, k, v to float8_e4m3fn with per-(batch, head)
     scales taken from the data (no finite input overflows) and runs the e4m3 MMA kernel; see

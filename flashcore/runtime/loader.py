@@ -4,11 +4,15 @@
 context of the target device current first (a torch device guard), so torch and flashcore share it.
 Launching packs arguments into preallocated ctypes buffers and calls ``cuLaunchKernel`` on the
 stream given (torch's current stream): no allocation and no per-call Python objects beyond that.
+Hopper kernels go through ``cuLaunchKernelEx`` with programmatic stream serialisation (PDL): their
+launch overlaps the tail of the grid before them, which they wait for on the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import struct
 import threading
 from dataclasses import dataclass
@@ -49,19 +53,66 @@ class LoadedKernel:
         self._lock = threading.Lock()  # the buffer is shared; cuLaunchKernel copies it
         self._block = self.artifact.block
         self._smem = self.artifact.smem_dynamic
+        self.programmatic = getattr(self.artifact.spec, "programmatic_launch", False)
+        self._configs: dict[tuple, object] = {}  # (grid, stream) -> CUlaunchConfig
 
     def launch(self, grid: tuple[int, int, int], values: tuple, stream: int) -> None:
         """``values``: every parameter's fields, flattened in ABI order (see flashcore.abi)."""
-        bx, by, bz = self._block
         with self._lock:
             self._struct.pack_into(self._buf, 0, *values)
-            check(
-                cu.cuLaunchKernel(
+            if self.programmatic and _pdl_enabled[0]:
+                err = cu.cuLaunchKernelEx(
+                    self._config(grid, stream), self.function, self._argv_addr, 0
+                )
+            else:
+                bx, by, bz = self._block
+                err = cu.cuLaunchKernel(
                     self.function, grid[0], grid[1], grid[2], bx, by, bz, self._smem,
                     stream, self._argv_addr, 0,
-                ),
-                f"cuLaunchKernel({self.artifact.entry}, grid={grid})",
-            )
+                )
+            check(err, f"cuLaunchKernel({self.artifact.entry}, grid={grid})")
+
+    def _config(self, grid: tuple[int, int, int], stream: int):
+        """The launch configuration with programmatic stream serialisation allowed: the grid may
+        start while the previous one in the stream drains (the kernel waits for it with
+        ``griddepcontrol.wait`` before touching memory). Built once per grid and stream."""
+        key = (grid, stream)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg = cu.CUlaunchConfig()
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = grid
+            cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = self._block
+            cfg.sharedMemBytes = self._smem
+            cfg.hStream = stream
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+            if len(self._configs) >= 64:  # shapes vary without bound in some programs
+                self._configs.clear()
+            self._configs[key] = cfg
+        return cfg
+
+
+# ``FLASHCORE_PDL=0`` launches Hopper kernels the plain way (debugging); see plain_launches()
+_pdl_enabled = [os.environ.get("FLASHCORE_PDL", "1") != "0"]
+
+
+def programmatic_launch_enabled() -> bool:
+    return _pdl_enabled[0]
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Launch without programmatic serialisation inside this block (the benchmark's A/B; not
+    thread-safe: it flips a process-wide switch)."""
+    old = _pdl_enabled[0]
+    _pdl_enabled[0] = False
+    try:
+        yield
+    finally:
+        _pdl_enabled[0] = old
 
 
 _loaded: dict[tuple[str, str, int], LoadedKernel] = {}
