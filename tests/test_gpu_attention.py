@@ -206,7 +206,9 @@ def test_chained_calls_wait_for_each_other():
     """Each call reads what the previous one wrote, or overwrites what it read. On Hopper they
     are launched with PDL (the next grid starts while the last drains), so a missing or late
     griddepcontrol.wait would show as a difference from the same chain run with syncs."""
-    from flashcore.ops import attention as attention_module
+    import importlib
+
+    attention_module = importlib.import_module("flashcore.ops.attention")  # the module, not the op
 
     q, k, v = _inputs(4, 16, 1024, 1024, 64, torch.float16, 1.0, seed=21)
 
