@@ -13,8 +13,9 @@ from ._kernels import arch_of, kernel_for, launch, prepared, tensor_arg
 
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
-# (device, dtype, head_dim, tile, warps, stages, kv_splits, causal, lse) -> LoadedKernel
+# (device index, dtype, head_dim, tile, warps, stages, kv_splits, causal, lse) -> LoadedKernel
 _kernels: dict[tuple, Any] = {}
+_NO_LSE = (0, 0, 0, 0, 0, 0)
 
 
 def _default_warps(tile_m: int) -> int:
@@ -22,13 +23,15 @@ def _default_warps(tile_m: int) -> int:
 
 
 def _get_kernel(
-    device: torch.device, dtype: torch.dtype, d: int, tile, warps, stages, kv_splits, causal, lse
+    device: int, dtype: torch.dtype, d: int, tile, warps, stages, kv_splits, causal, lse
 ):
-    key = (device.index, dtype, d, tile, warps, stages, kv_splits, causal, lse)
+    """The loaded kernel for these knobs on CUDA device index ``device`` (built once)."""
+    key = (device, dtype, d, tile, warps, stages, kv_splits, causal, lse)
     k = _kernels.get(key)
     if k is None:
+        dev = torch.device("cuda", device)
         spec = AttentionSpec(
-            arch=arch_of(device),
+            arch=arch_of(dev),
             dtype=_DTYPE_NAMES[dtype],
             head_dim=d,
             tile=tile,
@@ -38,7 +41,7 @@ def _get_kernel(
             causal=causal,
             return_lse=lse,
         )
-        k = _kernels[key] = kernel_for(spec, device)
+        k = _kernels[key] = kernel_for(spec, dev)
     return k
 
 
@@ -182,25 +185,24 @@ def attention(
     if precision != "fp16":
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
 
-    kern = _get_kernel(
-        q.device, q.dtype, q.shape[3], tile, warps, stages, kv_splits, causal, return_lse
-    )
+    B, H, Sq, D = q.shape
+    dev = q.get_device()
+    kern = _get_kernel(dev, q.dtype, D, tile, warps, stages, kv_splits, causal, return_lse)
     # keep any copy prepared() made alive until the launch: freed earlier, its memory could be
     # handed to `out` below while the kernel still reads it
     q, q_arg = prepared(q)
     k, k_arg = prepared(k)
     v, v_arg = prepared(v)
-    B, H, Sq, D = q.shape
     if out is None:
-        out = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+        out = q.new_empty((B, H, Sq, D))
     else:
         _check_out(out, q)
     if return_lse:
-        lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q.device)
+        lse = q.new_empty((B, H, Sq), dtype=torch.float32)
         lse_arg = (lse.data_ptr(), B, H, Sq, H * Sq, Sq)
     else:
         lse = None
-        lse_arg = (0, 0, 0, 0, 0, 0)
+        lse_arg = _NO_LSE
     args = (q_arg, k_arg, v_arg, tensor_arg(out), lse_arg, (softmax_scale * LOG2_E,))
-    launch(kern, attention_grid(Sq, H, B, kern.artifact.spec.tile_m), args, q.device)
+    launch(kern, attention_grid(Sq, H, B, kern.artifact.spec.tile_m), args, dev)
     return (out, lse) if return_lse else out

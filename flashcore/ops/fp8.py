@@ -80,7 +80,7 @@ def quantize_fp8(
         args = (x_arg, transposed_arg(out), (amax.data_ptr(), B, H, H),
                 (descale.data_ptr(), B, H, H))
         keys_per_cta = 32 * (kern.artifact.spec.threads // D)
-        launch(kern, (-(-padded_keys(S) // keys_per_cta), H, B), args, x.device)
+        launch(kern, (-(-padded_keys(S) // keys_per_cta), H, B), args, x.get_device())
         return out, descale
     out = torch.empty((B, H, S, D), dtype=E4M3, device=x.device)
     out_arg = tensor_arg(out)
@@ -88,11 +88,11 @@ def quantize_fp8(
         descale = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
         args = (x_arg, out_arg, (descale.data_ptr(), B, H, S, H * S, S))
         rows = kern.artifact.spec.threads // (D // 8)
-        launch(kern, (-(-S // rows), H, B), args, x.device)
+        launch(kern, (-(-S // rows), H, B), args, x.get_device())
     else:
         descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
         args = (x_arg, out_arg, (descale.data_ptr(), B, H, H))
-        launch(kern, (H, B, 1), args, x.device)
+        launch(kern, (H, B, 1), args, x.get_device())
     return out, descale
 
 
@@ -184,7 +184,7 @@ def attention_fp8(
         (vd.data_ptr(), B, H, H),
         (softmax_scale * LOG2_E,),
     )
-    launch(kern, attention_grid(Sq, H, B, spec.tile_m), args, q8.device)
+    launch(kern, attention_grid(Sq, H, B, spec.tile_m), args, q8.get_device())
     return (out, lse) if return_lse else out
 
 
