@@ -120,12 +120,13 @@ def _flashcore(tile=None, **kw) -> Impl:
 
 def _flashcore_plain(tile=None) -> Impl:
     """Our op launched without programmatic dependent launch (the A/B of PDL on Hopper)."""
-    from flashcore.ops import attention
     from flashcore.runtime.loader import plain_launches
+
+    ours = _flashcore(tile)
 
     def run(q, k, v, causal):
         with plain_launches():
-            return attention(q, k, v, tile=tile, causal=causal)
+            return ours(q, k, v, causal)
 
     return run
 

@@ -23,6 +23,7 @@ from ..errors import LaunchError
 from .driver import check, cu
 
 _DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in
+_SUCCESS = cu.CUresult.CUDA_SUCCESS
 
 
 @dataclass
@@ -61,16 +62,19 @@ class LoadedKernel:
         with self._lock:
             self._struct.pack_into(self._buf, 0, *values)
             if self.programmatic and _pdl_enabled[0]:
-                err = cu.cuLaunchKernelEx(
+                call = "cuLaunchKernelEx"
+                result = cu.cuLaunchKernelEx(
                     self._config(grid, stream), self.function, self._argv_addr, 0
                 )
             else:
+                call = "cuLaunchKernel"
                 bx, by, bz = self._block
-                err = cu.cuLaunchKernel(
+                result = cu.cuLaunchKernel(
                     self.function, grid[0], grid[1], grid[2], bx, by, bz, self._smem,
                     stream, self._argv_addr, 0,
                 )
-            check(err, f"cuLaunchKernel({self.artifact.entry}, grid={grid})")
+        if result[0] != _SUCCESS:  # the message is built only on failure (every call gets here)
+            check(result, f"{call}({self.artifact.entry}, grid={grid})")
 
     def _config(self, grid: tuple[int, int, int], stream: int):
         """The launch configuration with programmatic stream serialisation allowed: the grid may
