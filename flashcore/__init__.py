@@ -14,21 +14,21 @@ from .errors import (
     LaunchError,
     SpecError,
 )
-from .spec import AttentionSpec
+from .spec import AttentionSpec, TileConfig
 
 
 def __getattr__(name: str):
     # Lazy: importing flashcore stays cheap and works without torch's CUDA or the DSL.
     if name in ("compile_kernel", "compile_many", "can_compile"):
-        from . import compiler
+        from .build import compiler
 
         return getattr(compiler, name)
     if name == "load_catalog":
-        from .catalog import load_catalog
+        from .runtime.catalog import load_catalog
 
         return load_catalog
     if name == "KernelArtifact":
-        from .artifact import KernelArtifact
+        from .build.artifact import KernelArtifact
 
         return KernelArtifact
     if name == "ops":
@@ -48,6 +48,7 @@ __all__ = [
     "KernelNotAvailableError",
     "LaunchError",
     "SpecError",
+    "TileConfig",
     "__version__",
     "can_compile",
     "compile_kernel",

@@ -7,34 +7,103 @@ Every verb has ``--help``. Bad flags give a usage error (exit 2), bad specs a on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
 from . import __version__
-from .errors import FlashcoreError
-from .spec import ARCHS, DTYPES, HEAD_DIMS, AttentionSpec
+from .errors import FlashcoreError, SpecError
+from .spec import ARCHS, AttentionSpec, TileConfig
+
+# -- spec flags, generated from the spec's fields ------------------------------------------------
+# Flag spellings kept from earlier releases
+_ALIASES = {"return_lse": ["--lse"]}
+
+
+def _spec_fields() -> list[dataclasses.Field]:
+    """The fields a user sets: the spec's (but ``op``), with ``config`` expanded into TileConfig's."""
+    out = []
+    for f in dataclasses.fields(AttentionSpec):
+        if f.name == "config":
+            out += list(dataclasses.fields(TileConfig))
+        elif f.metadata.get("cli", True):
+            out.append(f)
+    return out
+
+
+def _field_type(f: dataclasses.Field) -> str:
+    """"bool", "int", "str" or "tile" (a pair of ints), from the field's default."""
+    if f.name == "tile":
+        return "tile"
+    default = f.default if f.default is not dataclasses.MISSING else None
+    if isinstance(default, bool):
+        return "bool"
+    if isinstance(default, int) or f.name == "warps":
+        return "int"
+    return "str"
 
 
 def _add_spec_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--arch", default="sm_89", choices=ARCHS, help="target arch (default sm_89)")
-    p.add_argument("--dtype", default="float16", choices=DTYPES)
-    p.add_argument("--head-dim", type=int, default=64, choices=HEAD_DIMS)
-    p.add_argument("--tile", type=int, nargs=2, default=(64, 64), metavar=("M", "N"))
-    p.add_argument("--warps", type=int, default=None, help="default: tile_m / 16, at most 8")
-    p.add_argument("--stages", type=int, default=1)
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--lse", action="store_true", help="kernel also writes the log-sum-exp")
+    for f in _spec_fields():
+        flags = ["--" + f.name.replace("_", "-"), *_ALIASES.get(f.name, [])]
+        kind, help_ = _field_type(f), f.metadata.get("help")
+        if kind == "bool":
+            p.add_argument(*flags, dest=f.name, action="store_true", help=help_)
+        elif kind == "tile":
+            p.add_argument(*flags, dest=f.name, type=int, nargs=2, metavar=("M", "N"),
+                           default=None, help=f"{help_} (default 64 64)")
+        else:
+            choices = f.metadata.get("choices")
+            p.add_argument(*flags, dest=f.name, type=int if kind == "int" else str,
+                           choices=choices, default=None,
+                           help=f"{help_} (default {f.default})" if f.default not in
+                           (None, "", dataclasses.MISSING) else help_)
 
 
 def _spec_from(a: argparse.Namespace) -> AttentionSpec:
-    tile = tuple(a.tile)
-    warps = a.warps if a.warps is not None else max(1, min(8, tile[0] // 16))
-    return AttentionSpec(
-        arch=a.arch, dtype=a.dtype, head_dim=a.head_dim, tile=tile, warps=warps,
-        stages=a.stages, causal=a.causal, return_lse=a.lse,
-    )
+    return _spec_from_values({f.name: getattr(a, f.name) for f in _spec_fields()})
+
+
+def _spec_from_values(values: dict) -> AttentionSpec:
+    """A spec from field values (None or False: the default), TileConfig's fields included."""
+    knobs = {f.name for f in dataclasses.fields(TileConfig)}
+    given = {k: v for k, v in values.items() if v is not None and v is not False}
+    config = {k: given.pop(k) for k in list(given) if k in knobs}
+    if "tile" in config:
+        config["tile"] = tuple(config["tile"])
+    return AttentionSpec(config=TileConfig(**config), **given)
+
+
+def _parse_pairs(text: str) -> AttentionSpec:
+    """``arch=sm_89,head_dim=128,tile=64x64,kv_splits=2,causal=1``, typed by the spec's fields."""
+    fields = {f.name: f for f in _spec_fields()}
+    values = {}
+    for item in filter(None, text.split(",")):
+        name, eq, raw = item.partition("=")
+        if not eq:
+            raise SpecError(f"{item!r} is not name=value (in {text!r})")
+        f = fields.get(name.strip())
+        if f is None:
+            raise SpecError(f"unknown spec field {name!r}; known: {', '.join(fields)}")
+        kind, raw = _field_type(f), raw.strip()
+        try:
+            if kind == "tile":
+                m, n = raw.lower().split("x")
+                values[f.name] = (int(m), int(n))
+            elif kind == "int":
+                values[f.name] = int(raw)
+            elif kind == "bool":
+                if raw.lower() not in ("0", "1", "true", "false", "yes", "no"):
+                    raise ValueError(raw)
+                values[f.name] = raw.lower() in ("1", "true", "yes")
+            else:
+                values[f.name] = raw
+        except ValueError:
+            want = {"tile": "MxN, e.g. 64x64", "int": "a whole number", "bool": "0 or 1"}[kind]
+            raise SpecError(f"{name}={raw!r}: expected {want}") from None
+    return _spec_from_values(values)
 
 
 def _console():
@@ -45,7 +114,7 @@ def _console():
 
 # -- verbs -------------------------------------------------------------------------------------
 def cmd_compile(a: argparse.Namespace) -> int:
-    from .compiler import compile_kernel
+    from .build.compiler import compile_kernel
 
     spec = _spec_from(a)
     art = compile_kernel(spec)
@@ -97,27 +166,23 @@ def _load_report(x: str) -> dict:
     p = Path(x)
     if p.is_dir():
         return json.loads((p / "resources.json").read_text())
-    from .compiler import compile_kernel
-    from .inspect import resources_report, sass
+    from .build.compiler import compile_kernel
+    from .build.inspect import resources_report, sass
 
-    kv = dict(item.split("=", 1) for item in x.split(",") if item)
-    conv = {"head_dim": int, "warps": int, "stages": int,
-            "tile": lambda s: tuple(int(t) for t in s.split("x")),
-            "causal": lambda s: s.lower() in ("1", "true", "yes"),
-            "return_lse": lambda s: s.lower() in ("1", "true", "yes")}
-    spec = AttentionSpec(**{k: conv.get(k, str)(v) for k, v in kv.items()})
-    art = compile_kernel(spec)
+    if "=" not in x:
+        raise SpecError(f"--compare: {x!r} is neither a dump folder nor name=value pairs")
+    art = compile_kernel(_parse_pairs(x))
     return resources_report(art, sass(art.cubin))
 
 
 def cmd_dump(a: argparse.Namespace) -> int:
-    from .compiler import compile_kernel, compile_many
-    from .inspect import dump
+    from .build.compiler import compile_kernel, compile_many
+    from .build.inspect import dump
 
     if a.compare:
         return _compare(_load_report(a.compare[0]), _load_report(a.compare[1]))
     if a.all:
-        from .catalog import catalog_specs
+        from .build.catalog import catalog_specs
 
         specs = catalog_specs((a.arch,)) if a.arch_given else catalog_specs()
         arts = compile_many(specs)
@@ -155,15 +220,15 @@ def _compare(ra: dict, rb: dict) -> int:
 def cmd_precompile(a: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .catalog import catalog_specs, write_catalog
-    from .compiler import compile_many
+    from .build.catalog import catalog_specs, write_catalog
+    from .build.compiler import compile_many
 
     specs = []
     for arch in a.arch:
         specs += catalog_specs((arch,))[: a.limit]
     cache = None
     if a.out:
-        from .cache import KernelCache
+        from .build.cache import KernelCache
 
         cache = KernelCache(Path(a.out))
     with Progress(transient=False) as progress:
@@ -176,7 +241,7 @@ def cmd_precompile(a: argparse.Namespace) -> int:
             import shutil
             import tempfile
 
-            from .catalog import copy_catalog
+            from .build.catalog import copy_catalog
 
             slim = Path(tempfile.mkdtemp(prefix="flashcore-catalog-"))
             copy_catalog(a.out, slim / "c")
@@ -190,7 +255,7 @@ def cmd_precompile(a: argparse.Namespace) -> int:
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
-    from .cache import default_cache
+    from .build.cache import default_cache
 
     cache = default_cache()
     if a.action == "list":
@@ -213,14 +278,15 @@ def cmd_cache(a: argparse.Namespace) -> int:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    from .cache import default_cache, dsl_version, kernel_source_hash
+    from .build.cache import default_cache
+    from .build.fingerprint import dsl_fingerprint, source_hash
 
     cache = default_cache()
     info = {
         "flashcore": __version__,
-        "nvidia-cutlass-dsl": dsl_version(),
-        "can_compile": dsl_version() is not None,
-        "kernel_source_hash": kernel_source_hash(),
+        "nvidia-cutlass-dsl": dsl_fingerprint(),
+        "can_compile": dsl_fingerprint() is not None,
+        "kernel_source_hash": source_hash(),
         "cache": str(cache.root),
         "cache_entries": len(cache.entries()),
         "cache_mb": round(cache.size_bytes() / 1e6, 2),

@@ -10,11 +10,14 @@ import os
 import time
 from pathlib import Path
 
-from flashcore.artifact import KernelArtifact, ParamInfo, Resources
-from flashcore.cache import KernelCache, dsl_version, kernel_source_hash
-from flashcore.spec import AttentionSpec, KernelSpec
+from flashcore.build import cache as cache_mod
+from flashcore.build.artifact import KernelArtifact, ParamInfo, Resources
+from flashcore.build.cache import KernelCache
+from flashcore.build.fingerprint import source_hash
+from flashcore.spec import AttentionSpec, KernelSpec, TileConfig
 
-SPEC = AttentionSpec(arch="sm_90", head_dim=128, tile=(128, 64), warps=8, causal=True)
+SPEC = AttentionSpec(arch="sm_90", head_dim=128, config=TileConfig((128, 64), warps=8),
+                     causal=True)
 
 _PTX = """.version 8.8
 .target sm_90
@@ -60,11 +63,12 @@ def synthetic_artifact(
         ),
         toolchain={
             "flashcore": "0.1.0",
-            "nvidia-cutlass-dsl": dsl or dsl_version() or "0",
+            # the DSL as the cache sees it (tests patch it)
+            "nvidia-cutlass-dsl": dsl or cache_mod.dsl_fingerprint() or "0",
             "ptx_isa": "8.8",
             "target": spec.arch,
         },
-        source_hash=kernel_source_hash(),
+        source_hash=source_hash(),
         ir=ir,
     )
 

@@ -16,14 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashcore import cache as cache_mod
-from flashcore.artifact import CUBIN, META, MLIR, PTX, KernelArtifact
-from flashcore.cache import (
+from flashcore.build import cache as cache_mod
+from flashcore.build.artifact import CUBIN, META, MLIR, PTX, KernelArtifact
+from flashcore.build.cache import (
     CacheWarning,
     KernelCache,
     default_cache,
     entry_name,
-    kernel_source_hash,
+    source_hash,
     spec_dir_name,
 )
 from flashcore.errors import CacheCorruptionError
@@ -37,7 +37,7 @@ DSL = "4.8.1"
 def _isolated(tmp_path, monkeypatch):
     # never touch the user's cache; pretend the DSL is installed at a fixed version
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path / "env-cache"))
-    monkeypatch.setattr(cache_mod, "dsl_version", lambda: DSL)
+    monkeypatch.setattr(cache_mod, "dsl_fingerprint", lambda: DSL)
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ def test_every_corruption_detected(tmp_path, kind):
 
 def test_rehashed_but_invalid_meta_detected(tmp_path):
     # consistent checksums around content that is not an artifact (e.g. a bad spec)
-    from flashcore import artifact as artifact_mod
+    from flashcore.build import artifact as artifact_mod
 
     _art().save(tmp_path)
     meta = json.loads((tmp_path / META).read_text())
@@ -177,9 +177,9 @@ def test_any_flipped_byte_detected(tmp_path, file, pos, mask):
 def test_put_layout_and_get(cache):
     art = _art()
     path = cache.put(art)
-    assert path == cache.root / "v1" / spec_dir_name(SPEC) / entry_name(kernel_source_hash(), DSL)
+    assert path == cache.root / "v1" / spec_dir_name(SPEC) / entry_name(source_hash(), DSL)
     assert path.parent.name == f"{SPEC.name}-{SPEC.content_hash}"
-    assert path.name == f"{kernel_source_hash()}-dsl{DSL}"
+    assert path.name == f"{source_hash()}-dsl{DSL}"
     assert KernelCache(cache.root).get(SPEC) == art  # a fresh table reads it from disk
     assert KernelCache(cache.root).get(AttentionSpec()) is None
 
@@ -290,7 +290,7 @@ def test_offline_accepts_any_dsl_version_newest_first(cache, monkeypatch):
     now = time.time()
     os.utime(old / META, (now - 100, now - 100))
     os.utime(new / META, (now, now))
-    monkeypatch.setattr(cache_mod, "dsl_version", lambda: None)
+    monkeypatch.setattr(cache_mod, "dsl_fingerprint", lambda: None)
     assert KernelCache(cache.root).get(SPEC).cubin == b"new"
     os.utime(old / META, (now + 100, now + 100))
     assert KernelCache(cache.root).get(SPEC).cubin == b"old"
@@ -354,17 +354,21 @@ def test_default_cache_follows_env(tmp_path, monkeypatch):
     assert "flashcore" in str(default_cache().root)
 
 
-def test_kernel_source_hash(tmp_path, monkeypatch):
-    h = kernel_source_hash()
-    assert len(h) == 16 and int(h, 16) >= 0 and kernel_source_hash() == h
+def test_source_hash(tmp_path, monkeypatch):
+    from flashcore.build import fingerprint
+
+    h = source_hash()
+    assert len(h) == 16 and int(h, 16) >= 0 and source_hash() == h
     # it depends on every file's path and bytes
-    tree = tmp_path / "dsl"
-    (tree / "sub").mkdir(parents=True)
-    (tree / "a.py").write_text("x = 1\n")
-    (tree / "sub" / "b.py").write_text("y = 2\n")
-    (tree / "notes.txt").write_text("ignored")
-    monkeypatch.setattr(cache_mod, "_DSL_DIR", tree)
-    compute = kernel_source_hash.__wrapped__
+    tree = tmp_path / "pkg"
+    (tree / "kernels" / "sub").mkdir(parents=True)
+    (tree / "kernels" / "a.py").write_text("x = 1\n")
+    (tree / "kernels" / "sub" / "b.py").write_text("y = 2\n")
+    (tree / "kernels" / "notes.txt").write_text("ignored")
+    monkeypatch.setattr(fingerprint, "PACKAGE", tree)
+    monkeypatch.setattr(fingerprint, "BUILD_SOURCES", ("kernels",))
+    compute = fingerprint.fresh_source_hash
+    tree = tree / "kernels"
     base = compute()
     (tree / "notes.txt").write_text("still ignored")
     assert compute() == base
@@ -377,8 +381,8 @@ def test_kernel_source_hash(tmp_path, monkeypatch):
 
 def test_hash_and_version_do_not_import_the_dsl():
     code = (
-        "import sys; from flashcore.cache import kernel_source_hash, dsl_version; "
-        "kernel_source_hash(); dsl_version(); "
+        "import sys; from flashcore.build.fingerprint import source_hash, dsl_fingerprint; "
+        "source_hash(); dsl_fingerprint(); "
         "assert 'cutlass' not in sys.modules, 'cutlass was imported'"
     )
     root = Path(__file__).resolve().parent.parent

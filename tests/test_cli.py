@@ -56,7 +56,7 @@ def test_compile_and_dump_example(tmp_path):
     for f in ("kernel.ptx", "kernel.cubin", "kernel.mlir", "spec.json", "resources.json"):
         assert (out / f).is_file() and (out / f).stat().st_size > 0, f
     spec = json.loads((out / "spec.json").read_text())
-    assert spec["arch"] == "sm_89" and spec["head_dim"] == 64 and spec["tile"] == [64, 64]
+    assert spec["arch"] == "sm_89" and spec["head_dim"] == 64 and spec["config"]["tile"] == [64, 64]
     res = json.loads((out / "resources.json").read_text())
     assert res["registers"] > 0 and res["stack_frame_bytes"] == 0
     ptx = (out / "kernel.ptx").read_text()
@@ -127,7 +127,8 @@ from flashcore.spec import spec_from_dict
 assert not flashcore.can_compile()
 art = flashcore.compile_kernel(spec_from_dict(json.loads({json.dumps(json.dumps(present))})))
 print("LOADED", art.entry, len(art.cubin))
-missing = flashcore.AttentionSpec(arch="sm_90", head_dim=128, tile=(16, 32), warps=1)
+missing = flashcore.AttentionSpec(arch="sm_90", head_dim=128,
+                                  config=flashcore.TileConfig((16, 32), warps=1))
 try:
     flashcore.compile_kernel(missing)
 except flashcore.KernelNotAvailableError as e:
@@ -146,21 +147,18 @@ def test_load_catalog_checks_integrity_and_arch(catalog, tmp_path, monkeypatch):
     import shutil
 
     import flashcore
-    from flashcore import catalog as cat
     from flashcore.errors import CatalogError
+    from flashcore.runtime import catalog as cat
 
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path / "before"))
     assert flashcore.load_catalog(catalog) == catalog.resolve()
     assert os.environ["FLASHCORE_CACHE_DIR"] == str(catalog.resolve())
-    # a GPU of another arch than the catalog's
-    import torch
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr("flashcore.ops._kernels.arch_of", lambda dev: "sm_90")
-    with pytest.raises(CatalogError, match=r"holds kernels for \['sm_89'\].*needs sm_90"):
+    # a GPU of another arch than the catalog's, and every visible device is checked
+    monkeypatch.setattr("flashcore.runtime.catalog.visible_archs",
+                        lambda: {0: "sm_89", 1: "sm_90"})
+    with pytest.raises(CatalogError, match=r"holds kernels for \['sm_89'\].*cuda:1 needs sm_90"):
         cat.load_catalog(catalog)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("flashcore.runtime.catalog.visible_archs", dict)
     # a tampered entry
     copy = tmp_path / "cat"
     shutil.copytree(catalog, copy)
@@ -173,8 +171,8 @@ def test_load_catalog_checks_integrity_and_arch(catalog, tmp_path, monkeypatch):
 
 
 def test_catalog_without_ir_still_verifies_and_loads(catalog, tmp_path):
-    from flashcore.artifact import KernelArtifact
-    from flashcore.catalog import copy_catalog, verify_catalog
+    from flashcore.build.artifact import KernelArtifact
+    from flashcore.build.catalog import copy_catalog, verify_catalog
 
     copy_catalog(catalog, tmp_path / "slim")
     index = verify_catalog(tmp_path / "slim")

@@ -8,18 +8,16 @@ import struct
 import pytest
 
 from flashcore import AttentionSpec, compile_kernel
-from flashcore.abi import ATTENTION_FWD_PARAMS
-from flashcore.spec import SMEM_PER_BLOCK
+from flashcore.build.abi import ATTENTION_FWD_PARAMS
+from flashcore.spec import SMEM_PER_BLOCK, TileConfig
 
 SPECS = [
     AttentionSpec(arch="sm_80", dtype="bfloat16", head_dim=128, causal=True, return_lse=True),
-    AttentionSpec(arch="sm_89", dtype="float16", head_dim=64, tile=(64, 64)),
-    AttentionSpec(arch="sm_89", dtype="float16", head_dim=128, tile=(128, 64), warps=8),
-    AttentionSpec(arch="sm_90", dtype="float16", head_dim=64, tile=(64, 64), causal=True),
-    AttentionSpec(arch="sm_89", dtype="float16", head_dim=64, tile=(32, 64), warps=2, kv_splits=4,
-                  causal=True, return_lse=True),
-    AttentionSpec(arch="sm_89", dtype="bfloat16", head_dim=128, tile=(64, 64), stages=2,
-                  causal=True),
+    AttentionSpec(arch="sm_89", dtype="float16", head_dim=64, config=TileConfig((64, 64))),
+    AttentionSpec(arch="sm_89", dtype="float16", head_dim=128, config=TileConfig((128, 64), warps=8)),
+    AttentionSpec(arch="sm_90", dtype="float16", head_dim=64, causal=True, config=TileConfig((64, 64))),
+    AttentionSpec(arch="sm_89", dtype="float16", head_dim=64, causal=True, return_lse=True, config=TileConfig((32, 64), warps=2, kv_splits=4)),
+    AttentionSpec(arch="sm_89", dtype="bfloat16", head_dim=128, causal=True, config=TileConfig((64, 64), stages=2)),
 ]
 
 
@@ -28,7 +26,7 @@ def artifacts(tmp_path_factory):
     import os
 
     os.environ["FLASHCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    from flashcore.compiler import compile_many
+    from flashcore.build.compiler import compile_many
 
     return dict(zip(SPECS, compile_many(SPECS, jobs=2)))
 
@@ -74,7 +72,7 @@ def test_resources_within_budget(artifacts, spec):
     assert r.stack_frame_bytes <= 16
     if r.spill_store_bytes is not None:
         assert r.spill_store_bytes <= 16 and r.spill_load_bytes <= 16
-    from flashcore.inspect import sass, sass_opcodes
+    from flashcore.build.inspect import sass, sass_opcodes
 
     text = sass(art.cubin)
     if text is not None:
@@ -116,7 +114,7 @@ def test_launch_buffer_places_each_parameter_at_its_pointer(spec):
     import ctypes
     from types import SimpleNamespace
 
-    from flashcore.abi import params_for
+    from flashcore.build.abi import params_for
     from flashcore.runtime.loader import LoadedKernel
 
     params = params_for(spec)
@@ -138,7 +136,7 @@ def test_launch_buffer_places_each_parameter_at_its_pointer(spec):
 def test_prepared_keeps_kernel_ready_views_and_copies_the_rest():
     import torch
 
-    from flashcore.ops._kernels import prepared, tensor_arg
+    from flashcore.ops.inputs import prepared, tensor_arg
 
     base = torch.randn(2, 40, 3, 64, dtype=torch.float16)  # (b, s, h, d) storage
     view = base.transpose(1, 2)  # (b, h, s, d): last dim contiguous, strides multiples of 8
@@ -154,9 +152,9 @@ def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):
     compiled for sm_89, stays within the L4's 99 KB of shared memory per block and does not
     spill (beyond a value parked across the key loop, as above)."""
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
-    from flashcore.autotune import winner_specs
-    from flashcore.compiler import compile_many
-    from flashcore.inspect import sass, sass_opcodes
+    from flashcore.build.compiler import compile_many
+    from flashcore.build.inspect import sass, sass_opcodes
+    from flashcore.tuning.table import winner_specs
 
     specs = list(winner_specs("sm_90", build_arch="sm_89", precisions=("fp16",)).values())
     assert len(specs) == 12

@@ -1,4 +1,4 @@
-"""flashcore.cubin_info against cubins from the CuTe DSL and from ptxas.
+"""flashcore.build.cubin_info against cubins from the CuTe DSL and from ptxas.
 
 The attribute ids, register counts, frame and shared sizes read here were also compared once with
 the CUDA driver's own numbers (cuFuncGetAttribute, cuOccupancyMaxActiveBlocksPerMultiprocessor) on
@@ -16,9 +16,9 @@ import subprocess
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from flashcore import cubin_info
-from flashcore.artifact import Resources
-from flashcore.cubin_info import (
+from flashcore.build import cubin_info
+from flashcore.build.artifact import Resources
+from flashcore.build.cubin_info import (
     EIAttr,
     EIFormat,
     occupancy,
@@ -27,7 +27,7 @@ from flashcore.cubin_info import (
     read_nv_info,
     read_resources,
 )
-from flashcore.ptx_info import parse_entry
+from flashcore.build.ptx_info import parse_entry
 from tests.kernels import assemble, find_nvdisasm, have_ptxas
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops.fp8 import key_permutation
-from flashcore.spec import AttentionSpec, QuantizeSpec, SpecError
+from flashcore.spec import AttentionSpec, QuantizeSpec, SpecError, TileConfig
 
 
 def _tensor(seed, shape, log_mag, dtype, outlier, pattern):
@@ -296,10 +296,9 @@ def test_fp8_specs_refuse_sm80():
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
 def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
-    from flashcore.compiler import compile_many
+    from flashcore.build.compiler import compile_many
 
-    att = AttentionSpec(arch=arch, head_dim=128, tile=(128, 64), warps=8, causal=True,
-                        precision="fp8")
+    att = AttentionSpec(arch=arch, head_dim=128, causal=True, precision="fp8", config=TileConfig((128, 64), warps=8))
     quant = QuantizeSpec(arch=arch, dtype="bfloat16", head_dim=128, transpose=True)
     a, qz = compile_many([att, quant], jobs=2)
     n_mma = a.ptx.count("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32")
@@ -314,7 +313,7 @@ def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
     assert (a.resources.spill_store_bytes or 0) <= 16 and a.resources.stack_frame_bytes <= 16
     assert "cvt.rn.satfinite.e4m3x2.f32" in qz.ptx
     assert math.isclose(a.smem_dynamic, att.smem_bytes)
-    from flashcore.inspect import sass, sass_opcodes
+    from flashcore.build.inspect import sass, sass_opcodes
 
     text = sass(a.cubin)
     if text is None:

@@ -2,46 +2,59 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 
-from ..abi import LOG2_E, attention_grid
-from ..spec import HEAD_DIMS, AttentionSpec
-from ._kernels import arch_of, kernel_for, launch, prepared, tensor_arg
+from ..build.abi import LOG2_E, attention_grid
+from ..runtime.device import arch_of
+from ..runtime.launch import kernel_for, launch
+from ..spec import HEAD_DIMS, AttentionSpec, TileConfig
+from ..tuning.table import bucket_of, lookup
+from .inputs import DTYPE_NAMES, prepared, tensor_arg
 
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_DTYPE_NAMES = DTYPE_NAMES
 
-# (device index, dtype, head_dim, tile, warps, stages, kv_splits, causal, lse) -> LoadedKernel
+# (device index, dtype, head_dim, config, causal, lse) -> LoadedKernel
 _kernels: dict[tuple, Any] = {}
 _NO_LSE = (0, 0, 0, 0, 0, 0)
 
 
-def _default_warps(tile_m: int) -> int:
-    return max(1, min(8, tile_m // 16))
+@functools.lru_cache(maxsize=256)
+def _explicit_config(tile, warps, stages, kv_splits) -> TileConfig:
+    """The TileConfig of explicit knobs (memoised: every eager call with a tile comes here)."""
+    return TileConfig(tuple(tile), warps=warps, stages=1 if stages is None else stages,
+                      kv_splits=1 if kv_splits is None else kv_splits)
 
 
-def _get_kernel(
-    device: int, dtype: torch.dtype, d: int, tile, warps, stages, kv_splits, causal, lse
-):
-    """The loaded kernel for these knobs on CUDA device index ``device`` (built once)."""
-    key = (device, dtype, d, tile, warps, stages, kv_splits, causal, lse)
+def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, causal,
+                   seqlen_q, precision) -> TileConfig:
+    """One TileConfig from what the caller gave: ``config`` whole, or ``tile`` and knobs, or
+    (``tile=None``) the tuned table's config with any knob the caller set on top."""
+    knobs = {"warps": warps, "stages": stages, "kv_splits": kv_splits}
+    if config is not None:
+        if not isinstance(config, TileConfig):
+            raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
+        if tile is not None or any(v is not None for v in knobs.values()):
+            raise ValueError("attention: give either config or tile/warps/stages/kv_splits")
+        return config
+    if tile is not None:
+        return _explicit_config(tuple(tile), warps, stages, kv_splits)
+    tuned = lookup(arch, head_dim, causal, bucket_of(seqlen_q), precision)
+    changes = {k: v for k, v in knobs.items() if v is not None}
+    return tuned.replace(**changes) if changes else tuned
+
+
+def _get_kernel(device: int, dtype: torch.dtype, d: int, config: TileConfig, causal, lse):
+    """The loaded kernel for this config on CUDA device index ``device`` (built once)."""
+    key = (device, dtype, d, config, causal, lse)
     k = _kernels.get(key)
     if k is None:
-        dev = torch.device("cuda", device)
-        spec = AttentionSpec(
-            arch=arch_of(dev),
-            dtype=_DTYPE_NAMES[dtype],
-            head_dim=d,
-            tile=tile,
-            warps=warps,
-            stages=stages,
-            kv_splits=kv_splits,
-            causal=causal,
-            return_lse=lse,
-        )
-        k = _kernels[key] = kernel_for(spec, dev)
+        spec = AttentionSpec(arch=arch_of(device), dtype=DTYPE_NAMES[dtype], head_dim=d,
+                             config=config, causal=causal, return_lse=lse)
+        k = _kernels[key] = kernel_for(spec, device)
     return k
 
 
@@ -123,11 +136,12 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    tile: tuple[int, int] | None = (64, 64),
+    tile: tuple[int, int] | None = None,
     causal: bool = False,
     softmax_scale: float | None = None,
     return_lse: bool = False,
     *,
+    config: TileConfig | None = None,
     warps: int | None = None,
     stages: int | None = None,
     kv_splits: int | None = None,
@@ -158,21 +172,10 @@ def attention(
         softmax_scale = 1.0 / math.sqrt(q.shape[3])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
         raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
-    if tile is None:
-        from ..autotune import lookup
-
-        tile, tuned_warps, tuned_splits, tuned_stages = lookup(
-            arch_of(q.device), q.shape[3], causal, q.shape[2], precision
-        )
-        # only what the caller left unset comes from the table (0 is an error, not "unset")
-        warps = tuned_warps if warps is None else warps
-        kv_splits = tuned_splits if kv_splits is None else kv_splits
-        stages = tuned_stages if stages is None else stages
-    kv_splits = 1 if kv_splits is None else kv_splits
-    stages = 1 if stages is None else stages
-    tile = tuple(tile)
-    if warps is None:
-        warps = _default_warps(tile[0]) if tile and isinstance(tile[0], int) else 4
+    config = resolve_config(
+        config, tile, warps, stages, kv_splits, arch=arch_of(q.get_device()), head_dim=q.shape[3],
+        causal=causal, seqlen_q=q.shape[2], precision=precision,
+    )
     if precision == "fp8":
         from .fp8 import attention_via_fp8
 
@@ -180,14 +183,14 @@ def attention(
             _check_out(out, q)
         return attention_via_fp8(
             q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-            tile=tile, warps=warps, kv_splits=kv_splits, stages=stages, out=out,
+            config=config, out=out,
         )
     if precision != "fp16":
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
 
     B, H, Sq, D = q.shape
     dev = q.get_device()
-    kern = _get_kernel(dev, q.dtype, D, tile, warps, stages, kv_splits, causal, return_lse)
+    kern = _get_kernel(dev, q.dtype, D, config, causal, return_lse)
     # keep any copy prepared() made alive until the launch: freed earlier, its memory could be
     # handed to `out` below while the kernel still reads it
     q, q_arg = prepared(q)

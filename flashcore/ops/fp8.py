@@ -19,13 +19,14 @@ import warnings
 
 import torch
 
-from ..abi import LOG2_E, attention_grid
-from ..spec import HEAD_DIMS, AttentionSpec, QuantizeSpec
-from ._kernels import arch_of, kernel_for, launch, prepared, tensor_arg, transposed_arg
+from ..build.abi import LOG2_E, attention_grid
+from ..runtime.device import arch_of
+from ..runtime.launch import kernel_for, launch
+from ..spec import HEAD_DIMS, AttentionSpec, QuantizeSpec, TileConfig
+from ..tuning.table import bucket_of, lookup
+from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 
-E4M3 = torch.float8_e4m3fn
 VT_PAD = 128  # Vᵀ's key extent is padded to this (the largest tile_n): its tiles are never ragged
-_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 _kernels: dict[tuple, object] = {}  # call-site key -> loaded kernel (no spec work per call)
 
 
@@ -54,7 +55,7 @@ def quantize_fp8(
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"quantize_fp8: x must be a 4-d tensor, got {getattr(x, 'shape', x)!r}")
-    if x.dtype not in _DTYPE_NAMES:
+    if x.dtype not in DTYPE_NAMES:
         raise TypeError(f"quantize_fp8: x has dtype {x.dtype}; expected float16 or bfloat16")
     if x.device.type != "cuda":
         raise ValueError(f"quantize_fp8: x is on {x.device}; expected a CUDA tensor")
@@ -67,9 +68,9 @@ def quantize_fp8(
     key = ("quant", x.device.index, x.dtype, D, transpose, granularity)
     kern = _kernels.get(key)
     if kern is None:  # building and validating a spec costs more than the launch
-        spec = QuantizeSpec(arch=arch_of(x.device), dtype=_DTYPE_NAMES[x.dtype], head_dim=D,
+        spec = QuantizeSpec(arch=arch_of(x.get_device()), dtype=DTYPE_NAMES[x.dtype], head_dim=D,
                             transpose=transpose, granularity=granularity)
-        kern = _kernels[key] = kernel_for(spec, x.device)
+        kern = _kernels[key] = kernel_for(spec, x.get_device())
     if transpose:
         # the kernel writes every padded key (zeros past S: P is 0 there and V must be finite),
         # a CTA per 32 * threads / D keys, with the amax of each (batch, head) given: one
@@ -128,10 +129,7 @@ def attention_fp8(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     out_dtype: torch.dtype = torch.float16,
-    tile: tuple[int, int] = (64, 64),
-    warps: int | None = None,
-    kv_splits: int = 1,
-    stages: int = 1,
+    config: TileConfig | None = None,
     out: torch.Tensor | None = None,
 ):
     """Attention on already-quantised tensors (see module docstring for their layout)."""
@@ -146,24 +144,24 @@ def attention_fp8(
         raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
     if D not in HEAD_DIMS or min(B, H, Sq, Sk) == 0:
         raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
-    if out_dtype not in _DTYPE_NAMES:
+    if out_dtype not in DTYPE_NAMES:
         raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
     qd = _check_descale("q_descale", q_descale, (B, H, Sq), q8.device)
     kd = _check_descale("k_descale", k_descale, (B, H, Sk), q8.device)
     vd = _check_descale("v_descale", v_descale, (B, H), q8.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
-    tile = tuple(tile)
-    key = ("attn", q8.device.index, out_dtype, D, tile, warps, kv_splits, stages, causal,
-           return_lse)
+    device = q8.get_device()
+    if config is None:
+        config = lookup(arch_of(device), D, causal, bucket_of(Sq), "fp8")
+    key = ("attn", device, out_dtype, D, config, causal, return_lse)
     kern = _kernels.get(key)
     if kern is None:
         spec = AttentionSpec(
-            arch=arch_of(q8.device), dtype=_DTYPE_NAMES[out_dtype], head_dim=D, tile=tile,
-            warps=warps or max(1, min(8, tile[0] // 16)), causal=causal, return_lse=return_lse,
-            precision="fp8", kv_splits=kv_splits, stages=stages,
+            arch=arch_of(device), dtype=DTYPE_NAMES[out_dtype], head_dim=D, config=config,
+            causal=causal, return_lse=return_lse, precision="fp8",
         )
-        kern = _kernels[key] = kernel_for(spec, q8.device)
+        kern = _kernels[key] = kernel_for(spec, device)
         if spec.arch == "sm_90":
             warnings.warn(
                 "flashcore FP8 on sm_90: Hopper has no e4m3 mma.sync (ptxas emulates it with f16 "
@@ -188,15 +186,12 @@ def attention_fp8(
     return (out, lse) if return_lse else out
 
 
-def attention_via_fp8(
-    q, k, v, *, causal, softmax_scale, return_lse, tile, warps, kv_splits, stages, out
-):
+def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, config, out):
     """Quantise fp16/bf16 q, k, v, then ``attention_fp8``; the output has q's dtype."""
     q8, qd = quantize_fp8(q, granularity="token")
     k8, kd = quantize_fp8(k, granularity="token")
     vt8, vd = quantize_fp8(v, transpose=True)
     return attention_fp8(
         q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=softmax_scale,
-        return_lse=return_lse, out_dtype=q.dtype, tile=tile, warps=warps, kv_splits=kv_splits,
-        stages=stages, out=out,
+        return_lse=return_lse, out_dtype=q.dtype, config=config, out=out,
     )

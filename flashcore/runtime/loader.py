@@ -17,13 +17,15 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..abi import ScalarParam, TensorParam, check_against_entry, params_for
-from ..artifact import KernelArtifact
+from ..build.abi import ScalarParam, TensorParam, check_against_entry, params_for
+from ..build.artifact import KernelArtifact
 from ..errors import LaunchError
+from .device import capability, native_arch, runs_from_ptx
 from .driver import check, cu
 
 _DEFAULT_SMEM_LIMIT = 48 * 1024  # above this a kernel must opt in
 _SUCCESS = cu.CUresult.CUDA_SUCCESS
+_NO_CONTEXT = (cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, cu.CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED)
 
 
 @dataclass
@@ -59,6 +61,16 @@ class LoadedKernel:
 
     def launch(self, grid: tuple[int, int, int], values: tuple, stream: int) -> None:
         """``values``: every parameter's fields, flattened in ABI order (see flashcore.abi)."""
+        result, call = self._launch(grid, values, stream)
+        if result[0] in _NO_CONTEXT:
+            # a thread whose first CUDA work is this launch may have no current context (torch
+            # sets one lazily): make the device's primary context (torch's) current, then again
+            make_primary_context_current(self.device)
+            result, call = self._launch(grid, values, stream)
+        if result[0] != _SUCCESS:  # the message is built only on failure (every call gets here)
+            check(result, f"{call}({self.artifact.entry}, grid={grid})")
+
+    def _launch(self, grid: tuple[int, int, int], values: tuple, stream: int):
         with self._lock:
             self._struct.pack_into(self._buf, 0, *values)
             if self.programmatic and _pdl_enabled[0]:
@@ -73,8 +85,7 @@ class LoadedKernel:
                     self.function, grid[0], grid[1], grid[2], bx, by, bz, self._smem,
                     stream, self._argv_addr, 0,
                 )
-        if result[0] != _SUCCESS:  # the message is built only on failure (every call gets here)
-            check(result, f"{call}({self.artifact.entry}, grid={grid})")
+        return result, call
 
     def _config(self, grid: tuple[int, int, int], stream: int):
         """The launch configuration with programmatic stream serialisation allowed: the grid may
@@ -97,6 +108,14 @@ class LoadedKernel:
                 self._configs.clear()
             self._configs[key] = cfg
         return cfg
+
+
+def make_primary_context_current(device: int) -> None:
+    """Make CUDA device ``device``'s primary context (the one torch uses) current here."""
+    dev = check(cu.cuDeviceGet(device), f"cuDeviceGet({device})")
+    ctx = check(cu.cuDevicePrimaryCtxRetain(dev), f"cuDevicePrimaryCtxRetain({device})")
+    check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent(cuda:{device})")
+    check(cu.cuDevicePrimaryCtxRelease(dev), f"cuDevicePrimaryCtxRelease({device})")
 
 
 # ``FLASHCORE_PDL=0`` launches Hopper kernels the plain way (debugging); see plain_launches()
@@ -141,9 +160,12 @@ def load_kernel(artifact: KernelArtifact, device: int) -> LoadedKernel:
         except ValueError as e:
             raise LaunchError(f"{artifact.entry}: {e}") from e
         _check_arch(artifact, device)
+        # another (older) arch's kernel runs from its PTX, compiled by the driver for this GPU
+        image = artifact.cubin if artifact.spec.arch == native_arch(device) else (
+            artifact.ptx.encode() + b"\0")
         with torch.cuda.device(device):
             torch.cuda.current_stream(device)  # makes torch's primary context current
-            module = check(cu.cuModuleLoadData(artifact.cubin), f"cuModuleLoadData({artifact.entry})")
+            module = check(cu.cuModuleLoadData(image), f"cuModuleLoadData({artifact.entry})")
             function = check(
                 cu.cuModuleGetFunction(module, artifact.entry.encode()),
                 f"cuModuleGetFunction({artifact.entry})",
@@ -163,13 +185,12 @@ def load_kernel(artifact: KernelArtifact, device: int) -> LoadedKernel:
 
 
 def _check_arch(artifact: KernelArtifact, device: int) -> None:
-    import torch
-
-    major, minor = torch.cuda.get_device_capability(device)
     arch = artifact.spec.arch
-    want_major, want_minor = int(arch[3]), int(arch[4:])
-    # A cubin runs on its own major version at an equal or newer minor version.
-    if major != want_major or minor < want_minor:
+    if arch == native_arch(device):
+        return
+    # Another arch's kernel runs from its PTX when that PTX targets an older GPU.
+    if not runs_from_ptx(arch, capability(device)):
+        major, minor = capability(device)
         raise LaunchError(
             f"{artifact.entry} was built for {arch}; cuda:{device} is sm_{major}{minor}"
         )

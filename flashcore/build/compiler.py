@@ -16,41 +16,51 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from . import __version__
+from .. import __version__
+from ..errors import CompileError, KernelNotAvailableError
+from ..spec import KernelSpec
 from .abi import check_against_entry, params_for
 from .artifact import KernelArtifact
-from .cache import KernelCache, default_cache, dsl_version, kernel_source_hash
-from .errors import CompileError, KernelNotAvailableError
+from .cache import KernelCache, default_cache
+from .cubin_info import read_resources
+from .fingerprint import (
+    PACKAGE,
+    build_source_files,
+    dsl_fingerprint,
+    fresh_source_hash,
+    source_hash,
+    worker_env,
+)
 from .ptx_info import parse_entry, parse_reqntid, ptx_isa_version, ptx_target
-from .spec import AttentionSpec
 
 _WORKER_TIMEOUT_S = 600
+_WORKER = PACKAGE / "kernels" / "worker.py"
 
 
 def can_compile() -> bool:
     """True when this host has the CuTe DSL (compiling needs no GPU)."""
-    return dsl_version() is not None
+    return dsl_fingerprint() is not None
 
 
-def compile_kernel(spec: AttentionSpec, *, cache: KernelCache | None = None) -> KernelArtifact:
+def compile_kernel(spec: KernelSpec, *, cache: KernelCache | None = None) -> KernelArtifact:
     """The artifact for ``spec``: from memory, from the disk cache, or freshly compiled."""
     cache = cache or default_cache()
     return cache.get_or_build(spec, _build_one)
 
 
 def compile_many(
-    specs: Iterable[AttentionSpec],
+    specs: Iterable[KernelSpec],
     *,
     jobs: int | None = None,
     cache: KernelCache | None = None,
-    progress: Callable[[AttentionSpec], None] | None = None,
+    progress: Callable[[KernelSpec], None] | None = None,
 ) -> list[KernelArtifact]:
     """Compile many specs in parallel worker processes (one process per spec)."""
     cache = cache or default_cache()
     specs = list(specs)
     jobs = jobs or max(1, min(len(specs), os.cpu_count() or 1))
 
-    def one(spec: AttentionSpec) -> KernelArtifact:
+    def one(spec: KernelSpec) -> KernelArtifact:
         art = cache.get_or_build(spec, _build_one)
         if progress:
             progress(spec)
@@ -60,42 +70,57 @@ def compile_many(
         return list(pool.map(one, specs))
 
 
-def _build_one(spec: AttentionSpec) -> KernelArtifact:
+def _build_one(spec: KernelSpec) -> KernelArtifact:
     if not can_compile():
         raise KernelNotAvailableError(
             f"kernel {spec.name} is not in the cache and this host cannot compile it "
             f"(nvidia-cutlass-dsl is not installed).\n  spec: {spec.to_json()}\n"
             "Build it on any machine with the DSL (no GPU needed), e.g.\n"
-            f"  python -c 'import flashcore; flashcore.compile_kernel(flashcore.AttentionSpec.from_json("
-            f'{spec.to_json()!r}))\'\n'
+            "  python -c 'import flashcore; from flashcore.spec import spec_from_dict; "
+            f"flashcore.compile_kernel(spec_from_dict({spec.to_dict()!r}))'\n"
             "then copy that machine's cache folder here and point FLASHCORE_CACHE_DIR at it "
             "(or use flashcore.load_catalog)."
         )
-    with tempfile.TemporaryDirectory(prefix="flashcore-build-") as tmp:
+    key = source_hash()
+    with tempfile.TemporaryDirectory(prefix=f"flashcore-build-{os.getpid()}-") as tmp:
         out = Path(tmp)
-        _run_worker([spec], out)
-        return _assemble(spec, out / "0")
+        imported = _run_worker([spec], out)
+        art = _assemble(spec, out / "0")
+    if fresh_source_hash() != key:
+        raise CompileError(
+            f"{spec.name}: flashcore's kernel sources changed while it compiled; the result is "
+            "not stored (restart the process to build from the new sources)"
+        )
+    _check_imports(spec, imported)
+    return art
 
 
-def _run_worker(specs: list[AttentionSpec], out: Path) -> None:
+def _check_imports(spec: KernelSpec, imported: list[str]) -> None:
+    """Every flashcore file the worker ran must be one the cache key hashes."""
+    hashed = {str(p.resolve()) for p in build_source_files()}
+    outside = sorted(f for f in imported if f not in hashed)
+    if outside:
+        raise CompileError(
+            f"{spec.name}: the compile worker imported {outside}, which the cache key does not "
+            "cover (flashcore/build/fingerprint.py BUILD_SOURCES)"
+        )
+
+
+def _run_worker(specs: list[KernelSpec], out: Path) -> list[str]:
+    """Run one worker over ``specs`` (one arch) into ``out``; the flashcore files it imported."""
     archs = {s.arch for s in specs}
     if len(archs) != 1:
         raise ValueError(f"one worker compiles one arch, got {sorted(archs)}")
-    # CUTE_DSL_KEEP=ir: the DSL also writes the CuTe IR (after canonicalize+cse) into its dump
-    # dir; neither is read by the compile itself, so the cubin is unchanged
-    env = dict(os.environ, CUTE_DSL_ARCH=archs.pop(), CUTE_DSL_KEEP="ir",
-               CUTE_DSL_DUMP_DIR=str(out / "ir"))
-    # the worker imports flashcore from the same place as this process
-    root = str(Path(__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = worker_env(archs.pop(), out / "ir")
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "flashcore.dsl.worker", str(out)],
+            [sys.executable, str(_WORKER), str(out)],
             input=json.dumps([s.to_dict() for s in specs]),
             check=False,
             capture_output=True,
             text=True,
             env=env,
+            cwd=out,
             timeout=_WORKER_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
@@ -105,9 +130,13 @@ def _run_worker(specs: list[AttentionSpec], out: Path) -> None:
     if proc.returncode != 0:
         tail = "\n".join(proc.stderr.strip().splitlines()[-30:])
         raise CompileError(f"compiling {[s.name for s in specs]} failed:\n{tail}")
+    imported: set[str] = set()
+    for i in range(len(specs)):
+        imported.update(json.loads((out / str(i) / "build.json").read_text())["imported"])
+    return sorted(imported)
 
 
-def _assemble(spec: AttentionSpec, d: Path) -> KernelArtifact:
+def _assemble(spec: KernelSpec, d: Path) -> KernelArtifact:
     ptx = (d / "kernel.ptx").read_text()
     cubin = (d / "kernel.cubin").read_bytes()
     info = json.loads((d / "build.json").read_text())
@@ -119,8 +148,6 @@ def _assemble(spec: AttentionSpec, d: Path) -> KernelArtifact:
     block = parse_reqntid(ptx) or (spec.threads, 1, 1)
     if block != (spec.threads, 1, 1):
         raise CompileError(f"{spec.name}: block {block} is not ({spec.threads}, 1, 1)")
-    from .cubin_info import read_resources  # pyelftools: needed only where kernels are built
-
     resources = read_resources(
         cubin, entry, ptx=ptx, arch=spec.arch, smem_dynamic=info["smem_dynamic"]
     )
@@ -135,10 +162,10 @@ def _assemble(spec: AttentionSpec, d: Path) -> KernelArtifact:
         resources=resources,
         toolchain={
             "flashcore": __version__,
-            "nvidia-cutlass-dsl": info["dsl_version"],
+            "nvidia-cutlass-dsl": dsl_fingerprint() or "",
             "ptx_isa": ptx_isa_version(ptx),
             "target": ptx_target(ptx),
         },
-        source_hash=kernel_source_hash(),
+        source_hash=source_hash(),
         ir=(d / "kernel.mlir").read_text(),
     )

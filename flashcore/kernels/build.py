@@ -19,7 +19,6 @@ class BuildProducts:
     cubin: bytes
     ir: str
     smem_dynamic: int
-    dsl_version: str
 
 
 def _fake_tensors(spec: AttentionSpec):
@@ -129,7 +128,7 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     import cutlass
     import cutlass.cute as cute
 
-    from .attention_fwd import AttentionForward
+    from .mma_sync.attention_fwd import AttentionForward
 
     if isinstance(spec, QuantizeSpec):
         from .quantize_fp8 import QuantizeFP8, QuantizeFP8PerToken, QuantizeFP8Transposed
@@ -173,5 +172,4 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
         cubin=cubin,
         ir=_cute_ir(compiled),
         smem_dynamic=smem,
-        dsl_version=cutlass.__version__,
     )

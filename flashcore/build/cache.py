@@ -9,10 +9,6 @@ A host without the DSL (it cannot compile) accepts an entry built by any DSL ver
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
@@ -26,16 +22,16 @@ from pathlib import Path
 import platformdirs
 from filelock import FileLock
 
+from ..errors import CacheCorruptionError
+from ..spec import KernelSpec, spec_from_dict
 from .artifact import META, KernelArtifact
-from .errors import CacheCorruptionError
-from .spec import KernelSpec, spec_from_dict
+from .fingerprint import dsl_fingerprint, source_hash
 
 CACHE_ENV = "FLASHCORE_CACHE_DIR"
 LAYOUT = "v1"
 QUARANTINE = "quarantine"
 _TMP_PREFIX = ".tmp-"
 _LOCK_TIMEOUT_S = 1800  # longer than any compile; a dead holder's flock is released by the OS
-_DSL_DIR = Path(__file__).resolve().parent / "dsl"
 
 
 class CacheWarning(UserWarning):
@@ -48,43 +44,13 @@ def cache_root() -> Path:
     return Path(env) if env else Path(platformdirs.user_cache_dir("flashcore"))
 
 
-@functools.cache
-def kernel_source_hash() -> str:
-    """sha256 (16 hex) of every ``*.py`` under flashcore/dsl, by relative path and content.
-
-    Read as files, never imported: hosts without the DSL must compute the same key.
-    """
-    h = hashlib.sha256()
-    for path in sorted(_DSL_DIR.rglob("*.py"), key=lambda p: p.relative_to(_DSL_DIR).as_posix()):
-        rel = path.relative_to(_DSL_DIR).as_posix().encode()
-        data = path.read_bytes()
-        # length-prefixed, so no two different trees hash the same byte stream
-        h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
-    return h.hexdigest()[:16]
-
-
-def dsl_version() -> str | None:
-    """Installed nvidia-cutlass-dsl version, or None (then this host cannot compile).
-
-    Looks, never imports: both the distribution and an importable ``cutlass`` must be there.
-    """
-    try:
-        if importlib.util.find_spec("cutlass") is None:
-            return None
-    except (ImportError, ValueError):  # e.g. sys.modules["cutlass"] = None: import blocked
-        return None
-    try:
-        return importlib.metadata.version("nvidia-cutlass-dsl")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def spec_dir_name(spec: KernelSpec) -> str:
     return f"{spec.name}-{spec.content_hash}"
 
 
-def entry_name(source_hash: str, version: str | None) -> str:
-    return f"{source_hash}-dsl{version}"
+def entry_name(source: str, dsl: str | None) -> str:
+    """``<source hash>-dsl<DSL fingerprint>``: one build of one spec."""
+    return f"{source}-dsl{dsl}"
 
 
 class KernelCache:
@@ -105,7 +71,7 @@ class KernelCache:
     # -- lookup --------------------------------------------------------------------------------
     def get(self, spec: KernelSpec) -> KernelArtifact | None:
         """The cached artifact for ``spec`` and the current kernel source, or None."""
-        key = (spec, kernel_source_hash())
+        key = (spec, source_hash())
         with self._memory_lock:
             hit = self._memory.get(key)
         if hit is not None:
@@ -121,12 +87,12 @@ class KernelCache:
                 if art is None:
                     continue
             with self._memory_lock:
-                return self._memory.setdefault((spec, kernel_source_hash()), art)
+                return self._memory.setdefault((spec, source_hash()), art)
         return None
 
     def _candidates(self, spec: KernelSpec) -> list[Path]:
-        source = kernel_source_hash()
-        version = dsl_version()
+        source = source_hash()
+        version = dsl_fingerprint()
         sdir = self.spec_dir(spec)
         if version is not None:
             exact = sdir / entry_name(source, version)
@@ -140,17 +106,17 @@ class KernelCache:
         art = KernelArtifact.load(path)
         if art.spec != spec:
             raise CacheCorruptionError(f"{path / META}: holds {art.spec.name}, not {spec.name}")
-        if art.source_hash != kernel_source_hash():
+        if art.source_hash != source_hash():
             raise CacheCorruptionError(
                 f"{path / META}: built from kernel source {art.source_hash}, "
-                f"its directory says {kernel_source_hash()}"
+                f"its directory says {source_hash()}"
             )
         return art
 
     # -- store ---------------------------------------------------------------------------------
     def put(self, artifact: KernelArtifact) -> Path:
         """Write ``artifact`` into place atomically; an entry already there is kept."""
-        version = artifact.toolchain.get("nvidia-cutlass-dsl") or dsl_version()
+        version = artifact.toolchain.get("nvidia-cutlass-dsl") or dsl_fingerprint()
         sdir = self.spec_dir(artifact.spec)
         dest = sdir / entry_name(artifact.source_hash, version)
         sdir.mkdir(parents=True, exist_ok=True)
@@ -184,13 +150,13 @@ class KernelCache:
                 raise ValueError(f"build({spec.name}) returned an artifact for {art.spec.name}")
             self.put(art)
         with self._memory_lock:
-            self._memory[(spec, kernel_source_hash())] = art
+            self._memory[(spec, source_hash())] = art
         return art
 
     def _lock(self, spec: KernelSpec) -> FileLock:
         sdir = self.spec_dir(spec)
         sdir.mkdir(parents=True, exist_ok=True)
-        name = entry_name(kernel_source_hash(), dsl_version())
+        name = entry_name(source_hash(), dsl_fingerprint())
         return FileLock(sdir / f"{name}.lock", timeout=_LOCK_TIMEOUT_S)
 
     def _quarantine(

@@ -1,17 +1,28 @@
-"""The catalog: the specs flashcore builds ahead of time, as data."""
+"""Catalogs: the specs flashcore builds ahead of time, and self-contained folders of them.
+
+A catalog folder is a cache root (``v1/...``, usable as ``FLASHCORE_CACHE_DIR``) plus an
+``index.json`` naming every kernel with its path and checksums. ``flashcore.load_catalog``
+(``flashcore.runtime.catalog``) verifies one and makes it the process's cache.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 import os
 from pathlib import Path
 
-from .spec import AttentionSpec
+from .. import __version__
+from ..errors import CacheCorruptionError, CatalogError
+from ..spec import AttentionSpec, TileConfig
+from .artifact import KernelArtifact
+from .cache import KernelCache, entry_name, spec_dir_name
 
-# Tiles shipped per head dim: the default (64, 64) and a larger-tile option per head dim.
-CATALOG_TILES = {64: [((64, 64), 4), ((128, 64), 8)], 128: [((64, 64), 4), ((128, 64), 8)]}
+# Configs shipped per head dim: the default tile and a larger-tile option.
+CATALOG_CONFIGS = {d: [TileConfig((64, 64), warps=4), TileConfig((128, 64), warps=8)]
+                   for d in (64, 128)}
 
 
 def catalog_specs(archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")) -> list[AttentionSpec]:
@@ -19,19 +30,15 @@ def catalog_specs(archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")) -> list[
     for arch, dtype, d, causal, lse in itertools.product(
         archs, ("float16", "bfloat16"), (64, 128), (False, True), (False, True)
     ):
-        for tile, warps in CATALOG_TILES[d]:
-            specs.append(
-                AttentionSpec(
-                    arch=arch, dtype=dtype, head_dim=d, tile=tile, warps=warps, causal=causal,
-                    return_lse=lse,
-                )
-            )
+        for config in CATALOG_CONFIGS[d]:
+            specs.append(AttentionSpec(arch=arch, dtype=dtype, head_dim=d, config=config,
+                                       causal=causal, return_lse=lse))
     return specs
 
 
 # -- catalogs on disk ----------------------------------------------------------------------------
 INDEX = "index.json"
-CATALOG_FORMAT = 1
+CATALOG_FORMAT = 2  # 2: specs carry a TileConfig; the kernel sources moved (rebuild format 1)
 
 
 def write_catalog(root: Path, artifacts: list) -> Path:
@@ -40,9 +47,6 @@ def write_catalog(root: Path, artifacts: list) -> Path:
     ``root`` is a cache root (the artifacts were put there by a KernelCache(root)), so the folder
     works as it is as ``FLASHCORE_CACHE_DIR`` and through ``load_catalog``.
     """
-    from . import __version__
-    from .cache import entry_name, spec_dir_name
-
     kernels = []
     for art in artifacts:
         rel = Path("v1") / spec_dir_name(art.spec) / entry_name(
@@ -74,9 +78,6 @@ def write_catalog(root: Path, artifacts: list) -> Path:
 
 def verify_catalog(root: Path) -> dict:
     """Check a catalog folder against its index; raise CatalogError naming the first problem."""
-    from .artifact import KernelArtifact
-    from .errors import CacheCorruptionError, CatalogError
-
     root = Path(root)
     try:
         index = json.loads((root / INDEX).read_text())
@@ -84,8 +85,13 @@ def verify_catalog(root: Path) -> dict:
         raise CatalogError(f"{root} is not a flashcore catalog: no {INDEX}") from None
     except (OSError, ValueError) as e:
         raise CatalogError(f"{root / INDEX} is unreadable: {e}") from None
-    if not isinstance(index, dict) or index.get("format") != CATALOG_FORMAT:
-        raise CatalogError(f"{root / INDEX}: unknown catalog format {index.get('format')!r}")
+    if not isinstance(index, dict):
+        raise CatalogError(f"{root / INDEX}: not a catalog index")
+    if index.get("format") != CATALOG_FORMAT:
+        raise CatalogError(
+            f"{root / INDEX}: catalog format {index.get('format')!r}, this flashcore reads "
+            f"{CATALOG_FORMAT}; rebuild it with: flashcore precompile --arch ... --out {root}"
+        )
     for k in index.get("kernels", []):
         where = root / k["path"]
         try:
@@ -103,44 +109,9 @@ def verify_catalog(root: Path) -> dict:
     return index
 
 
-def load_catalog(path: str | Path, *, device: int | None = None) -> Path:
-    """Verify a catalog folder and make it this process's kernel cache (FLASHCORE_CACHE_DIR).
-
-    With a CUDA device visible, refuse a catalog that holds no kernel for its arch.
-    """
-    from .cache import CACHE_ENV
-    from .errors import CatalogError
-
-    root = Path(path).resolve()
-    index = verify_catalog(root)
-    try:
-        import torch
-
-        has_gpu = torch.cuda.is_available()
-    except ImportError:
-        has_gpu = False
-    if has_gpu:
-        from .ops._kernels import arch_of
-
-        dev = torch.device("cuda", torch.cuda.current_device() if device is None else device)
-        arch = arch_of(dev)
-        if arch not in index["archs"]:
-            raise CatalogError(
-                f"catalog {root} holds kernels for {index['archs']}, but {dev} needs {arch}; "
-                f"build one with: flashcore precompile --arch {arch} --out DIR"
-            )
-    os.environ[CACHE_ENV] = str(root)
-    return root
-
-
 def copy_catalog(src: str | Path, dst: str | Path, *, keep_ir: bool = False) -> Path:
     """Copy a catalog folder, by default without the IR (GPU hosts need only cubins); every entry
     is verified on the way and re-saved with fresh checksums."""
-    import dataclasses
-
-    from .artifact import KernelArtifact
-    from .cache import KernelCache
-
     src, dst = Path(src), Path(dst)
     index = verify_catalog(src)
     cache = KernelCache(dst)

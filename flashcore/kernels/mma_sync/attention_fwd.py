@@ -49,7 +49,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from ..spec import AttentionSpec
+from ...spec import AttentionSpec
 
 LN_2 = math.log(2.0)
 P_SCALE = 256.0  # power of two: exact to apply and to undo

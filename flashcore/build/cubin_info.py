@@ -24,9 +24,9 @@ from typing import Any
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
+from ..spec import SMEM_PER_SM
 from .artifact import Resources
 from .ptx_info import parse_reqntid, ptx_target
-from .spec import SMEM_PER_SM
 
 
 class EIFormat(IntEnum):

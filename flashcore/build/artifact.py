@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import CacheCorruptionError, SpecError
-from .spec import KernelSpec, spec_from_dict
+from ..errors import CacheCorruptionError, SpecError
+from ..spec import KernelSpec, spec_from_dict
 
 ARTIFACT_FORMAT = 1
 META = "meta.json"

@@ -1,0 +1,48 @@
+"""Kernel specs: a kernel described by data (frozen, hashable, JSON-serialisable).
+
+Pure data: importing this package needs neither torch nor the CuTe DSL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import SpecError
+from .arch import (
+    ARCHS,
+    DTYPES,
+    FP8_ARCHS,
+    HEAD_DIMS,
+    PDL_ARCHS,
+    SMEM_PER_BLOCK,
+    SMEM_PER_SM,
+)
+from .attention import PRECISIONS, AttentionSpec
+from .combine import CombineSpec
+from .families import DEFAULT_FAMILY, FAMILIES, family
+from .quantize import QuantizeSpec
+from .serial import SPEC_VERSION
+from .tile import TileConfig, default_warps, tile_config
+
+KernelSpec = AttentionSpec | QuantizeSpec | CombineSpec
+_SPEC_CLASSES = {"attention_fwd": AttentionSpec, "quantize_fp8": QuantizeSpec,
+                 "attention_combine": CombineSpec}
+
+
+def spec_from_dict(d: Any) -> KernelSpec:
+    """Rebuild any kernel spec from its ``to_dict`` form (dispatching on ``op``)."""
+    if not isinstance(d, dict):
+        raise SpecError(f"a spec must be a JSON object, got {type(d).__name__}")
+    op = d.get("op", "attention_fwd")
+    cls = _SPEC_CLASSES.get(op)
+    if cls is None:
+        raise SpecError(f"unknown kernel op {op!r}; known: {sorted(_SPEC_CLASSES)}")
+    return cls.from_dict(d)
+
+
+__all__ = [
+    "ARCHS", "DEFAULT_FAMILY", "DTYPES", "FAMILIES", "FP8_ARCHS", "HEAD_DIMS", "PDL_ARCHS",
+    "PRECISIONS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "SPEC_VERSION", "AttentionSpec",
+    "CombineSpec", "KernelSpec", "QuantizeSpec", "SpecError", "TileConfig", "default_warps",
+    "family", "spec_from_dict", "tile_config",
+]

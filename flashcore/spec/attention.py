@@ -1,0 +1,187 @@
+"""``AttentionSpec``: one attention forward kernel, described by data.
+
+A spec is frozen, hashable and JSON-serialisable. Its ``name`` is readable and unique among
+valid specs; its ``content_hash`` keys the on-disk cache (with the build's fingerprint).
+Validation happens on construction, so an object that exists can be compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import SpecError
+from .arch import (
+    ARCHS,
+    DTYPE_BYTES,
+    DTYPE_TAGS,
+    DTYPES,
+    E4M3_BYTES,
+    FP8_ARCHS,
+    HEAD_DIMS,
+    PDL_ARCHS,
+    arch_tag,
+)
+from .families import DEFAULT_FAMILY, family
+from .serial import SpecData
+from .tile import TileConfig
+
+PRECISIONS = ("fp16", "fp8")  # MMA operand precision: the input dtype, or float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class AttentionSpec(SpecData):
+    """One forward attention kernel.
+
+    ``dtype`` is the query and output dtype. ``precision="fp8"`` multiplies float8_e4m3fn Q, K
+    and Vᵀ (m16n8k32) that ``flashcore.ops.fp8.quantize_fp8`` produced. ``kv_fp8`` reads K and
+    V as an e4m3 KV cache with per-token descales and multiplies in ``dtype`` (dequantised in
+    shared memory). ``split_kv`` writes fp32 partial outputs of one share of the keys per CTA
+    (flash-decoding); a combine kernel (``CombineSpec``) merges them. Every kernel serves
+    grouped-query attention (K/V with fewer heads than Q) and any batch, head count and length.
+    """
+
+    arch: str = field(default="sm_89", metadata={"help": "target architecture", "choices": ARCHS})
+    dtype: str = field(default="float16", metadata={"help": "query/output dtype",
+                                                    "choices": DTYPES})
+    head_dim: int = field(default=64, metadata={"help": "head dimension", "choices": HEAD_DIMS})
+    config: TileConfig = field(default_factory=TileConfig,
+                               metadata={"help": "tile, warps, stages, kv_splits"})
+    causal: bool = field(default=False, metadata={"help": "top-left causal mask (torch's is_causal)"})
+    return_lse: bool = field(default=False, metadata={"help": "also write the log-sum-exp"})
+    precision: str = field(default="fp16", metadata={"help": "MMA operand precision",
+                                                     "choices": PRECISIONS})
+    kv_fp8: bool = field(default=False, metadata={"help": "K/V are an e4m3 cache with per-token scales"})
+    split_kv: bool = field(default=False, metadata={"help": "write per-CTA partials for a combine"})
+    family: str = field(default="", metadata={"help": "kernel family (default: the arch's)"})
+    op: str = field(default="attention_fwd", metadata={"cli": False})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.config, dict):
+            object.__setattr__(self, "config", TileConfig.from_dict(self.config))
+        if not self.family and self.arch in DEFAULT_FAMILY:
+            object.__setattr__(self, "family", DEFAULT_FAMILY[self.arch])
+        self._validate()
+
+    # -- validation ---------------------------------------------------------------------------
+    def _validate(self) -> None:
+        def bad(what: str) -> SpecError:
+            return SpecError(f"AttentionSpec: {what}")
+
+        if self.op != "attention_fwd":
+            raise bad(f"op={self.op!r} is not supported (only 'attention_fwd')")
+        if self.arch not in ARCHS:
+            raise bad(f"arch={self.arch!r} is not supported; choose one of {ARCHS}")
+        if self.dtype not in DTYPES:
+            raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
+        if self.precision not in PRECISIONS:
+            raise bad(f"precision={self.precision!r} is not supported; choose one of {PRECISIONS}")
+        if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int):
+            raise bad(f"head_dim must be an int, got {self.head_dim!r}")
+        if self.head_dim not in HEAD_DIMS:
+            raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
+        if not isinstance(self.config, TileConfig):
+            raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
+        for name in ("causal", "return_lse", "kv_fp8", "split_kv"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if (self.precision == "fp8" or self.kv_fp8) and self.arch not in FP8_ARCHS:
+            what = "precision='fp8'" if self.precision == "fp8" else "kv_fp8=True"
+            raise bad(
+                f"{what} needs e4m3 support (mma.sync / cvt e4m3), which {self.arch} does not "
+                f"have; use arch in {FP8_ARCHS}"
+            )
+        if self.precision == "fp8" and self.kv_fp8:
+            raise bad("kv_fp8=True is for 16-bit operands; precision='fp8' already reads e4m3 K/V")
+        fam = family(self.family)
+        if self.arch not in fam.archs:
+            raise bad(f"family {fam.name!r} does not run on {self.arch}; it runs on {fam.archs}")
+        fam.validate(self)
+
+    # -- derived -------------------------------------------------------------------------------
+    @property
+    def tile(self) -> tuple[int, int]:
+        return self.config.tile
+
+    @property
+    def tile_m(self) -> int:
+        return self.config.tile_m
+
+    @property
+    def tile_n(self) -> int:
+        return self.config.tile_n
+
+    @property
+    def warps(self) -> int:
+        return self.config.warps  # type: ignore[return-value]
+
+    @property
+    def stages(self) -> int:
+        return self.config.stages
+
+    @property
+    def kv_splits(self) -> int:
+        return self.config.kv_splits
+
+    @property
+    def group_threads(self) -> int:
+        """Threads that share one key range (all of them unless kv_splits > 1)."""
+        return self.config.group_threads
+
+    @property
+    def threads(self) -> int:
+        return self.config.threads
+
+    @property
+    def programmatic_launch(self) -> bool:
+        """Hopper kernels take part in programmatic dependent launch: they wait for the grid
+        before them (``griddepcontrol.wait``) before touching global memory, so the runtime may
+        start them while that grid drains. Ada and Ampere have no such instruction."""
+        return self.arch in PDL_ARCHS
+
+    @property
+    def elem_bytes(self) -> int:
+        """Bytes per MMA operand element in shared memory."""
+        return E4M3_BYTES if self.precision == "fp8" else DTYPE_BYTES[self.dtype]
+
+    @property
+    def smem_bytes(self) -> int:
+        return family(self.family).smem_bytes(self)
+
+    @property
+    def name(self) -> str:
+        """Readable, stable and unique among valid specs (every field appears)."""
+        parts = ["fc_attn_fwd", arch_tag(self.arch), DTYPE_TAGS[self.dtype],
+                 f"d{self.head_dim}", self.config.tag]
+        flags = [("causal", self.causal), ("lse", self.return_lse),
+                 (self.precision, self.precision != "fp16"), ("kvfp8", self.kv_fp8),
+                 ("split", self.split_kv), (self.family, self.family != "mma_sync")]
+        return "_".join(parts + [tag for tag, on in flags if on])
+
+    # -- serialisation -------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d["config"] = self.config.to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AttentionSpec:
+        d = cls._checked_fields(d, legacy=_LEGACY_CONFIG_FIELDS)
+        legacy = {k: d.pop(k) for k in _LEGACY_CONFIG_FIELDS if k in d}
+        if legacy:  # specs written before TileConfig carried the knobs at the top level
+            if "config" in d:
+                raise SpecError(f"AttentionSpec: both 'config' and {sorted(legacy)} given")
+            d["config"] = TileConfig(**legacy)
+        return cls(**d)
+
+    def replace(self, **changes: Any) -> AttentionSpec:
+        """A copy with fields changed; TileConfig knobs (tile, warps, ...) may be given
+        directly and change the config."""
+        knobs = {k: changes.pop(k) for k in _LEGACY_CONFIG_FIELDS if k in changes}
+        if knobs:
+            changes["config"] = changes.get("config", self.config).replace(**knobs)
+        return dataclasses.replace(self, **changes)
+
+
+_LEGACY_CONFIG_FIELDS = ("tile", "warps", "stages", "kv_splits")

@@ -1,0 +1,130 @@
+"""Kernel families: which kernel design a spec is compiled with, and what that design accepts.
+
+A family names one kernel design (its source under ``flashcore/kernels/<family>/``). It says on
+which archs it runs, which values of each ``TileConfig`` knob it accepts, and how much shared
+memory a spec needs, so an invalid spec is refused when it is made, naming the knob. The spec
+names its family or takes its arch's default. ``mma_sync`` (FlashAttention-2 style, warp-level
+``mma.sync`` on sm_80/sm_89/sm_90) is the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ..errors import SpecError
+from .arch import DTYPE_BYTES, E4M3_BYTES, SMEM_PER_BLOCK
+
+if TYPE_CHECKING:
+    from .attention import AttentionSpec
+
+_SMEM_ALIGN = 1024  # every shared buffer is 1024-byte aligned (swizzle atoms repeat at 1 KB)
+
+
+def _align(n: int, a: int = _SMEM_ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class KernelFamily(Protocol):
+    name: str
+    archs: tuple[str, ...]
+    knobs: Mapping[str, tuple[int, ...]]
+
+    def validate(self, spec: AttentionSpec) -> None: ...
+
+    def smem_bytes(self, spec: AttentionSpec) -> int: ...
+
+
+@dataclass(frozen=True)
+class MmaSync:
+    """FlashAttention-2 style: warp-level mma.sync, cp.async loads, K/V in a ring of stages."""
+
+    name: str = "mma_sync"
+    archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")
+    max_threads: int = 512  # 128 registers per thread still fit the 64K register file
+
+    @property
+    def knobs(self) -> Mapping[str, tuple[int, ...]]:
+        return {
+            "tile_m": (16, 32, 64, 128),
+            "tile_n": (32, 64, 128),
+            "warps": (1, 2, 4, 8),
+            "stages": (1, 2, 3),
+            "kv_splits": (1, 2, 4),
+        }
+
+    def validate(self, spec: AttentionSpec) -> None:
+        c = spec.config
+
+        def bad(what: str) -> SpecError:
+            return SpecError(f"AttentionSpec ({self.name}): {what}")
+
+        for knob, allowed in self.knobs.items():
+            v = getattr(c, knob)
+            if v not in allowed:
+                raise bad(f"{knob}={v} is not supported; choose one of {allowed}")
+        if c.tile_m % (16 * c.warps) != 0:
+            raise bad(
+                f"tile_m={c.tile_m} must be a multiple of 16 * warps = {16 * c.warps} "
+                "(each warp owns whole 16-row MMA tiles)"
+            )
+        if c.threads > self.max_threads:
+            raise bad(
+                f"warps * kv_splits = {c.warps * c.kv_splits} warps is {c.threads} threads, "
+                f"over {self.max_threads} (the register file could not hold them)"
+            )
+        # Each thread of a group copies 16-byte chunks; a tile must hold one chunk per thread.
+        load_bytes = E4M3_BYTES if (spec.precision == "fp8" or spec.kv_fp8) else spec.elem_bytes
+        chunks = {
+            "Q": c.tile_m * spec.head_dim * spec.elem_bytes // 16,
+            "K/V": c.tile_n * spec.head_dim * load_bytes // 16,
+        }
+        for what, n in chunks.items():
+            if n % c.group_threads:
+                raise bad(
+                    f"a {what} tile of {c.tile} at head_dim={spec.head_dim} is {n} 16-byte "
+                    f"copies, which {c.group_threads} threads cannot share evenly"
+                )
+        budget = SMEM_PER_BLOCK[spec.arch]
+        need = self.smem_bytes(spec)
+        if need > budget:
+            raise bad(
+                f"needs {need} bytes of shared memory, over {spec.arch}'s per-block budget of "
+                f"{budget} bytes (tile {c.tile}, stages={c.stages}, kv_splits={c.kv_splits}); "
+                "use a smaller tile, fewer stages or fewer kv_splits"
+            )
+
+    def smem_bytes(self, spec: AttentionSpec) -> int:
+        """Dynamic shared memory the kernel allocates (``flashcore/kernels/mma_sync/smem.py``
+        lays it out; the build checks the two agree): the Q tile; K and V tiles per stage and
+        key split; for fp8 operands a separate 16-bit output tile (the e4m3 Q buffer is too
+        small to stage it); for an FP8 KV cache the converted 16-bit K and V tiles next to the
+        e4m3 ring; with kv_splits > 1 each split's row max and sum and all but one split's fp32
+        output, for the combine."""
+        c, d = spec.config, spec.head_dim
+        out_bytes = DTYPE_BYTES[spec.dtype]
+        ring_bytes = E4M3_BYTES if spec.kv_fp8 else spec.elem_bytes
+        q = _align(c.tile_m * d * spec.elem_bytes)
+        kv = _align(c.tile_n * d * ring_bytes * c.kv_splits)
+        total = q + 2 * c.stages * kv
+        if spec.precision == "fp8":
+            total += _align(c.tile_m * d * out_bytes)
+        if spec.kv_fp8:
+            total += 2 * _align(c.tile_n * d * spec.elem_bytes * c.kv_splits)
+        if c.kv_splits > 1:
+            total += _align(c.kv_splits * 2 * c.tile_m * 4)
+            total += _align((c.kv_splits - 1) * c.tile_m * d * 4)
+        return total
+
+
+FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync()}
+# The family a spec gets when it names none.
+DEFAULT_FAMILY = {"sm_80": "mma_sync", "sm_89": "mma_sync", "sm_90": "mma_sync"}
+
+
+def family(name: str) -> KernelFamily:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise SpecError(f"unknown kernel family {name!r}; known: {sorted(FAMILIES)}") from None

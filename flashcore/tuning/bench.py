@@ -1,0 +1,515 @@
+"""Benchmark harness: flashcore against every peer on this machine, side by side in one run.
+
+    python -m flashcore.bench                 # the full suite
+    python -m flashcore.bench --quick         # the mission shape, the large shapes, decode
+    python -m flashcore.bench --decode        # the decode (and GQA prefill) section only
+    python -m flashcore.bench --out benchmarks/results
+
+For each shape: kernel time (median over CUDA-graph replays of several launches, inputs rotated so
+the L2 cache does not flatter) and eager call time (median per call with CUDA events, host overhead
+included). Peers: torch SDPA forced to each backend (``enable_gqa`` where K/V have fewer heads),
+FlashAttention-4 when importable, NVIDIA's CuTe DSL FA2 example when ``FLASHCORE_NV_FA2`` names a
+copy. Writes a JSON record (flashcore's source hash, git SHA, GPU, driver, versions, every figure)
+and a PNG chart, and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import hashlib
+import importlib.metadata
+import json
+import math
+import platform
+import subprocess
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..build.fingerprint import PACKAGE, dsl_fingerprint, source_hash
+from .timing import n_sets, time_eager, time_kernel
+
+
+@dataclass(frozen=True)
+class Shape:
+    """(batch, heads, seq, head_dim): ``seq`` keys; ``seq_q`` queries (default ``seq``);
+    ``kv_heads`` K/V heads (default ``heads``: grouped-query attention when fewer)."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    causal: bool = False
+    dtype: str = "float16"
+    kv_heads: int | None = None
+    seq_q: int | None = None
+
+    @property
+    def sq(self) -> int:
+        return self.seq if self.seq_q is None else self.seq_q
+
+    @property
+    def hkv(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def decode(self) -> bool:
+        return self.sq < self.seq
+
+    @property
+    def label(self) -> str:
+        heads = f"{self.heads}" if self.hkv == self.heads else f"{self.heads}/{self.hkv}"
+        seq = f"{self.seq}" if self.sq == self.seq else f"{self.sq}x{self.seq}"
+        c = " causal" if self.causal else ""
+        dt = "" if self.dtype == "float16" else f" {self.dtype}"
+        return f"{self.batch},{heads},{seq},{self.head_dim}{c}{dt}"
+
+    def flops(self) -> float:
+        f = 4.0 * self.batch * self.heads * self.sq * self.seq * self.head_dim
+        return f / 2 if self.causal and self.sq == self.seq else f
+
+    def min_bytes(self, kv_bytes: int = 2) -> float:
+        """Each input read once and the output written once."""
+        qo = 2 * 2 * self.batch * self.heads * self.sq * self.head_dim
+        return qo + 2 * kv_bytes * self.batch * self.hkv * self.seq * self.head_dim
+
+    def inputs(self) -> tuple[torch.Tensor, ...]:
+        dt = getattr(torch, self.dtype)
+
+        def mk(h: int, s: int) -> torch.Tensor:
+            return torch.randn(self.batch, h, s, self.head_dim, device="cuda", dtype=dt)
+
+        return mk(self.heads, self.sq), mk(self.hkv, self.seq), mk(self.hkv, self.seq)
+
+
+MISSION = Shape(1, 8, 512, 64)
+# the decode issue's shapes: B, H_q, H_kv, S_k, D with one query token
+DECODE = [Shape(1, 8, 32768, 128, kv_heads=8, seq_q=1), Shape(1, 32, 8192, 128, kv_heads=8, seq_q=1),
+          Shape(16, 32, 4096, 128, kv_heads=8, seq_q=1)]
+GQA_PREFILL = [Shape(4, 32, 4096, 128, True, kv_heads=8)]
+
+
+def suite(quick: bool, decode: bool = True) -> list[Shape]:
+    shapes = [MISSION, Shape(4, 16, 4096, 64), Shape(4, 16, 4096, 128), Shape(2, 16, 8192, 128)]
+    shapes += [Shape(4, 16, 4096, 64, True), Shape(4, 16, 4096, 128, True)]
+    if decode:
+        shapes += DECODE + [Shape(**{**asdict(s), "dtype": "bfloat16"}) for s in DECODE]
+        shapes += GQA_PREFILL
+    if quick:
+        return shapes
+    for s in (512, 1024, 2048, 16384):
+        for d in (64, 128):
+            b = max(1, 16384 // s)
+            shapes.append(Shape(b, 16, s, d))
+    shapes += [Shape(2, 16, 8192, 128, True), Shape(4, 16, 4096, 128, False, "bfloat16")]
+    return shapes
+
+
+@dataclass
+class Result:
+    shape: Shape
+    impl: str
+    kernel_us: float | None = None
+    eager_us: float | None = None
+    error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tflops(self) -> float | None:
+        return None if self.kernel_us is None else self.shape.flops() / self.kernel_us / 1e6
+
+    @property
+    def tbps(self) -> float | None:
+        """Minimum bytes over kernel time (FP8-KV rows count e4m3 K/V)."""
+        if self.kernel_us is None:
+            return None
+        return self.shape.min_bytes(1 if "fp8kv" in self.impl else 2) / self.kernel_us / 1e6
+
+
+# -- implementations: (q, k, v, causal) -> out -------------------------------------------------
+Impl = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+def _sdpa(backend) -> Impl:
+    from torch.nn.attention import sdpa_kernel
+
+    def run(q, k, v, causal):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+    # the backend is forced around a whole measurement, not per call: entering sdpa_kernel costs
+    # more host time than the mission shape's kernel
+    run.context = lambda: sdpa_kernel(backend)
+    return run
+
+
+def _fa4() -> Impl | None:
+    try:
+        from flash_attn.cute.interface import flash_attn_func
+    except Exception:
+        return None
+
+    def run(q, k, v, causal):
+        # FA4 takes (batch, seq, heads, dim), and K/V heads may be fewer (GQA)
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _flashcore(**kw) -> Impl:
+    """Our op with its defaults (the tuned config) or the knobs given."""
+    from ..ops import attention
+
+    def run(q, k, v, causal):
+        return attention(q, k, v, causal=causal, **kw)
+
+    return run
+
+
+def _flashcore_plain(**kw) -> Impl:
+    """Our op launched without programmatic dependent launch (the A/B of PDL on Hopper)."""
+    from ..runtime.loader import plain_launches
+
+    ours = _flashcore(**kw)
+
+    def run(q, k, v, causal):
+        with plain_launches():
+            return ours(q, k, v, causal)
+
+    return run
+
+
+def _prepared_once(prepare: Callable) -> Callable:
+    """Memoise ``prepare(q, k, v)`` per input set (kept alive here: a pointer alone can come
+    back for another tensor once the first is freed, with a stale result)."""
+    memo: dict = {}
+
+    def get(q, k, v):
+        hit = memo.get((id(q), id(k), id(v)))
+        if hit is None or hit[0] is not q or hit[1] is not k or hit[2] is not v:
+            hit = memo[(id(q), id(k), id(v))] = (q, k, v, prepare(q, k, v))
+        return hit[3]
+
+    return get
+
+
+def _flashcore_kv_expanded() -> Impl:
+    """Our op on K/V whose heads were repeated to the query heads beforehand (the GQA prefill
+    target's baseline: GQA must not be slower than this)."""
+    from ..ops import attention
+
+    def expand(q, k, v):
+        g = q.shape[1] // k.shape[1]
+        return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+
+    get = _prepared_once(expand)
+
+    def run(q, k, v, causal):
+        if k.shape[1] == q.shape[1]:
+            raise ValueError("not a GQA shape")
+        ke, ve = get(q, k, v)
+        return attention(q, ke, ve, causal=causal)
+
+    return run
+
+
+def fp8_kernel_only(config=None) -> Impl:
+    """The FP8 attention kernel alone, on inputs quantised once. ``config=None``: tuned."""
+    from ..ops.fp8 import attention_fp8, quantize_fp8
+
+    get = _prepared_once(lambda q, k, v: (*quantize_fp8(q, granularity="token"),
+                                           *quantize_fp8(k, granularity="token"),
+                                           *quantize_fp8(v, transpose=True)))
+
+    def run(q, k, v, causal):
+        q8, qd, k8, kd, vt8, vd = get(q, k, v)
+        return attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, out_dtype=q.dtype,
+                             config=config)
+
+    return run
+
+
+def fp8_kv_cache() -> Impl:
+    """Our op reading K/V from an e4m3 KV cache (quantised once per token, as a serving engine
+    appends them); Q and the arithmetic stay 16-bit."""
+    from ..ops import attention
+    from ..ops.fp8 import quantize_fp8
+
+    get = _prepared_once(lambda q, k, v: (*quantize_fp8(k, granularity="token"),
+                                           *quantize_fp8(v, granularity="token")))
+
+    def run(q, k, v, causal):
+        k8, kd, v8, vd = get(q, k, v)
+        return attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
+
+    return run
+
+
+def _nvidia_fa2_example() -> Impl | None:
+    """NVIDIA's CuTe DSL FA2 example (``FlashAttentionForwardAmpere`` in NVIDIA/cutlass
+    examples/python/CuTeDSL/.../flash_attention_v2.py), from a copy the user fetched and named in
+    ``FLASHCORE_NV_FA2`` (it is not part of flashcore), in its documented configuration: m128 n64,
+    128 threads. Needs the DSL on this host. Equal heads and lengths only."""
+    import importlib.util
+    import os
+
+    path = os.environ.get("FLASHCORE_NV_FA2")
+    if not path:
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("nv_fa2_example", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        import cuda.bindings.driver as cu
+        import cutlass.cute as cute
+        from cutlass.cute.runtime import from_dlpack
+    except Exception:  # no DSL or no file: the peer is absent
+        return None
+    compiled: dict = {}
+
+    def cute_view(t, bshd=False):  # (b, h, s, d) -> the example's (b, s, h, d), no copy
+        t = t if bshd else t.transpose(1, 2)
+        # as the example marks its tensors: dynamic, and strides divisible by 16 bytes
+        return (from_dlpack(t, assumed_align=16).mark_layout_dynamic(leading_dim=3)
+                .mark_compact_shape_dynamic(mode=3, stride_order=t.dim_order(),
+                                            divisibility=128 // (8 * t.element_size())))
+
+    def run(q, k, v, causal):
+        if q.shape[1] != k.shape[1] or q.shape[2] != k.shape[2]:
+            raise ValueError("the example takes equal head counts and lengths only")
+        b, h, s, d = q.shape
+        out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device)
+        stream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
+        args = [cute_view(q), cute_view(k), cute_view(v), cute_view(out, bshd=True)]
+        key = (q.dtype, d, causal)
+        if key not in compiled:
+            fa2 = mod.FlashAttentionForwardAmpere(d, 128, 64, 128, causal)
+            compiled[key] = cute.compile(fa2, *args, 1.0 / math.sqrt(d), stream)
+        compiled[key](*args, 1.0 / math.sqrt(d), stream)
+        return out.transpose(1, 2)
+
+    return run
+
+
+def _parse_shape(text: str) -> Shape:
+    """B,H,S,D[,causal] or B,Hq/Hkv,SqxSk,D[,causal]."""
+    parts = text.split(",")
+    heads, _, kv = parts[1].partition("/")
+    sq, _, sk = parts[2].rpartition("x")
+    return Shape(int(parts[0]), int(heads), int(sk), int(parts[3]),
+                 causal=len(parts) > 4 and parts[4] in ("1", "causal", "true"),
+                 kv_heads=int(kv) if kv else None, seq_q=int(sq) if sq else None)
+
+
+def implementations(ours: dict[str, Impl] | None = None) -> dict[str, Impl]:
+    from torch.nn.attention import SDPBackend
+
+    impls: dict[str, Impl] = dict(ours or {"flashcore": _flashcore()})
+    impls["sdpa-flash"] = _sdpa(SDPBackend.FLASH_ATTENTION)
+    impls["sdpa-efficient"] = _sdpa(SDPBackend.EFFICIENT_ATTENTION)
+    impls["sdpa-cudnn"] = _sdpa(SDPBackend.CUDNN_ATTENTION)
+    fa4 = _fa4()
+    if fa4 is not None:
+        impls["fa4"] = fa4
+    nv = _nvidia_fa2_example()
+    if nv is not None:
+        impls["nv-fa2-example"] = nv
+    return impls
+
+
+def measure(shapes: list[Shape], impls: dict[str, Impl], eager: bool = True) -> list[Result]:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    results = []
+    for shape in shapes:
+        sets = [shape.inputs() for _ in range(n_sets(int(shape.min_bytes()), l2))]
+        for name, fn in impls.items():
+            r = Result(shape, name)
+            if ("fp8kv" in name and not shape.decode) or (
+                    "expanded" in name and (shape.decode or shape.hkv == shape.heads)):
+                continue  # the FP8 KV cache is for decode; pre-expanded K/V for GQA prefill
+
+            def call(q, k, v, fn=fn, causal=shape.causal):
+                return fn(q, k, v, causal)
+
+            try:
+                with getattr(fn, "context", contextlib.nullcontext)():
+                    r.kernel_us = time_kernel(call, sets)
+                    if eager:
+                        r.eager_us = time_eager(call, sets)
+            except Exception as e:  # a peer without support for this shape: record, go on
+                r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            results.append(r)
+        del sets
+        torch.cuda.empty_cache()
+    return results
+
+
+# -- reporting ---------------------------------------------------------------------------------
+def _tree_hash() -> str:
+    """sha256 (16 hex) of every file of the flashcore package as it is on disk: the code that ran
+    (a device copy's .git may lag its work tree)."""
+    h = hashlib.sha256()
+    for p in sorted(PACKAGE.rglob("*")):
+        if p.is_file() and "__pycache__" not in p.parts:
+            rel = p.relative_to(PACKAGE).as_posix().encode()
+            data = p.read_bytes()
+            h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
+    return h.hexdigest()[:16]
+
+
+def environment() -> dict:
+    from .. import __version__
+    from ..runtime.loader import programmatic_launch_enabled
+
+    def git(*args: str) -> str | None:
+        with contextlib.suppress(Exception):
+            return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                                  cwd=PACKAGE).stdout.strip()
+        return None
+
+    props = torch.cuda.get_device_properties(0)
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "flashcore": __version__,
+        "flashcore_tree": _tree_hash(),
+        "flashcore_build_sources": source_hash(),
+        "git_sha": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--", ".")),
+        "gpu": props.name,
+        "sm": f"sm_{props.major}{props.minor}",
+        "sm_count": props.multi_processor_count,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "flashcore_pdl": programmatic_launch_enabled(),
+        "nvidia-cutlass-dsl": dsl_fingerprint(),
+    }
+    with contextlib.suppress(Exception):
+        env["driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()
+    with contextlib.suppress(Exception):
+        env["flash-attn-4"] = importlib.metadata.version("flash-attn-4")
+    return env
+
+
+def table(results: list[Result], ours: str = "flashcore") -> str:
+    impls = list(dict.fromkeys(r.impl for r in results))
+    shapes = list(dict.fromkeys(r.shape for r in results))
+    by = {(r.shape, r.impl): r for r in results}
+    head = f"{'shape (B,H,S,D)':28s}" + "".join(f"{i:>22s}" for i in impls)
+    lines = [head, "-" * len(head)]
+    for s in shapes:
+        row = f"{s.label:28s}"
+        base = by.get((s, ours))
+        for i in impls:
+            r = by.get((s, i))
+            if r is None:
+                cell = "-"
+            elif r.error:
+                cell = "n/a"
+            else:
+                cell = (f"{r.kernel_us:.1f}us {r.tbps:.2f}TB/s" if s.decode
+                        else f"{r.kernel_us:.1f}us {r.tflops:.0f}TF")
+                if r.eager_us is not None and s == MISSION:
+                    cell = f"{r.kernel_us:.1f}/{r.eager_us:.1f}us"
+                if i != ours and base is not None and base.kernel_us and not base.error:
+                    cell += f" x{r.kernel_us / base.kernel_us:.2f}"
+            row += f"{cell:>22s}"
+        lines.append(row)
+    lines.append("cells: graph kernel time and TFLOP/s (decode: TB/s of the minimum bytes; mission "
+                 f"shape: graph/eager µs); xN = peer time / {ours} time (>1: {ours} faster)")
+    return "\n".join(lines)
+
+
+def chart(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    impls = list(dict.fromkeys(r.impl for r in results))
+    shapes = [s for s in dict.fromkeys(r.shape for r in results) if s != MISSION and not s.decode]
+    by = {(r.shape, r.impl): r for r in results}
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(shapes)), 4.5))
+    w = 0.8 / len(impls)
+    for j, i in enumerate(impls):
+        ys = [(by[(s, i)].tflops or 0) if (s, i) in by else 0 for s in shapes]
+        ax.bar([x + j * w for x in range(len(shapes))], ys, w, label=i)
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(shapes))])
+    ax.set_xticklabels([s.label for s in shapes], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("TFLOP/s (CUDA graph)")
+    ax.legend(fontsize=8)
+    ax.set_title(torch.cuda.get_device_name(0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def record(results: list[Result], out: Path, tag: str = "bench") -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    stamp = env["date"].replace(":", "").replace("-", "")[:15]
+    path = out / f"{tag}-{env['sm']}-{stamp}.json"
+    rows = []
+    for r in results:
+        d = asdict(r)
+        d["shape"] = asdict(r.shape)
+        d["tflops"] = r.tflops
+        d["tbps"] = r.tbps
+        rows.append(d)
+    path.write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
+    with contextlib.suppress(Exception):
+        chart(results, path.with_suffix(".png"))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashcore.bench",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="mission shape, large shapes and decode only (a few minutes)")
+    ap.add_argument("--decode", action="store_true", help="the decode and GQA section only")
+    ap.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
+    ap.add_argument("--no-eager", action="store_true", help="skip eager timings")
+    ap.add_argument("--tile", type=int, nargs=2, default=None,
+                    help="force our tile (default: the tuned config)")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also our FP8 path (with and without quantising)")
+    ap.add_argument("--shapes", default=None,
+                    help="B,H,S,D[,causal] or B,Hq/Hkv,SqxSk,D[,causal], separated by ';'")
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    tile = {"tile": tuple(a.tile)} if a.tile else {}
+    ours = {"flashcore": _flashcore(**tile)}
+    if torch.cuda.get_device_capability() >= (9, 0):  # Hopper kernels launch with PDL
+        ours["flashcore-no-pdl"] = _flashcore_plain(**tile)
+    ours["flashcore-fp8kv"] = fp8_kv_cache()
+    ours["flashcore-kv-expanded"] = _flashcore_kv_expanded()
+    if a.fp8:
+        ours["flashcore-fp8"] = _flashcore(precision="fp8", **tile)
+        ours["flashcore-fp8-kernel"] = fp8_kernel_only()
+    if a.shapes:
+        shapes = [_parse_shape(x) for x in a.shapes.split(";")]
+    elif a.decode:
+        shapes = DECODE + [Shape(**{**asdict(s), "dtype": "bfloat16"}) for s in DECODE] \
+            + GQA_PREFILL
+    else:
+        shapes = suite(a.quick)
+    results = measure(shapes, implementations(ours), eager=not a.no_eager)
+    path = record(results, Path(a.out))
+    print(table(results))
+    print(f"record: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

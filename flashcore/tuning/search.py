@@ -1,0 +1,182 @@
+"""Autotuner: the best ``TileConfig`` per (arch, head dim, masking, sequence-length bucket).
+
+    python -m flashcore.autotune build --arch sm_90 --out .cache/sm90   # compile candidates (CPU)
+    python -m flashcore.autotune run                                     # time them (GPU)
+
+``build`` compiles every candidate in parallel worker processes (no GPU needed) into a cache
+folder that a GPU host without the DSL can use. ``run`` times each candidate with CUDA graphs at a
+representative shape per bucket and writes the winners to ``flashcore/tuned/<arch>.json`` (or
+``--out``); ``flashcore.tuning.table`` reads them for ``tile=None``. bf16 uses the fp16 winners
+(same kernel structure and instruction mix).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+from ..errors import KernelNotAvailableError, SpecError
+from ..spec import FP8_ARCHS, AttentionSpec, TileConfig
+from .table import BUCKETS, TUNED_DIR, clear, key
+
+TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
+WARPS = [1, 2, 4, 8]
+KV_SPLITS = {"short": (1, 2, 4)}  # key splits pay only where the grid cannot fill the GPU
+SPLIT_TILES = [(16, 64), (32, 64), (64, 64), (32, 128)]
+STAGES = [1, 2]  # K/V blocks in flight
+
+
+def candidate_configs(bucket: str | None = None) -> list[TileConfig]:
+    """The configs worth timing for ``bucket`` (None: every bucket's)."""
+    splits = KV_SPLITS.get(bucket, (1,)) if bucket else sorted(set().union(*KV_SPLITS.values()))
+    out = []
+    for tile, warps, kv_splits, stages in itertools.product(TILES, WARPS, splits, STAGES):
+        if tile[0] // warps > 32:  # more rows per warp than registers hold: spills, skip early
+            continue
+        if bucket == "short" and tile[0] > 64:  # too few CTAs to fill the GPU
+            continue
+        # a split CTA holds kv_splits K/V tiles, and is for latency: small tiles, 16 rows a warp
+        if kv_splits > 1 and (tile not in SPLIT_TILES or tile[0] != 16 * warps):
+            continue
+        out.append(TileConfig(tile, warps=warps, stages=stages, kv_splits=kv_splits))
+    return out
+
+
+def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
+               bucket: str | None = None):
+    """Every valid spec to try; ``bucket=None``: those of every bucket."""
+    for config in candidate_configs(bucket):
+        try:
+            spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, config=config,
+                                 causal=causal, precision=precision)
+            # a config tuned on Hopper must also fit an L4 (sm_89: 99 KB of shared memory)
+            spec.replace(arch="sm_89")
+        except SpecError:
+            continue
+        yield spec
+
+
+def all_candidates(arch: str, precisions=("fp16",), buckets=None) -> list[AttentionSpec]:
+    out = []
+    for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
+        for b in buckets or [None]:
+            out += list(candidates(arch, d, causal, prec, b))
+    return list(dict.fromkeys(out))
+
+
+def _check_buckets(buckets) -> None:
+    names = [b for b, _, _ in BUCKETS]
+    for b in buckets or []:
+        if b not in names:
+            raise SystemExit(f"autotune: unknown bucket {b!r}; choose from {names}")
+
+
+def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True) -> int:
+    from ..build.cache import KernelCache
+    from ..build.compiler import compile_many
+
+    precisions = ("fp16", "fp8") if fp8 and arch in FP8_ARCHS else ("fp16",)
+    specs = all_candidates(arch, precisions, buckets)
+    if not specs:
+        raise SystemExit(f"autotune: no candidate compiles for {arch}")
+    compile_many(specs, jobs=jobs, cache=KernelCache(out))
+    print(f"{len(specs)} candidates compiled into {out}")
+    return len(specs)
+
+
+def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
+    """Time the candidates of ``buckets`` (default: all) and merge the winners into the table:
+    the entries of buckets not run are kept."""
+    import torch
+
+    from ..build.compiler import compile_kernel
+    from ..ops import attention
+    from ..runtime.device import arch_of
+    from .bench import fp8_kernel_only
+    from .timing import time_kernel
+
+    if not torch.cuda.is_available():
+        raise SystemExit("autotune run: needs a CUDA GPU")
+    arch = arch_of(torch.cuda.current_device())
+    winners, timings = {}, {}
+    for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
+        if prec == "fp8" and arch not in FP8_ARCHS:
+            continue
+        for bname, _, (b, h, s) in BUCKETS:
+            if buckets and bname not in buckets:
+                continue
+            sets = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
+                          for _ in range(3)) for _ in range(4)]
+            best = None
+            for spec in candidates(arch, d, causal, prec, bname):
+                try:
+                    res = compile_kernel(spec).resources
+                except KernelNotAvailableError:  # not in this host's catalog: not a candidate
+                    print(f"  {spec.name}: not built, skipped")
+                    continue
+                if res.stack_frame_bytes or res.spill_store_bytes:
+                    print(f"  {spec.name}: spills, skipped")
+                    continue
+                if prec == "fp8":  # the kernel alone, on inputs quantised beforehand
+                    fn = fp8_kernel_only(spec.config)
+
+                    def call(q, k, v, fn=fn, causal=causal):
+                        return fn(q, k, v, causal)
+                else:
+                    def call(q, k, v, spec=spec, causal=causal):
+                        return attention(q, k, v, config=spec.config, causal=causal)
+                try:
+                    us = time_kernel(call, sets, reps=10)
+                except Exception as e:  # noqa: BLE001 - a candidate that fails is skipped
+                    print(f"  {spec.name}: failed ({type(e).__name__}: {e})")
+                    continue
+                timings[f"{key(d, causal, bname, prec)} {spec.config.tag}"] = us
+                if best is None or us < best[0]:
+                    best = (us, spec)
+            if best is not None:
+                us, spec = best
+                winners[key(d, causal, bname, prec)] = {
+                    "config": spec.config.to_dict(), "us": round(us, 2), "shape": [b, h, s, d],
+                }
+                print(f"{key(d, causal, bname, prec):28s} -> {spec.config.tag}: {us:.1f} us",
+                      flush=True)
+    path = out or TUNED_DIR / f"{arch}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        old = {}
+    path.write_text(json.dumps({
+        "arch": arch, "gpu": torch.cuda.get_device_name(0), "format": 2,
+        "note": old.get("note", ""),
+        "winners": dict(sorted({**old.get("winners", {}), **winners}.items())),
+        "timings_us": {**old.get("timings_us", {}), **{k: round(v, 2) for k, v in timings.items()}},
+    }, indent=1) + "\n")
+    clear()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashcore.autotune",
+                                 description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="verb", required=True)
+    b = sub.add_parser("build", help="compile every candidate (no GPU needed)")
+    b.add_argument("--arch", default="sm_90", choices=("sm_80", "sm_89", "sm_90"))
+    b.add_argument("--out", required=True, help="cache folder to compile into")
+    b.add_argument("--jobs", type=int, default=None, help="parallel compile workers")
+    b.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
+    b.add_argument("--no-fp8", action="store_true", help="fp16 candidates only")
+    r = sub.add_parser("run", help="time the candidates on this GPU and write the winners")
+    r.add_argument("--out", default=None, help="table to write (default flashcore/tuned/)")
+    r.add_argument("--no-fp8", action="store_true", help="fp16 candidates only")
+    r.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
+    a = ap.parse_args(argv)
+    _check_buckets(a.buckets)
+    if a.verb == "build":
+        build(a.arch, Path(a.out), a.jobs, a.buckets, fp8=not a.no_fp8)
+    else:
+        precisions = ("fp16",) if a.no_fp8 else ("fp16", "fp8")
+        print(run(Path(a.out) if a.out else None, precisions, a.buckets))
+    return 0

@@ -1,0 +1,65 @@
+"""Timing device work: kernel time from CUDA-graph replays, eager time per call with events.
+
+Used by the benchmark and the autotuner. ``call(*inputs)`` is timed over rotating input sets,
+enough of them that together they exceed the L2 cache (``n_sets``), so repeats do not measure the
+cache. Medians, after warm-up; needs torch with CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+def n_sets(bytes_per_set: int, l2_bytes: int) -> int:
+    """Input sets to rotate so that together they are at least 3x the L2 (2 to 64)."""
+    return max(2, min(64, math.ceil(3 * l2_bytes / max(bytes_per_set, 1))))
+
+
+def time_kernel(call: Callable[..., object], sets: Sequence[tuple], reps: int = 20) -> float:
+    """Median µs per call of a CUDA graph that replays one call per input set."""
+    for inputs in sets:
+        call(*inputs)  # compile, load, allocate (and any per-input preparation) first
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        for inputs in sets[:2]:
+            call(*inputs)
+    s.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for inputs in sets:
+            call(*inputs)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(sets))
+    return statistics.median(times)
+
+
+def time_eager(call: Callable[..., object], sets: Sequence[tuple], reps: int = 20,
+               calls: int = 50) -> float:
+    """Median µs per eager call over runs of back-to-back calls (no graph): the larger of the
+    kernel time and the host time of one call (argument checks, allocation, launch)."""
+    for inputs in sets:
+        call(*inputs)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for i in range(calls):
+            call(*sets[i % len(sets)])
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
