@@ -1,7 +1,8 @@
-"""The ``flashcore`` command: compile, dump, precompile, cache, info.
+"""The flashcore command: compile, dump, precompile, cache, catalog-hash, info.
 
-Every verb has ``--help``. Bad flags give a usage error (exit 2), bad specs a one-line error
-(exit 2), never a traceback.
+Every verb has ``--help``. Bad flags give a usage error (exit 2); a bad spec, a folder that
+cannot be used and any other error give a one-line message naming the problem (exit 2), never a
+traceback.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from pathlib import Path
 from . import __version__
 from .errors import FlashcoreError, SpecError
 from .spec import ARCHS, AttentionSpec, TileConfig
+
+
+class CliError(FlashcoreError):
+    """A command-line argument names something that cannot be used (a folder, a file)."""
 
 # -- spec flags, generated from the spec's fields ------------------------------------------------
 # Flag spellings kept from earlier releases
@@ -161,18 +166,48 @@ def _print_report(report: dict, out: Path | None) -> None:
                 f"{' kernel.sass' if report.get('sass') else ''} spec.json resources.json")
 
 
-def _load_report(x: str) -> dict:
-    """A dump folder, or spec flags as 'arch=sm_89,head_dim=128,...' (compiled on the fly)."""
+def _report_source(x: str) -> dict | AttentionSpec:
+    """A dump folder's report, or spec flags as 'arch=sm_89,head_dim=128,...' (to compile)."""
     p = Path(x)
     if p.is_dir():
-        return json.loads((p / "resources.json").read_text())
+        try:
+            report = json.loads((p / "resources.json").read_text())
+        except FileNotFoundError:
+            raise CliError(f"--compare: {p} is not a dump folder (no resources.json)") from None
+        except (OSError, ValueError) as e:
+            raise CliError(f"--compare: {p / 'resources.json'} is unreadable: {e}") from None
+        if not isinstance(report, dict) or "occupancy" not in report:
+            raise CliError(f"--compare: {p / 'resources.json'} is not a flashcore dump report")
+        return report
+    if "=" not in x:
+        raise CliError(
+            f"--compare: {x!r} is neither a dump folder (no such folder) nor name=value pairs"
+        )
+    return _parse_pairs(x)
+
+
+def _load_report(source: dict | AttentionSpec) -> dict:
+    if isinstance(source, dict):
+        return source
     from .build.compiler import compile_kernel
     from .build.inspect import resources_report, sass
 
-    if "=" not in x:
-        raise SpecError(f"--compare: {x!r} is neither a dump folder nor name=value pairs")
-    art = compile_kernel(_parse_pairs(x))
+    art = compile_kernel(source)
     return resources_report(art, sass(art.cubin))
+
+
+def _check_out_dir(out: Path) -> None:
+    """Fail before compiling when ``out`` cannot hold the dump (not a folder, not writable)."""
+    import tempfile
+
+    if out.exists() and not out.is_dir():
+        raise CliError(f"--out {out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise CliError(f"--out {out}: cannot write there ({e.strerror or e})") from None
 
 
 def cmd_dump(a: argparse.Namespace) -> int:
@@ -180,16 +215,20 @@ def cmd_dump(a: argparse.Namespace) -> int:
     from .build.inspect import dump
 
     if a.compare:
-        return _compare(_load_report(a.compare[0]), _load_report(a.compare[1]))
+        sources = [_report_source(x) for x in a.compare]  # both checked before compiling
+        return _compare(_load_report(sources[0]), _load_report(sources[1]))
+    parent = Path(a.out) if a.out else Path("dump")
+    specs = None
     if a.all:
         from .build.catalog import catalog_specs
 
         specs = catalog_specs((a.arch,)) if a.arch_given else catalog_specs()
-        arts = compile_many(specs)
     else:
-        arts = [compile_kernel(_spec_from(a))]
+        spec = _spec_from(a)
+    _check_out_dir(parent)
+    arts = compile_many(specs) if specs is not None else [compile_kernel(spec)]
     for art in arts:
-        out = Path(a.out) / art.spec.name if a.out else Path("dump") / art.spec.name
+        out = parent / art.spec.name
         report = dump(art, out)
         _print_report(report, out)
     return 0
@@ -218,46 +257,106 @@ def _compare(ra: dict, rb: dict) -> int:
 
 
 def cmd_precompile(a: argparse.Namespace) -> int:
-    from rich.progress import Progress
-
-    from .build.catalog import catalog_specs, write_catalog
-    from .build.compiler import compile_many
+    from .build.catalog import catalog_specs
 
     specs = []
     for arch in a.arch:
         specs += catalog_specs((arch,))[: a.limit]
-    cache = None
-    if a.out:
-        from .build.cache import KernelCache
-
-        cache = KernelCache(Path(a.out))
-    with Progress(transient=False) as progress:
-        task = progress.add_task("compiling", total=len(specs))
-        arts = compile_many(specs, jobs=a.jobs, cache=cache,
-                            progress=lambda s: progress.advance(task))
-    if a.out:
-        index = write_catalog(Path(a.out), arts)
-        if a.no_ir:  # re-save without the IR: a catalog for GPU hosts is cubins and metadata
-            import shutil
-            import tempfile
-
-            from .build.catalog import copy_catalog
-
-            slim = Path(tempfile.mkdtemp(prefix="flashcore-catalog-"))
-            copy_catalog(a.out, slim / "c")
-            shutil.rmtree(a.out)
-            shutil.move(str(slim / "c"), a.out)
-            index = Path(a.out) / "index.json"
-        print(f"catalog of {len(arts)} kernels for {', '.join(a.arch)} in {a.out} ({index.name})")
-    else:
+    if not a.out:
+        arts = _compile_with_progress(specs, a.jobs, None)
         print(f"{len(arts)} kernels in the cache")
+        return 0
+    out = Path(a.out)
+    _check_catalog_target(out)
+    n, digest = _precompile_catalog(specs, out.resolve(), a)
+    print(f"catalog of {n} kernels for {', '.join(a.arch)} in {a.out} (index.json)")
+    print(f"index.json sha256 {digest}: pin it with FLASHCORE_CATALOG_SHA256={digest} or "
+          "flashcore.load_catalog(path, sha256=...)")
     return 0
 
 
-def cmd_cache(a: argparse.Namespace) -> int:
-    from .build.cache import default_cache
+def _compile_with_progress(specs, jobs, cache):
+    from rich.progress import Progress
 
-    cache = default_cache()
+    from .build.compiler import compile_many
+
+    with Progress(transient=False) as progress:
+        task = progress.add_task("compiling", total=len(specs))
+        return compile_many(specs, jobs=jobs, cache=cache,
+                            progress=lambda s: progress.advance(task))
+
+
+def _check_catalog_target(out: Path) -> None:
+    """``--out`` may be missing, empty or a catalog (replaced); anything else is refused."""
+    from .build.catalog import INDEX
+
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise CliError(f"--out {out}: exists and is not a folder")
+    if not (out / INDEX).is_file() and any(out.iterdir()):
+        raise CliError(
+            f"--out {out}: not empty and not a flashcore catalog (no {INDEX}); refusing to "
+            "replace it (choose a new or empty folder)"
+        )
+
+
+def _precompile_catalog(specs, out: Path, a: argparse.Namespace) -> tuple[int, str]:
+    """Build the catalog in a fresh folder beside ``out`` and swap it into place: the old
+    catalog stays whole until the new one is complete and verified. Nothing is left behind."""
+    import shutil
+    import tempfile
+    import uuid
+
+    from .build.cache import KernelCache
+    from .build.catalog import INDEX, catalog_sha256, read_index, write_catalog
+
+    parent = out.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=parent))
+    scratch = old = None
+    try:
+        if a.no_ir:  # compile (with IR) beside it, keep cubins and metadata only
+            scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=parent))
+        cache = KernelCache(scratch or stage)
+        if (out / INDEX).is_file():  # reuse what the old catalog already holds
+            try:
+                previous = KernelCache(out, catalog=read_index(out).served())
+            except FlashcoreError:
+                previous = None
+            for spec in specs if previous else []:
+                art = previous.get(spec)
+                if art is not None and (art.ir or a.no_ir):
+                    cache.put(art)
+        arts = _compile_with_progress(specs, a.jobs, cache)
+        if a.no_ir:
+            slim = KernelCache(stage)
+            arts = [dataclasses.replace(art, ir="") for art in arts]
+            for art in arts:
+                slim.put(art)
+        write_catalog(stage, arts)
+        digest = catalog_sha256(stage)
+        if out.exists():
+            old = parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.rename(out, old)
+        try:
+            os.rename(stage, out)
+        except OSError:
+            if old is not None:
+                os.rename(old, out)
+                old = None
+            raise
+        return len(arts), digest
+    finally:
+        for d in (stage, scratch, old):
+            if d is not None and d.exists():
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def cmd_cache(a: argparse.Namespace) -> int:
+    from .build.cache import MAX_SIZE_ENV, KernelCache, cache_root, parse_size
+
+    cache = KernelCache(cache_root())
     if a.action == "list":
         for path, spec in cache.entries():
             print(f"{spec.name if spec else '?':50s} {path}")
@@ -271,20 +370,67 @@ def cmd_cache(a: argparse.Namespace) -> int:
         print(f"{n} entries checked, {len(problems)} bad")
         return 1 if problems else 0
     if a.action == "clear":
-        cache.clear()
+        if _report_removal("clear", cache.root, cache.clear(force=a.force)):
+            return 1
         print(f"cleared {cache.root}")
         return 0
+    if a.action == "prune":
+        limit = a.max_size
+        if limit is None and os.environ.get(MAX_SIZE_ENV):
+            try:
+                limit = parse_size(os.environ[MAX_SIZE_ENV])
+            except ValueError as e:
+                raise CliError(f"{MAX_SIZE_ENV}: {e}") from None
+        r = cache.prune(limit)
+        failed = _report_removal("prune", cache.root, r.failed)
+        print(f"pruned {cache.root}: removed {len(r.removed)} items, freed "
+              f"{r.freed_bytes / 1e6:.1f} MB, now {r.size_bytes / 1e6:.1f} MB")
+        return failed
     return 2
 
 
-def cmd_info(a: argparse.Namespace) -> int:
-    from .build.cache import default_cache
-    from .build.fingerprint import dsl_fingerprint, source_hash
+def _report_removal(verb: str, root: Path, failed: list) -> int:
+    for path, why in failed:
+        print(f"could not remove {path}: {why}", file=sys.stderr)
+    if failed:
+        print(f"flashcore cache {verb}: {len(failed)} paths in {root} could not be removed",
+              file=sys.stderr)
+        return 1
+    return 0
 
-    cache = default_cache()
+
+def cmd_catalog_hash(a: argparse.Namespace) -> int:
+    from .build.catalog import INDEX, catalog_sha256
+
+    root = Path(a.dir)
+    print(f"{catalog_sha256(root)}  {root / INDEX}")
+    return 0
+
+
+def _version(dist: str) -> str | None:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    import platform
+
+    from .build.cache import KernelCache, cache_root
+    from .build.fingerprint import dsl_fingerprint, dsl_version, source_hash
+
+    cache = KernelCache(cache_root())
     info = {
         "flashcore": __version__,
-        "nvidia-cutlass-dsl": dsl_fingerprint(),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "cuda-python": _version("cuda-python"),
+        "cuda-bindings": _version("cuda-bindings"),
+        "nvidia-cutlass-dsl": dsl_version(),
+        "dsl_fingerprint": dsl_fingerprint(),
         "can_compile": dsl_fingerprint() is not None,
         "kernel_source_hash": source_hash(),
         "cache": str(cache.root),
@@ -306,6 +452,15 @@ def cmd_info(a: argparse.Namespace) -> int:
     return 0
 
 
+def _size_arg(text: str) -> int:
+    from .build.cache import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flashcore", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"flashcore {__version__}")
@@ -324,16 +479,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_dump)
 
     p = sub.add_parser("precompile", help="build the catalog in parallel worker processes")
-    p.add_argument("--arch", nargs="+", default=["sm_89"], choices=ARCHS)
-    p.add_argument("--jobs", type=int, default=None)
-    p.add_argument("--out", default=None, help="write a self-contained catalog folder")
+    p.add_argument("--arch", nargs="+", default=["sm_89"], choices=ARCHS,
+                   help="the archs to build for (default sm_89)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="parallel compile workers (default: one per CPU core)")
+    p.add_argument("--out", default=None,
+                   help="write a self-contained catalog folder (built beside it, then swapped "
+                        "in; an existing catalog there is replaced, any other non-empty folder "
+                        "refused)")
     p.add_argument("--limit", type=int, default=None, help="only the first N specs of each arch")
     p.add_argument("--no-ir", action="store_true", help="leave the IR out of the --out catalog")
     p.set_defaults(fn=cmd_precompile)
 
-    p = sub.add_parser("cache", help="list, verify or clear the kernel cache")
-    p.add_argument("action", choices=["list", "verify", "clear"])
+    p = sub.add_parser("cache", help="list, verify, prune or clear the kernel cache")
+    p.add_argument("action", choices=["list", "verify", "prune", "clear"],
+                   help="list: the entries and the size; verify: check every entry's checksums "
+                        "(exit 1 if any is bad); prune: remove abandoned temporaries and the "
+                        "quarantine, and with --max-size the least recently used entries; "
+                        "clear: remove everything the cache wrote")
+    p.add_argument("--max-size", type=_size_arg, default=None, metavar="SIZE",
+                   help="prune: evict least recently used entries until the cache is at most "
+                        "SIZE, e.g. 500M or 2G (default: $FLASHCORE_CACHE_MAX_SIZE, if set)")
+    p.add_argument("--force", action="store_true",
+                   help="clear: clear a catalog folder too, removing its index.json")
     p.set_defaults(fn=cmd_cache)
+
+    p = sub.add_parser("catalog-hash",
+                       help="verify a catalog and print the sha256 of its index.json (to pin it)")
+    p.add_argument("dir", metavar="DIR", help="the catalog folder")
+    p.set_defaults(fn=cmd_catalog_hash)
 
     p = sub.add_parser("info", help="versions, cache, GPUs, whether this host can compile")
     p.set_defaults(fn=cmd_info)
@@ -347,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     a.arch_given = "--arch" in argv
     try:
         return a.fn(a)
-    except FlashcoreError as e:
+    except (FlashcoreError, OSError) as e:
         print(f"flashcore {a.verb}: {e}", file=sys.stderr)
         return 2
 

@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from .kernels.common.block_info import key_range
+
 
 def attention(
     q: torch.Tensor,
@@ -24,7 +26,8 @@ def attention(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of (B, H, S, D) inputs, computed and returned in float64.
 
-    ``causal`` follows torch's ``is_causal``: top-left aligned, query i sees key j iff j <= i
+    k and v may have fewer heads than q (grouped-query attention: query head h reads K/V head
+    h // (Hq / Hkv)). ``causal`` follows torch's ``is_causal``: top-left aligned, query i sees key j iff j <= i
     (also when S_q != S_k). A query that sees no key gets output 0 and lse -inf. ``lse`` is the
     natural log of the softmax denominator, shape (B, H, S_q). Work happens on ``device``
     (default: the CPU), where the results are returned. ``p_round``, if given, is applied to the
@@ -33,6 +36,7 @@ def attention(
     _check_shapes(q, k, v)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     q, k, v = (t.detach().to(device=dev, dtype=torch.float64) for t in (q, k, v))
+    k, v = (_expand_heads(t, q.shape[1]) for t in (k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -65,14 +69,21 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"{name} must be (batch, heads, seq, dim), got shape {tuple(t.shape)}")
         if not t.dtype.is_floating_point:
             raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+    if (q.shape[0] != k.shape[0] or k.shape[:2] != v.shape[:2] or k.shape[1] == 0
+            or q.shape[1] % k.shape[1]):
         raise ValueError(
-            f"batch and heads differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+            f"batch and heads differ: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+            "(k and v may have fewer heads than q, a divisor of its count)"
         )
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k head dims differ: {q.shape[-1]} vs {k.shape[-1]}")
     if k.shape[2] != v.shape[2]:
         raise ValueError(f"k and v sequence lengths differ: {k.shape[2]} vs {v.shape[2]}")
+
+
+def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V with each head repeated for the query heads that share it."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 # -- FP8 (E4M3) -------------------------------------------------------------------------------------
@@ -148,17 +159,11 @@ def kernel_key_blocks(
     seqlen_q: int, seqlen_k: int, tile: tuple[int, int], causal: bool, kv_splits: int = 1
 ) -> list[list[tuple[int, int]]]:
     """[split][m_block] -> (lo, hi): the key blocks [lo, hi) of tile_n keys that each split of
-    each query tile of tile_m rows walks (hi - 1 down to lo) in the attention kernel."""
+    each query tile of tile_m rows walks (hi - 1 down to lo) in the attention kernel: the
+    kernel's own ``key_range`` (``flashcore.kernels.common.block_info``)."""
     tile_m, tile_n = tile
-    n_all = -(-seqlen_k // tile_n)
-    out: list[list[tuple[int, int]]] = [[] for _ in range(kv_splits)]
-    for mb in range(-(-seqlen_q // tile_m)):
-        # top-left causal: rows of this tile see keys < (mb + 1) * tile_m
-        n_max = min(n_all, -(-(mb + 1) * tile_m // tile_n)) if causal else n_all
-        per = -(-n_max // kv_splits)
-        for g in range(kv_splits):
-            out[g].append((min(g * per, n_max), min((g + 1) * per, n_max)))
-    return out
+    return [[key_range(mb, tile_m, tile_n, seqlen_k, causal, 1, 0, 1, g, kv_splits)
+             for mb in range(-(-seqlen_q // tile_m))] for g in range(kv_splits)]
 
 
 def attention_fp8_online(

@@ -95,3 +95,32 @@ def child_get_or_build(root: str, log: str, barrier, results) -> None:
     except Exception as e:
         results.put(("error", os.getpid(), repr(e)))  # so the parent fails with the reason
         raise
+
+
+def failing_build(spec: KernelSpec, log: str, delay: float = 0.5) -> KernelArtifact:
+    """A stand-in compiler that takes a while and then fails, noting that it ran."""
+    from flashcore.errors import CompileError
+
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    time.sleep(delay)
+    raise CompileError(f"compiling {spec.name} failed: the stand-in compiler gave up")
+
+
+def _fail_for_child(spec: KernelSpec, log: str) -> KernelArtifact:
+    return failing_build(spec, log)
+
+
+def child_get_or_build_failing(root: str, log: str, barrier, results) -> None:
+    """Run in a spawned process: wait for the others, then get_or_build a spec that fails."""
+    from flashcore.errors import CompileError
+
+    cache = KernelCache(Path(root))
+    barrier.wait(timeout=60)
+    try:
+        cache.get_or_build(SPEC, lambda s: _fail_for_child(s, log))
+        results.put(("ok", os.getpid(), ""))
+    except CompileError as e:
+        results.put(("CompileError", os.getpid(), str(e)))
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        results.put((type(e).__name__, os.getpid(), repr(e)))

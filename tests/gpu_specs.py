@@ -1,8 +1,11 @@
-"""Every kernel spec the GPU tests and the benchmark use, so a GPU host without the DSL can run
-them from a catalog built elsewhere:
+"""Every kernel spec the GPU tests and the benchmark use, so they can be built ahead (in parallel,
+on any machine with the DSL) and a GPU host can run them from a catalog:
 
     python -m tests.gpu_specs --arch sm_90 --out .cache/sm90      # on any machine with the DSL
     FLASHCORE_CACHE_DIR=.cache/sm90 pytest -m gpu                  # on the GPU host
+
+Configs that do not fit the arch (an L4's 99 KB of shared memory for sm_89) are left out; the
+tests skip them there too.
 """
 
 from __future__ import annotations
@@ -12,53 +15,109 @@ import itertools
 from pathlib import Path
 
 from flashcore.build.catalog import catalog_specs
-from flashcore.spec import AttentionSpec, QuantizeSpec, TileConfig
+from flashcore.errors import SpecError
+from flashcore.spec import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
+from flashcore.tuning.search import all_candidates
+from flashcore.tuning.table import BUCKETS, lookup, table_arch, winner_specs
 from tests.gpu_utils import FP8_SPLIT_CONFIGS, SPLIT_CONFIGS, STAGE_CONFIGS
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
+DTYPES = ("float16", "bfloat16")
+HEAD_DIMS = (64, 128)
 
 
-def default_warps(tile_m: int) -> int:
-    return max(1, min(8, tile_m // 16))
+def _specs(arch: str, configs, **fixed) -> list:
+    """AttentionSpecs of every config and every combination of the list-valued fields given,
+    leaving out those that do not fit ``arch``."""
+    lists = {k: v for k, v in fixed.items() if isinstance(v, (list, tuple))}
+    out = []
+    for config in configs:
+        for values in itertools.product(*lists.values()):
+            try:
+                out.append(AttentionSpec(arch=arch, config=config,
+                                         **{**fixed, **dict(zip(lists, values))}))
+            except SpecError:
+                pass
+    return out
 
 
-def gpu_test_specs(arch: str, buckets=None) -> list[AttentionSpec | QuantizeSpec]:
-    specs: list = list(catalog_specs((arch,)))
-    for tile, causal, d in itertools.product(TEST_TILES, (False, True), (64, 128)):
-        specs.append(AttentionSpec(arch=arch, head_dim=d, causal=causal, config=TileConfig(tile, warps=default_warps(tile[0]))))
-    for (tile, warps, splits), causal, d in itertools.product(SPLIT_CONFIGS, (False, True), (64, 128)):
-        specs.append(AttentionSpec(arch=arch, head_dim=d, causal=causal, return_lse=True, config=TileConfig(tile, warps=warps, kv_splits=splits)))
-    for (tile, warps, splits, stages), causal, d in itertools.product(
-        STAGE_CONFIGS, (False, True), (64, 128)
-    ):
-        specs.append(AttentionSpec(arch=arch, dtype="bfloat16", head_dim=d, causal=causal, return_lse=True, config=TileConfig(tile, warps=warps, kv_splits=splits, stages=stages)))
-    if arch in ("sm_89", "sm_90"):
-        for dtype, d in itertools.product(("float16", "bfloat16"), (64, 128)):
-            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=False))
-            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=True))
-            specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, granularity="token"))
-        for dtype, d, causal, tile in itertools.product(
-            ("float16", "bfloat16"), (64, 128), (False, True), ((64, 64), (128, 64), (128, 128))
-        ):
-            specs.append(AttentionSpec(arch=arch, dtype=dtype, head_dim=d, causal=causal, precision="fp8", config=TileConfig(tile, warps=default_warps(tile[0]))))
-        for d, causal in itertools.product((64, 128), (False, True)):
-            specs.append(AttentionSpec(arch=arch, head_dim=d, causal=causal, return_lse=True,
-                                       precision="fp8"))
-        for (tile, warps, splits), causal, d in itertools.product(
-            FP8_SPLIT_CONFIGS, (False, True), (64, 128)
-        ):
-            specs.append(AttentionSpec(arch=arch, head_dim=d, causal=causal, precision="fp8", config=TileConfig(tile, warps=warps, kv_splits=splits)))
-        for causal, d in itertools.product((False, True), (64, 128)):  # test_fp8_stages
-            specs.append(AttentionSpec(arch=arch, head_dim=d, causal=causal, precision="fp8", config=TileConfig((64, 64), warps=4, stages=2)))
-    from flashcore.tuning.search import all_candidates
+def _tuned(arch: str, bucket: str, head_dim: int, causal: bool, precision="fp16") -> TileConfig:
+    return lookup(table_arch(arch), head_dim, causal, bucket, precision)
 
-    precisions = ("fp16", "fp8") if arch in ("sm_89", "sm_90") else ("fp16",)
-    from flashcore.tuning.table import winner_specs
 
-    specs += list(winner_specs(arch).values())  # what tile=None and the benchmark run
-    if buckets != []:
-        specs += all_candidates(arch, precisions, buckets)
-    return list(dict.fromkeys(specs))
+def prefill_specs(arch: str) -> list:
+    specs = list(catalog_specs((arch,)))
+    for tile in TEST_TILES:
+        specs += _specs(arch, [TileConfig(tile)], head_dim=HEAD_DIMS, causal=[False, True])
+    for tile, warps, splits in SPLIT_CONFIGS:
+        specs += _specs(arch, [TileConfig(tile, warps=warps, kv_splits=splits)],
+                        head_dim=HEAD_DIMS, causal=[False, True], return_lse=True)
+    for tile, warps, splits, stages in STAGE_CONFIGS:
+        specs += _specs(arch, [TileConfig(tile, warps=warps, kv_splits=splits, stages=stages)],
+                        dtype="bfloat16", head_dim=HEAD_DIMS, causal=[False, True],
+                        return_lse=True)
+    # tile=None in every bucket, both dtypes, with and without LSE (and split, as num_splits
+    # may ask for it)
+    for bucket, _, _ in BUCKETS:
+        for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
+                            causal=causal, return_lse=[False, True], split_kv=[False, True])
+    return specs
+
+
+def decode_specs(arch: str) -> list:
+    """tile=None decode (and short-prefill) kernels, FP8 KV cache, and the combines."""
+    specs = []
+    kv8 = [False, True] if arch in FP8_ARCHS else [False]
+    for bucket in ("decode", "short"):
+        for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
+                            causal=causal, return_lse=[False, True], split_kv=[False, True],
+                            kv_fp8=kv8)
+    specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)
+              for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
+    return specs
+
+
+def fp8_specs(arch: str) -> list:
+    if arch not in FP8_ARCHS:
+        return []
+    specs = []
+    for dtype, d in itertools.product(DTYPES, HEAD_DIMS):
+        specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=False))
+        specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=True))
+        specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, granularity="token"))
+    fp8 = {"precision": "fp8", "head_dim": HEAD_DIMS, "causal": [False, True]}
+    specs += _specs(arch, [TileConfig(t) for t in ((64, 64), (128, 64), (128, 128))],
+                    dtype=DTYPES, **fp8)
+    specs += _specs(arch, [TileConfig((64, 64))], return_lse=True, **fp8)
+    specs += _specs(arch, [TileConfig(t, warps=w, kv_splits=k) for t, w, k in FP8_SPLIT_CONFIGS],
+                    **fp8)
+    specs += _specs(arch, [TileConfig((64, 64), stages=2)], **fp8)
+    for bucket in [b for b, _, _ in BUCKETS]:  # tile=None fp8, decode splits included
+        for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8")], dtype=DTYPES,
+                            head_dim=d, causal=causal, precision="fp8",
+                            return_lse=[False, True], split_kv=[False, True])
+    return specs
+
+
+def gpu_test_specs(arch: str, buckets=None) -> list:
+    specs = prefill_specs(arch) + decode_specs(arch) + fp8_specs(arch)
+    specs += [s for s in winner_specs(table_arch(arch), build_arch=arch).values()]
+    if buckets != []:  # the autotuner's candidates
+        precisions = ("fp16", "fp8") if arch in FP8_ARCHS else ("fp16",)
+        try:
+            specs += all_candidates(arch, precisions, buckets)
+        except SpecError:
+            pass
+    fits = []
+    for s in dict.fromkeys(specs):
+        try:
+            fits.append(s.replace())  # re-validates for this arch
+        except SpecError:
+            pass
+    return fits
 
 
 def main() -> None:
@@ -75,6 +134,7 @@ def main() -> None:
     from flashcore.build.compiler import compile_many
 
     specs = gpu_test_specs(a.arch, a.buckets)
+    print(f"{len(specs)} kernels to build for {a.arch}", flush=True)
     arts = compile_many(specs, jobs=a.jobs, cache=KernelCache(Path(a.out)),
                         progress=lambda s: print("built", s.name, flush=True))
     print(write_catalog(Path(a.out), arts), len(arts), "kernels")

@@ -43,3 +43,25 @@ SPLIT_CONFIGS = [((32, 64), 2, 4), ((64, 64), 4, 2), ((16, 32), 1, 4), ((32, 64)
 FP8_SPLIT_CONFIGS = [((32, 64), 2, 4)]
 # (tile, warps, kv_splits, stages) of the multi-stage K/V kernels the GPU tests check
 STAGE_CONFIGS = [((64, 64), 4, 1, 2), ((128, 64), 8, 1, 3), ((32, 64), 2, 2, 2), ((16, 32), 1, 1, 3)]
+
+
+def current_arch() -> str:
+    """The arch whose kernels run here (``FLASHCORE_ARCH`` may pick an older one)."""
+    from flashcore.runtime.device import arch_of
+
+    return arch_of(torch.cuda.current_device())
+
+
+def skip_unless_fits(head_dim: int, **knobs) -> None:
+    """Skip a test whose config does not fit this arch (an L4's 99 KB of shared memory when the
+    sm_89 kernels run on an H100 from their PTX)."""
+    import pytest
+
+    from flashcore.errors import SpecError
+    from flashcore.spec import AttentionSpec, TileConfig
+
+    try:
+        AttentionSpec(arch=current_arch(), head_dim=head_dim,
+                      config=TileConfig(knobs.pop("tile"), **knobs))
+    except SpecError as e:
+        pytest.skip(f"does not fit {current_arch()}: {e}")

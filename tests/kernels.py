@@ -165,3 +165,20 @@ def find_nvdisasm() -> str | None:
         for p in sorted(Path(root).glob("*/bin/nvdisasm")):
             return str(p)
     return None
+
+
+PARKED_BYTES = 32  # a few values parked across the key loop: one store before, one load after
+
+
+def assert_no_spills_in_loops(art, what: str = "") -> None:
+    """A kernel may park a few values across its key loop in local memory (stored once before,
+    loaded once after: seen for coordinates the epilogue needs), never spill inside a loop."""
+    from flashcore.build.inspect import local_memory_in_loops, sass
+
+    r = art.resources
+    assert r.stack_frame_bytes <= PARKED_BYTES, (what, r)
+    if r.spill_store_bytes is not None:
+        assert r.spill_store_bytes <= PARKED_BYTES and r.spill_load_bytes <= PARKED_BYTES, (what, r)
+    text = sass(art.cubin)
+    if text is not None:
+        assert local_memory_in_loops(text) == 0, f"{what}: local memory inside a loop"

@@ -25,7 +25,9 @@ def tables(tmp_path, monkeypatch):
 
 
 def test_buckets_cover_every_length():
-    assert table.bucket_of(1) == "short"
+    assert table.bucket_of(1) == "decode"
+    assert table.bucket_of(16) == "decode"
+    assert table.bucket_of(17) == "short"
     assert table.bucket_of(1024) == "short"
     assert table.bucket_of(1025) == "mid"
     assert table.bucket_of(2048) == "mid"
@@ -43,6 +45,7 @@ def test_lookup_reads_the_bucket_winner_and_defaults_elsewhere(tables):
     assert table.lookup("sm_90", 128, True, "long") == TileConfig((64, 128), warps=4)
     assert table.lookup("sm_90", 64, False, "long") == table.DEFAULT  # not tuned
     assert table.lookup("sm_90", 64, False, "short", "fp8") == table.DEFAULT
+    assert table.lookup("sm_90", 64, False, "decode") == table.DECODE_DEFAULT
 
 
 def test_ada_borrows_the_hopper_table_until_it_has_its_own(tables):
@@ -71,6 +74,14 @@ def test_shipped_table_is_read_and_its_winners_are_candidates():
         assert spec in set(search.candidates("sm_90", int(d[1:]), mask == "causal", prec, bucket))
 
 
+def test_decode_candidates_split_the_keys_and_bring_their_companions():
+    specs = list(search.candidates("sm_90", 128, False, "fp16", "decode"))
+    assert specs and all(s.split_kv and s.tile_m <= 32 for s in specs)
+    every = search.all_candidates("sm_90", buckets=["decode"])
+    assert {s.op for s in every} == {"attention_fwd", "attention_combine"}
+    assert any(not getattr(s, "split_kv", True) for s in every)
+
+
 @pytest.mark.parametrize("bucket", ["short", "mid", "long"])
 def test_candidates_fit_an_l4_and_split_only_short_problems(bucket):
     specs = list(search.candidates("sm_90", 128, True, "fp16", bucket))
@@ -82,7 +93,8 @@ def test_candidates_fit_an_l4_and_split_only_short_problems(bucket):
 
 
 def test_cli_refuses_unknown_buckets_and_archs_with_no_candidates(capsys):
-    with pytest.raises(SystemExit, match="unknown bucket 'bogus'"):
-        search.main(["build", "--arch", "sm_90", "--out", "x", "--buckets", "bogus"])
-    with pytest.raises(SystemExit):
+    assert search.main(["build", "--arch", "sm_90", "--out", "x", "--buckets", "bogus"]) == 2
+    assert "unknown bucket 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         search.main(["build", "--arch", "sm_75", "--out", "x"])
+    assert e.value.code == 2

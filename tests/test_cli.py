@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-VERBS = ["compile", "dump", "precompile", "cache", "info"]
+VERBS = ["compile", "dump", "precompile", "cache", "catalog-hash", "info"]
 # a prelude that makes the DSL unimportable, as on a GPU host that only runs prebuilt kernels
 NO_DSL = "import sys; sys.modules['cutlass'] = None\n"
 

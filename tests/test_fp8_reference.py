@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops.fp8 import key_permutation
 from flashcore.spec import AttentionSpec, QuantizeSpec, SpecError, TileConfig
+from tests.kernels import assert_no_spills_in_loops
 
 
 def _tensor(seed, shape, log_mag, dtype, outlier, pattern):
@@ -309,8 +310,8 @@ def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
     assert n_mma == 3 * per_block
     assert "mma.sync.aligned.m16n8k16" not in a.ptx
     assert "cvt.rn.satfinite.e4m3x2.f32" in a.ptx  # P to e4m3
-    # at most a value parked across the key loop (as in test_compile), no spilling inside it
-    assert (a.resources.spill_store_bytes or 0) <= 16 and a.resources.stack_frame_bytes <= 16
+    # at most a few values parked across the key loop (as in test_compile), none inside it
+    assert_no_spills_in_loops(a, att.name)
     assert "cvt.rn.satfinite.e4m3x2.f32" in qz.ptx
     assert math.isclose(a.smem_dynamic, att.smem_bytes)
     from flashcore.build.inspect import sass, sass_opcodes
@@ -319,7 +320,6 @@ def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
     if text is None:
         return  # nvdisasm not installed: the PTX checks above are all we can do
     ops = sass_opcodes(text)
-    assert sum(op.startswith(("STL", "LDL")) for op in ops) <= 4, "local memory in the loop"
     qmma = sum(op.startswith("QMMA.16832") for op in ops)
     hmma = sum(op.startswith("HMMA") for op in ops)
     if arch == "sm_89":  # Ada: native e4m3 tensor-core MMA, one QMMA per mma.sync

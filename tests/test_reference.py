@@ -119,7 +119,11 @@ def test_shape_errors():
     with pytest.raises(ValueError, match="sequence lengths differ"):
         attention(q, k, v[:, :, :3])
     with pytest.raises(ValueError, match="batch and heads differ"):
-        attention(q, k[:, :1], v[:, :1])
+        attention(q, k[:, :1], v)  # k and v must agree
+    with pytest.raises(ValueError, match="batch and heads differ"):
+        attention(q[:, :1], k, v)  # more K/V heads than query heads
+    with pytest.raises(ValueError, match="batch and heads differ"):
+        attention(q, torch.cat([k, k]), torch.cat([v, v]))  # batch differs
     with pytest.raises(TypeError, match="float"):
         attention(q.long(), k, v)
 
@@ -141,3 +145,25 @@ def test_hypothesis_matches_sdpa(b, h, sq, sk, d, causal, scale, seed):
     torch.testing.assert_close(out, _sdpa(q, k, v, causal, scale), rtol=1e-10, atol=1e-10)
     s = 1 / math.sqrt(d) if scale is None else scale
     torch.testing.assert_close(lse, _lse(q, k, causal, s), rtol=1e-10, atol=1e-10)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    sq=st.integers(1, 9),
+    sk=st.integers(1, 9),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_grouped_query_heads_read_their_group(hkv, group, sq, sk, causal, seed):
+    """GQA: query head h attends with K/V head h // group, as SDPA's enable_gqa does."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, hkv * group, sq, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, hkv, sk, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out = attention(q, k, v, causal=causal)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=causal)
+    if causal and sq > sk:  # torch's SDPA is NaN for rows that see no key; ours is 0
+        want = torch.nan_to_num(want, nan=0.0)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)

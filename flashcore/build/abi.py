@@ -2,7 +2,7 @@
 
 The CuTe DSL passes a ``cute.Tensor`` by value as a struct: a 64-bit pointer, then each run-time
 (dynamic) shape entry as i32, then each dynamic stride as i64 (8-byte aligned). Static entries are
-left out. The runtime packs arguments from this description, and the compiler checks it against the
+left out, and so is an optional tensor the spec does not use. The runtime packs arguments from this description, and the compiler checks it against the
 ``.entry`` it reads from the PTX, so a kernel whose signature drifted is refused, never launched.
 This module must not import the DSL: hosts without it launch prebuilt kernels.
 """
@@ -54,32 +54,40 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-# Q, K, V, O: (batch, heads, seq, head_dim) with batch, heads, seq and their strides dynamic.
-# LSE: (batch, heads, seq_q) float32, last stride static.
-ATTENTION_FWD_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
-    TensorParam("q", 3, 3),
-    TensorParam("k", 3, 3),
-    TensorParam("v", 3, 3),
-    TensorParam("o", 3, 3),
-    TensorParam("lse", 3, 2),
-    ScalarParam("scale_log2", "<f"),
-)
+def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
+    """The attention kernel's parameters, as ``flashcore.kernels.mma_sync`` declares them.
+
+    Q, K, V, O: (batch, heads, seq, head_dim), batch, heads, seq and their strides dynamic; K and
+    V may have fewer heads than Q (grouped-query attention). FP8 operands: V transposed (batch,
+    heads, head_dim, seq_k padded to a multiple of 128, keys permuted within each 32, see
+    ``flashcore.ops.fp8``). With ``split_kv``, O and LSE are fp32 workspaces of
+    num_splits · batch rows of batches. LSE and the descales: (batch, heads, seq) float32 with a
+    unit last stride, or (batch, heads) for FP8 V. Then the exp2 softmax scale, the query rows
+    per token (``q_group``: > 1 when a K/V head's query heads are packed into rows) and the
+    number of key shares (split-KV across CTAs; 1 otherwise).
+    """
+    params = [TensorParam("q", 3, 3), TensorParam("k", 3, 3),
+              TensorParam("vt" if spec.precision == "fp8" else "v", 3, 3), TensorParam("o", 3, 3)]
+    if spec.return_lse or spec.split_kv:
+        params.append(TensorParam("lse", 3, 2))
+    if spec.precision == "fp8":
+        params += [TensorParam("q_descale", 3, 2), TensorParam("k_descale", 3, 2),
+                   TensorParam("v_descale", 2, 1)]
+    elif spec.kv_fp8:
+        params += [TensorParam("k_descale", 3, 2), TensorParam("v_descale", 3, 2)]
+    params += [ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"),
+               ScalarParam("num_splits", "<i")]
+    return tuple(params)
 
 
-# FP8: Q, K (batch, heads, seq, head_dim) e4m3; V transposed (batch, heads, head_dim, seq_k padded
-# to a multiple of 128, keys permuted within each 32, see flashcore.ops.fp8); float32 descale
-# factors per token for Q (batch, heads, seq_q) and K (batch, heads, seq_k), per head for V.
-ATTENTION_FWD_FP8_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
-    TensorParam("q", 3, 3),
-    TensorParam("k", 3, 3),
-    TensorParam("vt", 3, 3),
-    TensorParam("o", 3, 3),
-    TensorParam("lse", 3, 2),
-    TensorParam("q_descale", 3, 2),
-    TensorParam("k_descale", 3, 2),
-    TensorParam("v_descale", 2, 1),
-    ScalarParam("scale_log2", "<f"),
-)
+# Split-KV combine: partial O (num_splits · batch, heads, rows, head_dim) and LSE fp32, the
+# output O and optionally its LSE, and the number of shares.
+def combine_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
+    params = [TensorParam("o_partial", 3, 3), TensorParam("lse_partial", 3, 2),
+              TensorParam("o", 3, 3)]
+    if spec.return_lse:
+        params.append(TensorParam("lse", 3, 2))
+    return (*params, ScalarParam("num_splits", "<i"))
 
 
 # Quantiser: x (batch, heads, seq, head_dim) 16-bit; out e4m3 in x's layout, or Vᵀ
@@ -114,11 +122,26 @@ def params_for(spec) -> tuple[TensorParam | ScalarParam, ...]:
         if spec.granularity == "token":
             return QUANTIZE_FP8_TOKEN_PARAMS
         return QUANTIZE_FP8_VT_PARAMS if spec.transpose else QUANTIZE_FP8_PARAMS
-    return ATTENTION_FWD_FP8_PARAMS if spec.precision == "fp8" else ATTENTION_FWD_PARAMS
+    if spec.op == "attention_combine":
+        return combine_params(spec)
+    return attention_params(spec)
 
 
-def attention_grid(seqlen_q: int, heads: int, batch: int, tile_m: int) -> tuple[int, int, int]:
-    return ((seqlen_q + tile_m - 1) // tile_m, heads, batch)
+MAX_GRID_X = 2**31 - 1
+
+
+def attention_grid(rows: int, heads: int, batch: int, tile_m: int,
+                   num_splits: int = 1) -> tuple[int, int, int]:
+    """x: every (batch, head, query tile), the tile fastest; y: the key shares."""
+    x = (rows + tile_m - 1) // tile_m * heads * batch
+    if x > MAX_GRID_X:
+        raise ValueError(f"{batch} batches x {heads} heads x {rows} rows is {x} CTAs, over "
+                         f"the grid's {MAX_GRID_X}")
+    return (x, num_splits, 1)
+
+
+def combine_grid(rows: int, heads: int, batch: int, rows_per_cta: int) -> tuple[int, int, int]:
+    return ((batch * heads * rows + rows_per_cta - 1) // rows_per_cta, 1, 1)
 
 
 def check_against_entry(params: tuple, entry_params) -> None:

@@ -2,8 +2,9 @@
 
 ``save`` writes the blobs as plain files plus ``meta.json`` holding everything else, the sha256 of
 each blob and a sha256 over meta's own canonical content. ``load`` checks all of it, so a flipped
-byte, a truncated or missing file or broken JSON raises CacheCorruptionError instead of handing a
-damaged cubin to the driver.
+byte, a truncated, missing or unreadable file (permissions, a directory in its place, a symlink
+loop, an I/O error) or broken JSON raises CacheCorruptionError instead of handing a damaged cubin
+to the driver. These checksums sit beside the data: they prove it is intact, not who wrote it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Resources:
     threads_per_block: int  # 0 when the kernel does not fix its block size
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class KernelArtifact:
     spec: KernelSpec  # AttentionSpec or QuantizeSpec
     ptx: str
@@ -62,6 +63,16 @@ class KernelArtifact:
     toolchain: dict[str, str] = field(hash=False)
     source_hash: str
     ir: str = ""
+
+    def __repr__(self) -> str:
+        # short: the PTX and IR run to hundreds of kilobytes
+        r = self.resources
+        return (
+            f"KernelArtifact({self.spec.name}, entry={self.entry}, cubin={len(self.cubin)} B, "
+            f"ptx={len(self.ptx)} chars, ir={len(self.ir)} chars, registers={r.registers}, "
+            f"smem_dynamic={self.smem_dynamic} B, stack={r.stack_frame_bytes} B, "
+            f"spills={r.spill_store_bytes}/{r.spill_load_bytes} B, block={self.block})"
+        )
 
     def save(self, directory: Path) -> None:
         """Write the artifact into ``directory`` (created if needed); meta.json is written last."""
@@ -83,10 +94,12 @@ class KernelArtifact:
         (directory / META).write_text(_meta_text(meta))
 
     @classmethod
-    def load(cls, directory: Path) -> KernelArtifact:
-        """Read and verify an artifact written by ``save``; CacheCorruptionError on any damage."""
+    def load(cls, directory: Path, *, meta_sha256: str | None = None) -> KernelArtifact:
+        """Read and verify an artifact written by ``save``; CacheCorruptionError on any damage.
+
+        ``meta_sha256``: the sha256 its meta.json must have (a catalog's index records it)."""
         directory = Path(directory)
-        meta = _read_meta(directory / META)
+        meta = _read_meta(directory / META, meta_sha256)
         blobs = {}
         for name, want in meta["files"].items():
             if name not in (CUBIN, PTX, MLIR):
@@ -159,11 +172,27 @@ def _str(v: Any) -> str:
     return v
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def _read_bytes(path: Path) -> bytes:
+    """The file's bytes; any failure to read it (not only a missing file) is damage."""
     try:
-        text = path.read_bytes().decode()
+        return path.read_bytes()
     except FileNotFoundError:
         raise CacheCorruptionError(f"{path}: missing") from None
+    except OSError as e:  # PermissionError, IsADirectoryError, ELOOP, EIO, ...
+        raise CacheCorruptionError(
+            f"{path}: unreadable ({type(e).__name__}: {e.strerror or e})"
+        ) from None
+
+
+def _read_meta(path: Path, want_sha256: str | None = None) -> dict[str, Any]:
+    raw = _read_bytes(path)
+    if want_sha256 is not None and _sha256(raw) != want_sha256:
+        raise CacheCorruptionError(
+            f"{path}: sha256 {_sha256(raw)[:16]}... is not the {want_sha256[:16]}... its catalog "
+            "index records (modified)"
+        )
+    try:
+        text = raw.decode()
     except UnicodeDecodeError as e:
         raise CacheCorruptionError(f"{path}: not UTF-8 text ({e})") from None
     try:
@@ -188,10 +217,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
 def _read_blob(path: Path, want: Any) -> bytes:
     if not isinstance(want, dict) or not {"sha256", "size"} <= set(want):
         raise CacheCorruptionError(f"{path}: meta.json has no checksum for it")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise CacheCorruptionError(f"{path}: missing") from None
+    data = _read_bytes(path)
     if len(data) != want["size"]:
         raise CacheCorruptionError(
             f"{path}: {len(data)} bytes, expected {want['size']} (truncated or appended to)"

@@ -2,40 +2,67 @@
 
 Layout: ``<root>/v1/<spec.name>-<spec.content_hash>/<source_hash>-dsl<version>/`` holds what
 ``KernelArtifact.save`` writes. An entry appears only by ``os.rename`` of a finished directory,
-so readers never see half an entry; builders of one key serialise on a file lock next to it.
-A host without the DSL (it cannot compile) accepts an entry built by any DSL version.
+so readers never see half an entry and need no lock; builders of one key serialise on a file lock
+next to it (``<entry>.lock``), and a build that fails leaves ``<entry>.failed`` for a minute so
+that the processes waiting on that lock fail at once with the same error instead of each
+compiling again. A host without the DSL (it cannot compile) accepts an entry built by any DSL
+version.
+
+What can go wrong with the directory does not make compiles fail: an unreadable entry is damage
+(set aside, or skipped where it cannot be moved); a cache that cannot be written is used
+read-only, with one warning per process, and what is compiled is kept in memory; so is a kernel
+whose entry could not be written (a full disk).
+
+A catalog root (``index.json`` beside ``v1/``, see ``catalog.py``) opened by ``default_cache`` or
+``load_catalog`` serves only the entries its index lists, each checked against the index's
+meta.json checksum, and is never written to.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import shutil
+import sys
 import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import platformdirs
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
-from ..errors import CacheCorruptionError
+from ..errors import CacheCorruptionError, CompileError
 from ..spec import KernelSpec, spec_from_dict
 from .artifact import META, KernelArtifact
 from .fingerprint import dsl_fingerprint, source_hash
 
 CACHE_ENV = "FLASHCORE_CACHE_DIR"
+MAX_SIZE_ENV = "FLASHCORE_CACHE_MAX_SIZE"
 LAYOUT = "v1"
 QUARANTINE = "quarantine"
+CATALOG_INDEX = "index.json"
+LOCK_SUFFIX = ".lock"
+FAILED_SUFFIX = ".failed"
 _TMP_PREFIX = ".tmp-"
 _LOCK_TIMEOUT_S = 1800  # longer than any compile; a dead holder's flock is released by the OS
+_FAILURE_TTL_S = 60.0  # a failed build's marker: long enough for every waiter of that lock
+_STALE_TMP_S = 3600.0  # a temporary this old is abandoned even if its pid lives (pid reuse)
+_READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
+# What the cache writes, and so what `clear` removes: nothing else in the folder is touched.
+_SPEC_DIR = re.compile(r"[A-Za-z0-9_.]+-[0-9a-f]{16}")
+_ENTRY_DIR = re.compile(r"[0-9a-f]{16}-dsl[A-Za-z0-9._+-]*")
+_TMP_PID = re.compile(r"-(\d+)-[0-9a-f]{8}$")
 
 
 class CacheWarning(UserWarning):
-    """A cache entry was damaged and has been set aside."""
+    """The cache could not do what it would (a damaged entry, a folder it cannot write)."""
 
 
 def cache_root() -> Path:
@@ -53,13 +80,104 @@ def entry_name(source: str, dsl: str | None) -> str:
     return f"{source}-dsl{dsl}"
 
 
-class KernelCache:
-    """Artifacts by spec: an in-process table in front of a directory tree (see module doc)."""
+def parse_size(text: str) -> int:
+    """``500M``, ``2G``, ``1.5GiB``, ``100k``, ``4096``: bytes (K, M, G, T are powers of 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise ValueError(f"{text!r} is not a size (e.g. 500M, 2G, 4096)")
+    return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
 
-    def __init__(self, root: Path | str | None = None) -> None:
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists, owned by someone else
+        return True
+    return True
+
+
+def _is_stale_tmp(path: Path, now: float) -> bool:
+    m = _TMP_PID.search(path.name)
+    if m and not pid_alive(int(m[1])):
+        return True
+    try:
+        return now - path.lstat().st_mtime > _STALE_TMP_S
+    except OSError:
+        return False
+
+
+def _rmtree(path: Path, failed: list[tuple[Path, str]]) -> None:
+    """Remove ``path`` (a tree or a file); what cannot be removed is added to ``failed``."""
+
+    def note(_fn, p, exc) -> None:
+        e = exc[1] if isinstance(exc, tuple) else exc
+        if not isinstance(e, FileNotFoundError):
+            failed.append((Path(p), getattr(e, "strerror", None) or str(e)))
+
+    if path.is_symlink() or not path.is_dir():
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed.append((path, e.strerror or str(e)))
+        return
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=note)
+    else:
+        shutil.rmtree(path, onerror=note)
+
+
+def _tree_size(path: Path) -> int:
+    total = 0
+    try:
+        if not path.is_dir() or path.is_symlink():
+            return path.lstat().st_size
+        for p in path.rglob("*"):
+            with contextlib.suppress(OSError):  # removed while we walked, or unreadable
+                total += p.lstat().st_size if p.is_file() else 0
+    except OSError:
+        pass
+    return total
+
+
+@dataclass
+class PruneReport:
+    """What ``KernelCache.prune`` did."""
+
+    removed: list[Path] = field(default_factory=list)
+    freed_bytes: int = 0
+    failed: list[tuple[Path, str]] = field(default_factory=list)
+    size_bytes: int = 0  # after
+
+
+_warned_read_only: set[Path] = set()
+_warned_lock = threading.Lock()
+
+
+class KernelCache:
+    """Artifacts by spec: an in-process table in front of a directory tree (see module doc).
+
+    ``catalog``: the entries to serve (``path -> meta.json sha256``, a catalog index's ``served()``);
+    with it, nothing else is served and nothing is written into the folder.
+    """
+
+    def __init__(
+        self,
+        root: Path | str | None = None,
+        *,
+        catalog: dict[str, str] | None = None,
+        read_only: bool = False,
+    ) -> None:
         self.root = Path(root) if root is not None else cache_root()
+        self.catalog = dict(catalog) if catalog is not None else None
+        self.read_only = read_only or catalog is not None  # set when a write is refused
         self._memory: dict[tuple[KernelSpec, str], KernelArtifact] = {}
         self._memory_lock = threading.Lock()
+        self._key_locks: dict[tuple[KernelSpec, str], threading.Lock] = {}
+        self._failures: dict[tuple[KernelSpec, str], tuple[float, str]] = {}
 
     @property
     def base(self) -> Path:
@@ -67,6 +185,9 @@ class KernelCache:
 
     def spec_dir(self, spec: KernelSpec) -> Path:
         return self.base / spec_dir_name(spec)
+
+    def is_catalog_root(self) -> bool:
+        return (self.root / CATALOG_INDEX).exists()
 
     # -- lookup --------------------------------------------------------------------------------
     def get(self, spec: KernelSpec) -> KernelArtifact | None:
@@ -83,9 +204,10 @@ class KernelCache:
             try:
                 art = self._load_checked(path, spec)
             except CacheCorruptionError as e:
-                art = self._quarantine(path, spec, str(e), locked=locked)
+                art = self._set_aside(path, spec, str(e), locked=locked)
                 if art is None:
                     continue
+            self._touch(path)
             with self._memory_lock:
                 return self._memory.setdefault((spec, source_hash()), art)
         return None
@@ -94,16 +216,29 @@ class KernelCache:
         source = source_hash()
         version = dsl_fingerprint()
         sdir = self.spec_dir(spec)
+        if self.catalog is not None:
+            prefix = f"{LAYOUT}/{spec_dir_name(spec)}/"
+            names = [p[len(prefix):] for p in self.catalog if p.startswith(prefix)]
+        else:
+            try:
+                names = [p.name for p in sdir.iterdir() if p.is_dir()] if sdir.is_dir() else []
+            except OSError as e:  # unreadable folder: nothing can be served from it
+                self._warn(f"cannot read {sdir} ({e.strerror or e}); treating it as empty")
+                return []
         if version is not None:
-            exact = sdir / entry_name(source, version)
-            return [exact] if exact.is_dir() else []
+            exact = entry_name(source, version)
+            return [sdir / exact] if exact in names else []
         # Offline: any DSL version will do, the most recently written first.
-        found = [p for p in sdir.glob(f"{source}-dsl*") if p.is_dir()]
+        found = [sdir / n for n in names if n.startswith(f"{source}-dsl")]
         return sorted(found, key=_mtime, reverse=True)
 
-    @staticmethod
-    def _load_checked(path: Path, spec: KernelSpec) -> KernelArtifact:
-        art = KernelArtifact.load(path)
+    def _load_checked(self, path: Path, spec: KernelSpec) -> KernelArtifact:
+        want = None
+        if self.catalog is not None:
+            want = self.catalog.get(path.relative_to(self.root).as_posix())
+            if want is None:  # cannot happen: candidates come from the index
+                raise CacheCorruptionError(f"{path}: not listed in the catalog's index")
+        art = KernelArtifact.load(path, meta_sha256=want)
         if art.spec != spec:
             raise CacheCorruptionError(f"{path / META}: holds {art.spec.name}, not {spec.name}")
         if art.source_hash != source_hash():
@@ -113,13 +248,25 @@ class KernelCache:
             )
         return art
 
+    def _touch(self, path: Path) -> None:
+        """Record a use (the entry folder's mtime): ``prune`` evicts the least recently used."""
+        if not self.read_only:
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
     # -- store ---------------------------------------------------------------------------------
     def put(self, artifact: KernelArtifact) -> Path:
-        """Write ``artifact`` into place atomically; an entry already there is kept."""
+        """Write ``artifact`` into place atomically; an entry already there is kept.
+
+        Raises OSError when the folder cannot be written (``get_or_build`` keeps the artifact in
+        memory then)."""
+        if self.catalog is not None:
+            raise PermissionError(errno.EROFS, "a catalog is not written to", str(self.root))
         version = artifact.toolchain.get("nvidia-cutlass-dsl") or dsl_fingerprint()
         sdir = self.spec_dir(artifact.spec)
         dest = sdir / entry_name(artifact.source_hash, version)
         sdir.mkdir(parents=True, exist_ok=True)
+        self._prune_temporaries(sdir, PruneReport())  # what killed writers left here
         tmp = sdir / f"{_TMP_PREFIX}{dest.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             artifact.save(tmp)
@@ -132,6 +279,7 @@ class KernelCache:
             shutil.rmtree(tmp, ignore_errors=True)
         with self._memory_lock:
             self._memory.setdefault((artifact.spec, artifact.source_hash), artifact)
+        self._prune_to_env_limit()
         return dest
 
     def get_or_build(
@@ -141,28 +289,162 @@ class KernelCache:
         art = self.get(spec)
         if art is not None:
             return art
-        with self._lock(spec):
-            art = self._get_disk(spec, locked=True)  # someone may have built it while we waited
+        key = (spec, source_hash())
+        with self._key_lock(key), self._build_lock(spec) as locked:
+            with self._memory_lock:
+                art = self._memory.get(key)  # another thread built it while we waited
+            if art is None:
+                # someone may have built it while we waited
+                art = self._get_disk(spec, locked=locked)
             if art is not None:
                 return art
-            art = build(spec)
+            self._raise_recent_failure(spec, key)
+            try:
+                art = build(spec)
+            except CompileError as e:
+                self._record_failure(spec, key, str(e), locked=locked)
+                raise
             if art.spec != spec:
                 raise ValueError(f"build({spec.name}) returned an artifact for {art.spec.name}")
-            self.put(art)
+            self._store(art)
+            if locked:
+                with contextlib.suppress(OSError):
+                    self._failure_marker(spec).unlink(missing_ok=True)
         with self._memory_lock:
-            self._memory[(spec, source_hash())] = art
+            self._memory[key] = art
+            self._failures.pop(key, None)
         return art
+
+    def _key_lock(self, key) -> threading.Lock:
+        with self._memory_lock:
+            return self._key_locks.setdefault(key, threading.Lock())
+
+    @contextlib.contextmanager
+    def _build_lock(self, spec: KernelSpec) -> Iterator[bool]:
+        """The key's file lock, held; yields False where the folder cannot hold one (read-only),
+        and builds then go on without it."""
+        lock = None
+        if not self.read_only:
+            try:
+                lock = self._lock(spec)
+                lock.acquire()
+            except Timeout:
+                raise CompileError(
+                    f"{spec.name}: waited {_LOCK_TIMEOUT_S} s for the build lock {lock.lock_file} "
+                    "(another process is compiling this kernel, or hung doing so); remove the "
+                    "lock file if no flashcore process is running"
+                ) from None
+            except OSError as e:
+                lock = None
+                self._write_failed(e, f"cannot create the build lock for {spec.name}",
+                                   "building without it")
+        try:
+            yield lock is not None
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _lock(self, spec: KernelSpec) -> FileLock:
         sdir = self.spec_dir(spec)
         sdir.mkdir(parents=True, exist_ok=True)
         name = entry_name(source_hash(), dsl_fingerprint())
-        return FileLock(sdir / f"{name}.lock", timeout=_LOCK_TIMEOUT_S)
+        return FileLock(sdir / f"{name}{LOCK_SUFFIX}", timeout=_LOCK_TIMEOUT_S)
+
+    def _store(self, art: KernelArtifact) -> None:
+        """``put``, but a folder that cannot take it costs a warning, not the compiled kernel."""
+        if self.read_only:
+            return
+        try:
+            self.put(art)
+        except OSError as e:
+            self._write_failed(e, f"could not store {art.spec.name}")
+
+    def _write_failed(self, e: OSError, what: str,
+                      then: str = "kept in memory for this process only") -> None:
+        if e.errno in _READ_ONLY_ERRNOS:
+            self.read_only = True
+            with _warned_lock:
+                first = self.root not in _warned_read_only
+                _warned_read_only.add(self.root)
+            if first:
+                self._warn(
+                    f"{self.root} is not writable ({e.strerror or e}); using it read-only: kernels "
+                    "compiled now are kept in memory for this process only (set "
+                    f"{CACHE_ENV} to a writable folder to keep them)"
+                )
+        else:
+            self._warn(f"{what} in {self.root} ({e.strerror or e}); {then}")
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        warnings.warn(f"flashcore cache: {message}", CacheWarning, stacklevel=4)
+
+    # -- failed builds ------------------------------------------------------------------------
+    def _failure_marker(self, spec: KernelSpec) -> Path:
+        name = entry_name(source_hash(), dsl_fingerprint())
+        return self.spec_dir(spec) / f"{name}{FAILED_SUFFIX}"
+
+    def _record_failure(self, spec: KernelSpec, key, message: str, *, locked: bool) -> None:
+        with self._memory_lock:
+            self._failures[key] = (time.time(), message)
+        if locked:  # only the lock holder writes it, and only waiters of that lock read it
+            marker = self._failure_marker(spec)
+            tmp = marker.with_name(f"{_TMP_PREFIX}{marker.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            try:
+                tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid(),
+                                           "error": message}))
+                os.replace(tmp, marker)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+
+    def _raise_recent_failure(self, spec: KernelSpec, key) -> None:
+        """Re-raise the CompileError of a build of this key that failed moments ago."""
+        with self._memory_lock:
+            failure = self._failures.get(key)
+        when, message, who = (failure[0], failure[1], "this process") if failure else (0, "", "")
+        if not failure and not self.read_only:
+            marker = self._failure_marker(spec)
+            try:
+                data = json.loads(marker.read_text())
+                when, message = float(data["time"]), str(data["error"])
+                who = f"process {int(data['pid'])}"
+            except FileNotFoundError:
+                return
+            except (OSError, ValueError, KeyError, TypeError):
+                with contextlib.suppress(OSError):
+                    marker.unlink()
+                return
+        age = time.time() - when
+        if not message or not 0 <= age < _FAILURE_TTL_S:
+            return
+        raise CompileError(
+            f"{message}\n(this build failed in {who} {age:.0f} s ago; not retried for "
+            f"{_FAILURE_TTL_S:.0f} s)"
+        )
+
+    # -- damaged entries ----------------------------------------------------------------------
+    def _set_aside(
+        self, path: Path, spec: KernelSpec, problem: str, *, locked: bool
+    ) -> KernelArtifact | None:
+        """Move a corrupt entry into the quarantine (or skip it where that cannot be done);
+        returns the artifact instead if a good one replaced it."""
+        why = "a catalog" if self.catalog is not None else "a read-only cache"
+        if not self.read_only:
+            try:
+                return self._quarantine(path, spec, problem, locked=locked)
+            except Timeout:
+                why = "its lock is held"
+            except OSError as e:
+                self._write_failed(e, f"could not move the corrupt entry {path} aside",
+                                   "leaving it")
+                why = f"cannot move it: {e.strerror or e}"
+        self._warn(f"corrupt entry {path}: {problem}; skipped (left in place: {why})")
+        return None
 
     def _quarantine(
         self, path: Path, spec: KernelSpec, problem: str, *, locked: bool
     ) -> KernelArtifact | None:
-        """Move a corrupt entry aside; returns the artifact instead if a good one replaced it."""
         # Move it only while holding the key's lock and after re-checking, so a good entry that a
         # builder has just put in its place is never the one moved away. (flock is not
         # re-entrant across lock objects, hence `locked` when the caller already holds it.)
@@ -179,33 +461,58 @@ class KernelCache:
                 os.rename(path, dest)
             except FileNotFoundError:
                 return None  # another process moved it first
-        warnings.warn(
-            f"flashcore cache: corrupt entry {path}: {problem}; moved to {dest}, will rebuild",
-            CacheWarning,
-            stacklevel=3,
-        )
+        self._warn(f"corrupt entry {path}: {problem}; moved to {dest}, will rebuild")
         return None
 
     # -- maintenance ---------------------------------------------------------------------------
     def entries(self) -> list[tuple[Path, KernelSpec | None]]:
         """Every entry directory, with its spec (None if meta.json cannot be read)."""
+        return [(path, _peek_spec(path)) for path in self._scan()[0]]
+
+    def _spec_dirs(self, problems: list[tuple[Path, str]]) -> list[Path]:
+        try:
+            return sorted(
+                p for p in self.base.iterdir()
+                if p.name != QUARANTINE and _SPEC_DIR.fullmatch(p.name) and p.is_dir()
+            ) if self.base.is_dir() else []
+        except OSError as e:
+            problems.append((self.base, f"cannot be listed: {e.strerror or e}"))
+            return []
+
+    def _scan(self) -> tuple[list[Path], list[tuple[Path, str]]]:
+        """The entry folders, and the folders that could not be listed."""
+        problems: list[tuple[Path, str]] = []
         out = []
-        if not self.base.is_dir():
-            return out
-        for sdir in sorted(self.base.iterdir()):
-            if not sdir.is_dir() or sdir.name == QUARANTINE:
-                continue
-            for edir in sorted(sdir.iterdir()):
-                if edir.is_dir() and not edir.name.startswith(_TMP_PREFIX):
-                    out.append((edir, _peek_spec(edir)))
-        return out
+        for sdir in self._spec_dirs(problems):
+            try:
+                out += sorted(e for e in sdir.iterdir()
+                              if _ENTRY_DIR.fullmatch(e.name) and e.is_dir())
+            except OSError as e:
+                problems.append((sdir, f"cannot be listed: {e.strerror or e}"))
+        return out, problems
 
     def verify(self) -> list[tuple[Path, str]]:
-        """Load every entry and check it sits where its key says; the problems found."""
-        problems = []
-        for path, spec in self.entries():
+        """Load every entry and check it sits where its key says; the problems found.
+
+        On a catalog root, also each entry's meta.json against the index, and an entry the index
+        does not list is a problem (it is never served)."""
+        paths, problems = self._scan()
+        served = self.catalog
+        if served is None and self.is_catalog_root():
+            from ..errors import CatalogError
+            from .catalog import read_index  # a catalog imports this module
+
             try:
-                art = KernelArtifact.load(path)
+                served = read_index(self.root).served()
+            except CatalogError as e:
+                problems.append((self.root / CATALOG_INDEX, str(e)))
+        for path in paths:
+            rel = path.relative_to(self.root).as_posix()
+            if served is not None and rel not in served:
+                problems.append((path, "not listed in the catalog's index.json (never served)"))
+                continue
+            try:
+                art = KernelArtifact.load(path, meta_sha256=served.get(rel) if served else None)
             except CacheCorruptionError as e:
                 problems.append((path, str(e)))
                 continue
@@ -217,29 +524,138 @@ class KernelCache:
             )
             if not placed:
                 problems.append((path, f"misplaced: its content belongs in {'/'.join(want)}"))
+        if served is not None:
+            listed = {p.relative_to(self.root).as_posix() for p in paths}
+            problems += [(self.root / p, "listed in index.json but missing")
+                         for p in sorted(set(served) - listed)]
         return problems
 
-    def clear(self) -> None:
-        """Remove every entry (and the quarantine) and forget the in-memory table."""
-        shutil.rmtree(self.base, ignore_errors=True)
+    def clear(self, *, force: bool = False) -> list[tuple[Path, str]]:
+        """Remove what the cache wrote (entries, quarantine, temporaries, locks, failure
+        markers) and forget the in-memory table; other files in the folder stay. Returns what
+        could not be removed.
+
+        A catalog root (index.json) is refused unless ``force``; then its index goes too."""
+        from ..errors import CatalogError
+
+        index = self.root / CATALOG_INDEX
+        if index.exists() and not force:
+            raise CatalogError(
+                f"{self.root} is a flashcore catalog ({CATALOG_INDEX}); not clearing it (use "
+                "--force to remove its kernels and its index)"
+            )
+        failed: list[tuple[Path, str]] = []
+        if force and index.exists():
+            _rmtree(index, failed)
+        if (self.base / QUARANTINE).exists():
+            _rmtree(self.base / QUARANTINE, failed)
+        for sdir in self._spec_dirs(failed):
+            try:
+                children = list(sdir.iterdir())
+            except OSError as e:
+                failed.append((sdir, e.strerror or str(e)))
+                continue
+            for p in children:
+                n = p.name
+                if (_ENTRY_DIR.fullmatch(n) or n.startswith(_TMP_PREFIX)
+                        or n.endswith((LOCK_SUFFIX, FAILED_SUFFIX))):
+                    _rmtree(p, failed)
+            with contextlib.suppress(OSError):
+                sdir.rmdir()  # only when empty: a file of the user's keeps it
+        with contextlib.suppress(OSError):
+            self.base.rmdir()
         with self._memory_lock:
             self._memory.clear()
+            self._failures.clear()
+        return failed
+
+    def prune(self, max_size: int | None = None) -> PruneReport:
+        """Remove abandoned temporaries (their writer's pid is dead, or older than an hour), the
+        quarantine's contents and expired failure markers; then, with ``max_size`` (bytes), the
+        least recently used entries until the cache is no larger. A catalog's entries are
+        never evicted."""
+        report = PruneReport()
+        for sdir in self._spec_dirs(report.failed):
+            self._prune_temporaries(sdir, report)
+            now = time.time()
+            with contextlib.suppress(OSError):
+                for f in sdir.glob(f"*{FAILED_SUFFIX}"):
+                    if now - f.stat().st_mtime > _FAILURE_TTL_S:
+                        self._remove(f, report)
+        qdir = self.base / QUARANTINE
+        if qdir.is_dir():
+            with contextlib.suppress(OSError):
+                for q in sorted(qdir.iterdir()):
+                    self._remove(q, report)
+        if max_size is not None and not self.is_catalog_root() and self.catalog is None:
+            total = self.size_bytes()
+            for path in sorted(self._scan()[0], key=_last_use):
+                if total <= max_size:
+                    break
+                # out of the key's name first, so no reader sees half an entry
+                gone = path.with_name(
+                    f"{_TMP_PREFIX}{path.name}-evict-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                size = _tree_size(path)
+                try:
+                    os.rename(path, gone)
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    report.failed.append((path, e.strerror or str(e)))
+                    continue
+                n_failed = len(report.failed)
+                _rmtree(gone, report.failed)
+                if len(report.failed) == n_failed:
+                    report.removed.append(path)
+                    report.freed_bytes += size
+                    total -= size
+        report.size_bytes = self.size_bytes()
+        return report
+
+    def _prune_temporaries(self, sdir: Path, report: PruneReport) -> None:
+        now = time.time()
+        try:
+            stale = [p for p in sdir.iterdir()
+                     if p.name.startswith(_TMP_PREFIX) and _is_stale_tmp(p, now)]
+        except OSError:
+            return
+        for p in stale:
+            self._remove(p, report)
+
+    @staticmethod
+    def _remove(path: Path, report: PruneReport) -> None:
+        size = _tree_size(path)
+        n = len(report.failed)
+        _rmtree(path, report.failed)
+        if len(report.failed) == n:
+            report.removed.append(path)
+            report.freed_bytes += size
+
+    def _prune_to_env_limit(self) -> None:
+        text = os.environ.get(MAX_SIZE_ENV)
+        if not text:
+            return
+        try:
+            limit = parse_size(text)
+        except ValueError as e:
+            self._warn(f"{MAX_SIZE_ENV}: {e}; not pruning")
+            return
+        self.prune(limit)
 
     def size_bytes(self) -> int:
-        if not self.base.is_dir():
-            return 0
-        total = 0
-        for p in self.base.rglob("*"):
-            try:
-                total += p.stat().st_size if p.is_file() else 0
-            except FileNotFoundError:  # removed while we walked
-                pass
-        return total
+        return _tree_size(self.base) if self.base.is_dir() else 0
 
 
 def _mtime(path: Path) -> float:
     try:
         return (path / META).stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _last_use(path: Path) -> float:
+    try:
+        return path.stat().st_mtime  # put() writes it, _touch() moves it on each first load
     except OSError:
         return 0.0
 
@@ -256,10 +672,29 @@ _defaults_lock = threading.Lock()
 
 
 def default_cache() -> KernelCache:
-    """The process's cache for the current root (``$FLASHCORE_CACHE_DIR`` is read each call)."""
+    """The process's cache for the current root (``$FLASHCORE_CACHE_DIR`` is read each call).
+
+    A catalog root (index.json) is opened as a catalog: only what its index lists is served,
+    and ``FLASHCORE_CATALOG_SHA256``, when set, pins its index."""
     root = cache_root().resolve()
     with _defaults_lock:
         cache = _defaults.get(root)
         if cache is None:
-            cache = _defaults[root] = KernelCache(root)
+            if (root / CATALOG_INDEX).exists():
+                from .catalog import CATALOG_SHA256_ENV, read_index
+
+                index = read_index(root, sha256=os.environ.get(CATALOG_SHA256_ENV) or None)
+                cache = KernelCache(root, catalog=index.served())
+            else:
+                cache = KernelCache(root)
+            _defaults[root] = cache
+        return cache
+
+
+def use_catalog(root: Path, served: dict[str, str]) -> KernelCache:
+    """Make the process's cache for ``root`` serve exactly ``served`` (a verified index's
+    entries: ``load_catalog`` calls this)."""
+    root = Path(root).resolve()
+    with _defaults_lock:
+        cache = _defaults[root] = KernelCache(root, catalog=served)
         return cache

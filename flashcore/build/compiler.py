@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,7 +23,7 @@ from ..errors import CompileError, KernelNotAvailableError
 from ..spec import KernelSpec
 from .abi import check_against_entry, params_for
 from .artifact import KernelArtifact
-from .cache import KernelCache, default_cache
+from .cache import KernelCache, default_cache, pid_alive
 from .cubin_info import read_resources
 from .fingerprint import (
     PACKAGE,
@@ -35,6 +37,8 @@ from .ptx_info import parse_entry, parse_reqntid, ptx_isa_version, ptx_target
 
 _WORKER_TIMEOUT_S = 600
 _WORKER = PACKAGE / "kernels" / "worker.py"
+_BUILD_PREFIX = "flashcore-build-"
+_BUILD_DIR = re.compile(rf"{_BUILD_PREFIX}(\d+)-")
 
 
 def can_compile() -> bool:
@@ -82,7 +86,8 @@ def _build_one(spec: KernelSpec) -> KernelArtifact:
             "(or use flashcore.load_catalog)."
         )
     key = source_hash()
-    with tempfile.TemporaryDirectory(prefix=f"flashcore-build-{os.getpid()}-") as tmp:
+    sweep_stale_build_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{_BUILD_PREFIX}{os.getpid()}-") as tmp:
         out = Path(tmp)
         imported = _run_worker([spec], out)
         art = _assemble(spec, out / "0")
@@ -93,6 +98,25 @@ def _build_one(spec: KernelSpec) -> KernelArtifact:
         )
     _check_imports(spec, imported)
     return art
+
+
+def sweep_stale_build_dirs() -> list[Path]:
+    """Remove ``$TMPDIR/flashcore-build-<pid>-*`` folders whose process is gone (killed before it
+    could clean up); the folders removed."""
+    removed = []
+    tmp = Path(tempfile.gettempdir())
+    try:
+        candidates = list(tmp.glob(f"{_BUILD_PREFIX}*"))
+    except OSError:
+        return removed
+    for d in candidates:
+        m = _BUILD_DIR.match(d.name)
+        if not m or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            removed.append(d)
+    return removed
 
 
 def _check_imports(spec: KernelSpec, imported: list[str]) -> None:

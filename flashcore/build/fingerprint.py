@@ -6,9 +6,9 @@
 - ``dsl_fingerprint()``: the versions of every installed ``nvidia-cutlass-dsl*`` distribution,
   including which toolkit flavour of its libraries (``-libs-cu12`` and ``-libs-cu13`` emit
   different PTX ISA versions).
-- The environment: the worker starts with every ``CUTE_DSL_*`` and ``CUTLASS_*`` variable
+- The environment: the worker starts with every ``CUTE_*`` and ``CUTLASS_*`` variable
   removed and sets the few it needs (``worker_env``), so nothing else in the environment can
-  change what is built.
+  change what is built; the DSL's own file caches live in the build's temporary folder.
 
 Files are read, never imported: hosts without the DSL compute the same key.
 """
@@ -26,7 +26,8 @@ PACKAGE = Path(__file__).resolve().parent.parent  # the flashcore package folder
 # What the compile worker imports (relative to PACKAGE): files, or folders taken whole.
 BUILD_SOURCES = ("__init__.py", "errors.py", "spec", "kernels")
 # Environment variables the DSL reads at import or compile time: never inherited by a worker.
-CODEGEN_ENV_PREFIXES = ("CUTE_DSL_", "CUTLASS_")
+# (``CUTE_`` covers both of its DSL instances, ``CUTE_DSL_*`` and ``CUTE_EXPERIMENTAL_DSL_*``.)
+CODEGEN_ENV_PREFIXES = ("CUTE_", "CUTLASS_")
 DSL_DIST = "nvidia-cutlass-dsl"
 
 
@@ -107,9 +108,13 @@ def dsl_fingerprint() -> str | None:
 
 def worker_env(arch: str, dump_dir: Path) -> dict[str, str]:
     """The compile worker's environment: this one without the DSL's code-generation variables,
-    plus the target arch (read when ``cutlass`` is imported) and IR keeping (the DSL writes the
-    CuTe IR into its dump dir; the cubin is unchanged)."""
+    plus the target arch (read when ``cutlass`` is imported), IR keeping (the DSL writes the
+    CuTe IR into its dump dir; the cubin is unchanged) and the DSL's own file cache beside that
+    dump dir, in the build's temporary folder: no state of an earlier build (nor a
+    ``$TMPDIR/<user>/cutlass_python_cache`` left behind) takes part in this one."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(CODEGEN_ENV_PREFIXES)}
     env.update(CUTE_DSL_ARCH=arch, CUTE_DSL_KEEP="ir", CUTE_DSL_DUMP_DIR=str(dump_dir),
+               CUTE_DSL_CACHE_DIR=str(Path(dump_dir).parent / "dsl-cache"),
+               CUTE_EXPERIMENTAL_DSL_CACHE_DIR=str(Path(dump_dir).parent / "dsl-cache"),
                PYTHONDONTWRITEBYTECODE="1")
     return env

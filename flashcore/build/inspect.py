@@ -76,6 +76,31 @@ def sass_opcodes(text: str) -> list[str]:
     return ops
 
 
+_LABEL = re.compile(r"^(\.L_x_\d+):", re.MULTILINE)
+_BRANCH = re.compile(r"\bBRA\s+`\((\.L_x_\d+)\)")
+
+
+def loop_bodies(text: str) -> list[tuple[int, int]]:
+    """(first, last) line numbers of every loop in the SASS: a branch back to a label above it."""
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, ln in enumerate(lines) if (m := _LABEL.match(ln))}
+    loops = []
+    for i, ln in enumerate(lines):
+        m = _BRANCH.search(ln)
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    return loops
+
+
+def local_memory_in_loops(text: str) -> int:
+    """Local-memory (spill) instructions inside loops: the ones that cost every iteration."""
+    lines = text.splitlines()
+    inside = set()
+    for first, last in loop_bodies(text):
+        inside.update(range(first, last + 1))
+    return sum(1 for i in inside if re.search(r"\s(LDL|STL)(\.\S+)?\s", lines[i]))
+
+
 def sass_histogram(text: str) -> dict[str, int]:
     ops = sass_opcodes(text)
     return {k: sum(1 for op in ops if re.match(p, op)) for k, (_, p) in CATEGORIES.items()}
@@ -97,6 +122,7 @@ def resources_report(art: KernelArtifact, sass_text: str | None) -> dict:
         report["instructions_sass"] = sass_histogram(sass_text)
         wide = sum(1 for op in sass_opcodes(sass_text) if re.match(r"^LDGSTS.*\.128", op))
         report["cp_async_16B"] = wide
+        report["local_mem_in_loops"] = local_memory_in_loops(sass_text)
     return report
 
 

@@ -2,6 +2,10 @@
 
 ``build(spec, workdir)`` returns the raw products (PTX, cubin, IR, dynamic shared memory); the
 parent process turns them into a KernelArtifact. Nothing here touches a GPU.
+
+The compiled function's arguments are fake tensors made from the spec: every batch, head and
+sequence extent and every stride is a run-time value (one cubin serves every shape); head_dim is
+static and contiguous, and strides are multiples of 16 bytes so 128-bit copies stay legal.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import AttentionSpec, KernelSpec, QuantizeSpec
+from ..spec import AttentionSpec, CombineSpec, KernelSpec, QuantizeSpec
 
 
 @dataclass
@@ -21,92 +25,102 @@ class BuildProducts:
     smem_dynamic: int
 
 
-def _fake_tensors(spec: AttentionSpec):
-    import cutlass
+def _fakes():
+    """(bhsd, rows, per_head) makers of fake tensors (imports the DSL: call inside a worker)."""
     import cutlass.cute as cute
+    from cutlass import Float32
     from cutlass.cute.runtime import make_fake_tensor
 
-    out = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[spec.dtype]
-    fp8 = spec.precision == "fp8"
-    op = cutlass.Float8E4M3FN if fp8 else out
-
-    def bhsd(dtype, transposed=False):
-        # batch, heads, seq and their strides are run-time values; head_dim is static and
-        # contiguous (for fp8 Vᵀ: head_dim static, keys contiguous). Strides divisible by 16 bytes
-        # keep the 128-bit copies legal.
-        div = 16 // (dtype.width // 8)
-        d = spec.head_dim
+    def bhsd(dtype, d: int, transposed: bool = False):
+        """(batch, heads, seq, d), or (batch, heads, d, seq) for FP8 Vᵀ."""
+        div = 16 // max(dtype.width // 8, 1)
         s = cute.sym_int32()
-        shape = (cute.sym_int32(), cute.sym_int32(), d, s) if transposed else (
-            cute.sym_int32(), cute.sym_int32(), s, d)
+        shape = ((cute.sym_int32(), cute.sym_int32(), d, s) if transposed else
+                 (cute.sym_int32(), cute.sym_int32(), s, d))
         stride = tuple(cute.sym_int64(divisibility=div) for _ in range(3)) + (1,)
         return make_fake_tensor(dtype, shape, stride, assumed_align=16)
 
-    lse = make_fake_tensor(
-        cutlass.Float32,
-        (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
-        (cute.sym_int64(), cute.sym_int64(), 1),
-        assumed_align=4,
-    )
-    if not fp8:
-        return bhsd(op), bhsd(op), bhsd(op), bhsd(out), lse
+    def rows():  # (batch, heads, seq) float32, unit last stride: LSE and per-token descales
+        return make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
 
-    def per_token():  # (batch, heads, seq)
-        return make_fake_tensor(
-            cutlass.Float32,
-            (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
-            (cute.sym_int64(), cute.sym_int64(), 1),
-            assumed_align=4,
-        )
+    def per_head():  # (batch, heads) float32
+        return make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()),
+                                (cute.sym_int64(), 1), assumed_align=4)
 
-    v_descale = make_fake_tensor(  # (batch, heads)
-        cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1), assumed_align=4
-    )
-    return (bhsd(op), bhsd(op), bhsd(op, transposed=True), bhsd(out), lse,
-            per_token(), per_token(), v_descale)
+    return bhsd, rows, per_head
 
 
-def _quantize_args(spec: QuantizeSpec):
+def _attention_args(spec: AttentionSpec) -> tuple:
+    import cutlass
+
+    from .mma_sync.layouts import DTYPES, E4M3
+
+    bhsd, rows, per_head = _fakes()
+    d, out = spec.head_dim, DTYPES[spec.dtype]
+    fp8 = spec.precision == "fp8"
+    q_dtype = E4M3 if fp8 else out
+    kv_dtype = E4M3 if (fp8 or spec.kv_fp8) else out
+    o = bhsd(cutlass.Float32 if spec.split_kv else out, d)
+    lse = rows() if (spec.return_lse or spec.split_kv) else None
+    qd = kd = vd = None
+    if fp8:
+        qd, kd, vd = rows(), rows(), per_head()
+    elif spec.kv_fp8:
+        kd, vd = rows(), rows()
+    return (bhsd(q_dtype, d), bhsd(kv_dtype, d), bhsd(kv_dtype, d, transposed=fp8), o, lse,
+            qd, kd, vd, cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1))
+
+
+def _combine_args(spec: CombineSpec) -> tuple:
+    import cutlass
+
+    from .mma_sync.layouts import DTYPES
+
+    bhsd, rows, _ = _fakes()
+    lse = rows() if spec.return_lse else None
+    return (bhsd(cutlass.Float32, spec.head_dim), rows(), bhsd(DTYPES[spec.dtype], spec.head_dim),
+            lse, cutlass.Int32(1))
+
+
+def _quantize_args(spec: QuantizeSpec) -> tuple:
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    d = spec.head_dim
-    x_dtype = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[spec.dtype]
-    s = cute.sym_int32()
-    x = make_fake_tensor(
-        x_dtype,
-        (cute.sym_int32(), cute.sym_int32(), s, d),
-        tuple(cute.sym_int64(divisibility=8) for _ in range(3)) + (1,),
-        assumed_align=16,
-    )
-    y_shape = (cute.sym_int32(), cute.sym_int32(), d, cute.sym_int32()) if spec.transpose else (
-        cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), d)
-    y = make_fake_tensor(
-        cutlass.Float8E4M3FN,
-        y_shape,
-        tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,),
-        assumed_align=16,
-    )
-    if spec.granularity == "token":
-        descale = make_fake_tensor(
-            cutlass.Float32,
-            (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
-            (cute.sym_int64(), cute.sym_int64(), 1),
-            assumed_align=4,
-        )
-    else:
-        descale = make_fake_tensor(
-            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1),
-            assumed_align=4,
-        )
+    from .mma_sync.layouts import DTYPES
+
+    bhsd, rows, per_head = _fakes()
+    x = bhsd(DTYPES[spec.dtype], spec.head_dim)
+    y_shape = ((cute.sym_int32(), cute.sym_int32(), spec.head_dim, cute.sym_int32())
+               if spec.transpose else
+               (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), spec.head_dim))
+    y = make_fake_tensor(cutlass.Float8E4M3FN, y_shape,
+                         tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,),
+                         assumed_align=16)
+    descale = rows() if spec.granularity == "token" else per_head()
     if spec.transpose:  # Vᵀ takes its (batch, heads) amax as an input
-        amax = make_fake_tensor(
-            cutlass.Float32, (cute.sym_int32(), cute.sym_int32()), (cute.sym_int64(), 1),
-            assumed_align=4,
-        )
-        return x, y, amax, descale
+        return x, y, per_head(), descale
     return x, y, descale
+
+
+def _traced(spec: KernelSpec):
+    """(object whose ``host`` is compiled, the device function to name, its arguments)."""
+    if isinstance(spec, QuantizeSpec):
+        from .quantize_fp8 import QuantizeFP8, QuantizeFP8PerToken, QuantizeFP8Transposed
+
+        if spec.granularity == "token":
+            cls = QuantizeFP8PerToken
+        else:
+            cls = QuantizeFP8Transposed if spec.transpose else QuantizeFP8
+        return cls(spec.dtype, spec.head_dim, spec.threads), cls.kernel, _quantize_args(spec)
+    if isinstance(spec, CombineSpec):
+        from .combine import CombineSplits
+
+        return CombineSplits(spec), CombineSplits.kernel, _combine_args(spec)
+    from .mma_sync.attention_fwd import AttentionForward
+
+    return AttentionForward(spec), AttentionForward.kernel, _attention_args(spec)
 
 
 def _cute_ir(compiled) -> str:
@@ -125,51 +139,24 @@ def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
     if arch != spec.arch:
         # The DSL fixes its target when cutlass is first imported.
         raise RuntimeError(f"build() for {spec.arch} needs CUTE_DSL_ARCH={spec.arch}, not {arch!r}")
-    import cutlass
     import cutlass.cute as cute
 
-    from .mma_sync.attention_fwd import AttentionForward
-
-    if isinstance(spec, QuantizeSpec):
-        from .quantize_fp8 import QuantizeFP8, QuantizeFP8PerToken, QuantizeFP8Transposed
-
-        if spec.granularity == "token":
-            traced = QuantizeFP8PerToken(spec.dtype, spec.head_dim, spec.threads)
-            device_fn = QuantizeFP8PerToken.kernel
-        else:
-            if spec.transpose:
-                traced = QuantizeFP8Transposed(spec.dtype, spec.head_dim, spec.threads)
-                device_fn = QuantizeFP8Transposed.kernel
-            else:
-                traced = QuantizeFP8(spec.dtype, spec.head_dim, spec.threads)
-                device_fn = QuantizeFP8.kernel
-        host_fn, args = traced.host, _quantize_args(spec)
-    else:
-        traced = AttentionForward(spec)
-        fp8 = spec.precision == "fp8"
-        device_fn = AttentionForward.kernel_fp8 if fp8 else AttentionForward.kernel
-        host_fn = traced.host_fp8 if fp8 else traced.host
-        args = (*_fake_tensors(spec), cutlass.Float32(1.0))
-    # a stable entry name without "cutlass" in it (cutlass issue #3389: it can change ptxas heuristics)
+    traced, device_fn, args = _traced(spec)
+    # a stable entry name without "cutlass" in it (cutlass issue #3389: it can change ptxas
+    # heuristics)
     device_fn.set_name_prefix(spec.name, remove_cutlass_symbol=True, keep_mangled_name=False)
     workdir.mkdir(parents=True, exist_ok=True)
-    compiled = cute.compile(
-        host_fn, *args, options=f"--keep-ptx --keep-cubin --dump-dir={workdir}"
-    )
+    compiled = cute.compile(traced.host, *args,
+                            options=f"--keep-ptx --keep-cubin --dump-dir={workdir}")
     ptx = compiled.__ptx__
     cubin = compiled.__cubin__
     if not isinstance(cubin, bytes) or not ptx.lstrip().startswith(("//", ".version")):
         raise RuntimeError(f"the DSL produced no PTX/cubin for {spec.name} (dump dir {workdir})")
     # The dynamic shared memory the launch asks for is not in the cubin: take it from the trace.
     smem = int(traced.smem_size)
-    if isinstance(spec, AttentionSpec) and smem != spec.smem_bytes:
+    if smem != spec.smem_bytes:
         raise RuntimeError(
             f"{spec.name}: the kernel allocates {smem} B of shared memory, the spec's budget "
-            f"check assumed {spec.smem_bytes} B (flashcore/spec.py smem_bytes is out of date)"
+            f"check assumed {spec.smem_bytes} B (flashcore/spec: smem_bytes is out of date)"
         )
-    return BuildProducts(
-        ptx=ptx,
-        cubin=cubin,
-        ir=_cute_ir(compiled),
-        smem_dynamic=smem,
-    )
+    return BuildProducts(ptx=ptx, cubin=cubin, ir=_cute_ir(compiled), smem_dynamic=smem)

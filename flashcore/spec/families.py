@@ -100,7 +100,7 @@ class MmaSync:
         lays it out; the build checks the two agree): the Q tile; K and V tiles per stage and
         key split; for fp8 operands a separate 16-bit output tile (the e4m3 Q buffer is too
         small to stage it); for an FP8 KV cache the converted 16-bit K and V tiles next to the
-        e4m3 ring; with kv_splits > 1 each split's row max and sum and all but one split's fp32
+        e4m3 ring, and the ring's per-key descales; with kv_splits > 1 each split's row max and sum and all but one split's fp32
         output, for the combine."""
         c, d = spec.config, spec.head_dim
         out_bytes = DTYPE_BYTES[spec.dtype]
@@ -110,8 +110,9 @@ class MmaSync:
         total = q + 2 * c.stages * kv
         if spec.precision == "fp8":
             total += _align(c.tile_m * d * out_bytes)
-        if spec.kv_fp8:
+        if spec.kv_fp8:  # converted K and V, and each stage's per-key descales of K and V
             total += 2 * _align(c.tile_n * d * spec.elem_bytes * c.kv_splits)
+            total += 2 * _align(c.tile_n * 4 * c.stages * c.kv_splits)
         if c.kv_splits > 1:
             total += _align(c.kv_splits * 2 * c.tile_m * 4)
             total += _align((c.kv_splits - 1) * c.tile_m * d * 4)

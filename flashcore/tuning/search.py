@@ -26,11 +26,20 @@ WARPS = [1, 2, 4, 8]
 KV_SPLITS = {"short": (1, 2, 4)}  # key splits pay only where the grid cannot fill the GPU
 SPLIT_TILES = [(16, 64), (32, 64), (64, 64), (32, 128)]
 STAGES = [1, 2]  # K/V blocks in flight
+# decode: 16-32 rows (one query token, or the query heads of one K/V head), keys streamed
+DECODE_TILES = [(16, 32), (16, 64), (16, 128), (32, 64)]
+DECODE_STAGES = [1, 2, 3]
 
 
 def candidate_configs(bucket: str | None = None) -> list[TileConfig]:
     """The configs worth timing for ``bucket`` (None: every bucket's)."""
-    splits = KV_SPLITS.get(bucket, (1,)) if bucket else sorted(set().union(*KV_SPLITS.values()))
+    if bucket == "decode":
+        return [TileConfig(tile, warps=tile[0] // 16, stages=stages, kv_splits=kv_splits)
+                for tile, stages, kv_splits in itertools.product(DECODE_TILES, DECODE_STAGES,
+                                                                 (1, 2))]
+    if bucket is None:
+        return list(dict.fromkeys(c for b, _, _ in BUCKETS for c in candidate_configs(b)))
+    splits = KV_SPLITS.get(bucket, (1,))
     out = []
     for tile, warps, kv_splits, stages in itertools.product(TILES, WARPS, splits, STAGES):
         if tile[0] // warps > 32:  # more rows per warp than registers hold: spills, skip early
@@ -46,7 +55,8 @@ def candidate_configs(bucket: str | None = None) -> list[TileConfig]:
 
 def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
                bucket: str | None = None):
-    """Every valid spec to try; ``bucket=None``: those of every bucket."""
+    """Every valid spec to try; ``bucket=None``: those of every bucket. Decode candidates come
+    as the kernel that writes split-KV partials (what decode runs when it splits the keys)."""
     for config in candidate_configs(bucket):
         try:
             spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, config=config,
@@ -55,14 +65,25 @@ def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
             spec.replace(arch="sm_89")
         except SpecError:
             continue
-        yield spec
+        yield spec.replace(split_kv=True) if bucket == "decode" else spec
 
 
-def all_candidates(arch: str, precisions=("fp16",), buckets=None) -> list[AttentionSpec]:
+def decode_specs(spec: AttentionSpec) -> list:
+    """The kernels a decode config runs: split-KV partials and their combine, or the whole
+    rows when the keys are not split (a large batch fills the GPU)."""
+    from ..spec import CombineSpec
+
+    return [spec.replace(split_kv=True), spec.replace(split_kv=False),
+            CombineSpec(arch=spec.arch, dtype=spec.dtype, head_dim=spec.head_dim)]
+
+
+def all_candidates(arch: str, precisions=("fp16",), buckets=None) -> list:
+    """Every spec the tuner may time (decode candidates with their companion kernels)."""
     out = []
     for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
-        for b in buckets or [None]:
-            out += list(candidates(arch, d, causal, prec, b))
+        for b in buckets or [name for name, _, _ in BUCKETS]:
+            for spec in candidates(arch, d, causal, prec, b):
+                out += decode_specs(spec) if b == "decode" else [spec]
     return list(dict.fromkeys(out))
 
 
@@ -70,7 +91,7 @@ def _check_buckets(buckets) -> None:
     names = [b for b, _, _ in BUCKETS]
     for b in buckets or []:
         if b not in names:
-            raise SystemExit(f"autotune: unknown bucket {b!r}; choose from {names}")
+            raise SpecError(f"unknown bucket {b!r}; choose from {names}")
 
 
 def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True) -> int:
@@ -104,11 +125,13 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
     for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
         if prec == "fp8" and arch not in FP8_ARCHS:
             continue
-        for bname, _, (b, h, s) in BUCKETS:
+        for bname, _, (b, h, hkv, sq, sk) in BUCKETS:
             if buckets and bname not in buckets:
                 continue
-            sets = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
-                          for _ in range(3)) for _ in range(4)]
+            sets = [(torch.randn(b, h, sq, d, device="cuda", dtype=torch.float16),
+                     torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16),
+                     torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16))
+                    for _ in range(4)]
             best = None
             for spec in candidates(arch, d, causal, prec, bname):
                 try:
@@ -138,7 +161,8 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
             if best is not None:
                 us, spec = best
                 winners[key(d, causal, bname, prec)] = {
-                    "config": spec.config.to_dict(), "us": round(us, 2), "shape": [b, h, s, d],
+                    "config": spec.config.to_dict(), "us": round(us, 2),
+                    "shape": [b, h, hkv, sq, sk, d],
                 }
                 print(f"{key(d, causal, bname, prec):28s} -> {spec.config.tag}: {us:.1f} us",
                       flush=True)
@@ -173,10 +197,32 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--no-fp8", action="store_true", help="fp16 candidates only")
     r.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
     a = ap.parse_args(argv)
-    _check_buckets(a.buckets)
-    if a.verb == "build":
-        build(a.arch, Path(a.out), a.jobs, a.buckets, fp8=not a.no_fp8)
-    else:
-        precisions = ("fp16",) if a.no_fp8 else ("fp16", "fp8")
-        print(run(Path(a.out) if a.out else None, precisions, a.buckets))
+    import sys
+
+    from ..errors import FlashcoreError
+
+    # Every error: one line naming it, exit status 2, no traceback.
+    try:
+        _check_buckets(a.buckets)
+        if a.verb == "build":
+            build(a.arch, Path(a.out), a.jobs, a.buckets, fp8=not a.no_fp8)
+        else:
+            try:
+                import torch
+
+                has_gpu = torch.cuda.is_available()
+            except ImportError:
+                has_gpu = False
+            if not has_gpu:
+                raise SystemExit("needs a CUDA GPU (torch sees none); `build` needs none")
+            precisions = ("fp16",) if a.no_fp8 else ("fp16", "fp8")
+            print(run(Path(a.out) if a.out else None, precisions, a.buckets))
+    except (FlashcoreError, OSError) as e:
+        print(f"autotune {a.verb}: {e}", file=sys.stderr)
+        return 2
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        print(f"autotune {a.verb}: {e.code.removeprefix('autotune: ')}", file=sys.stderr)
+        return 2
     return 0

@@ -18,8 +18,17 @@ from ..spec import AttentionSpec, SpecError, TileConfig
 TUNED_DIR = Path(__file__).resolve().parent.parent / "tuned"
 TABLE_ENV = "FLASHCORE_TUNED"
 DEFAULT = TileConfig((64, 64), warps=4)
-# (name, upper bound of seq_q, the shape timed for it: batch, heads, seq)
-BUCKETS = [("short", 1024, (1, 8, 512)), ("mid", 2048, (4, 16, 2048)), ("long", None, (4, 16, 4096))]
+# Decode (a few query tokens against many keys): one warp per 16 rows, K/V streamed through two
+# stages; the keys are split over CTAs (flashcore.ops.plan)
+DECODE_DEFAULT = TileConfig((16, 64), warps=1, stages=2)
+# (name, upper bound of seq_q, the shape timed for it: batch, query heads, key/value heads,
+# query tokens, keys)
+BUCKETS = [
+    ("decode", 16, (1, 32, 8, 1, 8192)),
+    ("short", 1024, (1, 8, 8, 512, 512)),
+    ("mid", 2048, (4, 16, 16, 2048, 2048)),
+    ("long", None, (4, 16, 16, 4096, 4096)),
+]
 BORROWED_TABLES = {"sm_89": "sm_90"}
 
 
@@ -64,8 +73,9 @@ def table_arch(arch: str) -> str:
 def lookup(arch: str, head_dim: int, causal: bool, bucket: str,
            precision: str = "fp16") -> TileConfig:
     """The tuned config for ``tile=None`` (from a borrowed table where ``arch`` has none), else
-    ``DEFAULT``."""
-    return table(table_arch(arch)).get(key(head_dim, causal, bucket, precision), DEFAULT)
+    ``DEFAULT`` (``DECODE_DEFAULT`` for decode)."""
+    fallback = DECODE_DEFAULT if bucket == "decode" else DEFAULT
+    return table(table_arch(arch)).get(key(head_dim, causal, bucket, precision), fallback)
 
 
 def winner_specs(arch: str, build_arch: str | None = None,

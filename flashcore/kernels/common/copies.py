@@ -1,0 +1,76 @@
+"""Shared-memory layouts and global->shared copies shared by the kernels.
+
+* Layouts: row-major atoms of 128-byte lines under a swizzle that XORs the line index into the
+  16-byte chunk index, so ldmatrix reads are conflict-free.
+* Copies: 128-bit ``cp.async`` tiled over a warp group; ``pred``-less rows past a sequence end
+  are zero-filled in shared memory instead.
+"""
+
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import cpasync
+
+
+def swizzled_row_atom(elem_bits: int, row_elems: int):
+    """Row-major (8, row_elems) atom whose 16-byte chunks are XOR-swizzled by the line index."""
+    elem_bytes = elem_bits // 8
+    chunk_bits = int(math.log2(16 // elem_bytes))  # elements per 16-byte chunk
+    row_chunks = row_elems * elem_bytes // 16
+    b = min(3, int(math.log2(row_chunks)))
+    return cute.make_composed_layout(
+        cute.make_swizzle(b, chunk_bits, 3), 0,
+        cute.make_layout((8, row_elems), stride=(row_elems, 1)),
+    )
+
+
+def g2s_copy(dtype, row_elems: int, threads: int, bits: int = 128):
+    """``threads`` threads copying rows of ``row_elems`` elements global->shared with cp.async,
+    in 16-byte chunks, the rows of one atom spread over the threads."""
+    per_copy = bits // dtype.width
+    tpr = min(row_elems, 128 * 8 // dtype.width) // per_copy  # threads per atom row
+    atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
+                               num_bits_per_copy=bits)
+    return cute.make_tiled_copy_tv(
+        atom,
+        cute.make_layout((threads // tpr, tpr), stride=(tpr, 1)),
+        cute.make_layout((1, per_copy)),
+    )
+
+
+@cute.jit
+def load_rows(tiled_copy, src, dst, coords, seqlen):
+    """cp.async a partitioned tile ((atom, rows, cols) modes), zero-filling rows whose
+    coordinate is at or past ``seqlen``."""
+    for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+        if cute.elem_less(coords[0, m, 0][0], seqlen):
+            cute.copy(tiled_copy, src[None, m, None], dst[None, m, None])
+        else:
+            dst[None, m, None].fill(0)
+
+
+@cute.jit
+def load_vector(atom, src, dst, tidx, threads: cutlass.Constexpr, n: cutlass.Constexpr,
+                first, limit):
+    """cp.async elements [0, n) of 1-d ``src`` (global index ``first`` + i) into 1-d ``dst``,
+    one element per copy, zero-filling those at or past ``limit``."""
+    for i in cutlass.range_constexpr((n + threads - 1) // threads):
+        e = tidx + i * threads
+        if e < n:
+            if first + e < limit:
+                cute.copy(atom, cute.local_tile(src, (1,), (e,)), cute.local_tile(dst, (1,), (e,)))
+            else:
+                dst[e] = 0.0
+
+
+@cute.jit
+def load_block(tiled_copy, src, dst, coords, n_block, slot, seqlen, ragged: cutlass.Constexpr):
+    """cp.async key block ``n_block`` of a partitioned (atom, rows, cols, blocks) source into
+    stage ``slot`` of the destination; if ``ragged``, rows past ``seqlen`` are zero-filled."""
+    if cutlass.const_expr(ragged):
+        load_rows(tiled_copy, src[None, None, None, n_block], dst[None, None, None, slot],
+                  coords[None, None, None, n_block], seqlen)
+    else:
+        cute.copy(tiled_copy, src[None, None, None, n_block], dst[None, None, None, slot])

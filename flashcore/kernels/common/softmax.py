@@ -1,0 +1,84 @@
+"""Online softmax over key blocks (FlashAttention's running max and sum), one state per
+accumulator row a thread holds.
+
+exp2 with the softmax scale pre-multiplied by log2(e). Each row keeps its own scale
+(``row_scale``): the FP8 kernel folds its query's descale into it. A row that has seen no key yet
+keeps max = -inf and exponentiates against 0, so it gets p = 0 instead of NaN; a row that never
+sees a key ends with sum 0, which the epilogue turns into output 0 and lse -inf.
+"""
+
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+
+from .fragments import quad_max, quad_sum
+
+LN_2 = math.log(2.0)
+
+
+class OnlineSoftmax:
+    """``exact_max``: compute p = exp2((s - max) * scale) (exact at the max however large the
+    logits: the FP8 kernel's e4m3 inputs may be of any magnitude) instead of FA2's one-FMA
+    exp2(s * scale - max * scale), whose rounding of max * scale shifts p once logits pass ~1e5.
+    """
+
+    def __init__(self, rows: int, scale_log2, exact_max: bool):
+        self.exact_max = exact_max
+        self.row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
+        self.row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
+        self.row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
+        self.row_max.fill(-cutlass.Float32.inf)
+        self.row_sum.fill(0.0)
+        self.row_scale.fill(scale_log2)
+
+    @cute.jit
+    def update(self, S: cute.Tensor, O: cute.Tensor):
+        """One key block: S (rows, keys) of scores becomes P in place; the running max and sum
+        move on, and O (rows, head_dim) is rescaled to the new max."""
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            scale_log2 = self.row_scale[r]
+            row = S[r, None].load()
+            prev_max = self.row_max[r]
+            cur_max = quad_max(row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
+            cur_max = cute.arch.fmax(prev_max, cur_max)
+            safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
+            if cutlass.const_expr(self.exact_max):
+                p = cute.math.exp2((row - safe_max) * scale_log2, fastmath=True)
+                correction = cute.math.exp2((prev_max - safe_max) * scale_log2, fastmath=True)
+            else:
+                offset = safe_max * scale_log2
+                p = cute.math.exp2(
+                    cute.math.fma(row, cute.full_like(row, scale_log2),
+                                  cute.full_like(row, -offset)),
+                    fastmath=True,
+                )
+                correction = cute.math.exp2(cute.math.fma(prev_max, scale_log2, -offset),
+                                            fastmath=True)
+            # each thread sums its own columns; the quad's partial sums meet in finish()
+            self.row_sum[r] = self.row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            self.row_max[r] = cur_max
+            O[r, None] = O[r, None].load() * correction
+            S[r, None] = p
+
+    @cute.jit
+    def finish(self):
+        """Sum each row's partial sums over the four lanes of its quad."""
+        for r in cutlass.range_constexpr(cute.size(self.row_sum)):
+            self.row_sum[r] = quad_sum(self.row_sum[r])
+
+    @cute.jit
+    def inverse_sum(self, r: cutlass.Constexpr):
+        """1 / row sum, and 0 for a row that saw no key (its sum is 0: output 0, not NaN)."""
+        total = self.row_sum[r]
+        inv = cute.arch.rcp_approx(total)
+        return 0.0 if total == 0.0 else inv
+
+    @cute.jit
+    def lse(self, r: cutlass.Constexpr):
+        """Natural-log log-sum-exp of row r's scaled scores; -inf for a row that saw no key."""
+        total = self.row_sum[r]
+        value = (self.row_max[r] * self.row_scale[r]
+                 + cute.math.log2(total, fastmath=False)) * LN_2
+        return -cutlass.Float32.inf if total == 0.0 else value

@@ -1,0 +1,19 @@
+"""Special registers read so the compiler cannot merge two reads.
+
+``cute.arch.block_idx()`` is a pure intrinsic: LLVM merges every read of it, so coordinates
+computed from it at a kernel's start and again in its epilogue become one value kept live (or
+spilled) through the whole key loop. A read with side effects is done again where it is
+written, and whatever was derived from the first read dies early.
+"""
+
+from cutlass import Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+
+@dsl_user_op
+def fresh_ctaid(axis: str = "x", *, loc=None, ip=None) -> Int32:
+    """%ctaid.<axis>, read again here (never merged with another read)."""
+    value = llvm.inline_asm(Int32.mlir_type, [], f"mov.u32 $0, %ctaid.{axis};", "=r",
+                            has_side_effects=True, loc=loc, ip=ip)
+    return Int32(value)

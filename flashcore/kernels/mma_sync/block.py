@@ -1,0 +1,77 @@
+"""One key block: S = Q·Kᵀ, mask, online softmax, O += P·V, around the block's loads."""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common.fragments import acc_as_fp8_operand_a, acc_as_operand_a, mn_view
+from ..common.mask import mask_scores
+from ..common.mma import gemm_rs, gemm_ss
+from ..common.softmax import OnlineSoftmax
+from .cta import Cta
+from .pipeline import after_block, after_scores, before_scores
+
+# FP8: P is multiplied by this before its e4m3 conversion, so small probabilities keep
+# normal-range precision; a power of two, exact to apply and to undo (in the epilogue)
+P_SCALE = 256.0
+
+
+@cute.jit
+def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.Constexpr,
+              first: cutlass.Constexpr):
+    c = cta.config
+    acc_S = cute.make_rmem_tensor(cta.thr_mma.partition_shape_C((c.tile_m, c.tile_n)),
+                                  cutlass.Float32)
+    acc_S.fill(0.0)
+    k_descale = None
+    if cutlass.const_expr(cta.lay.fp8):
+        # issued before the MMAs so their global-load latency hides behind them
+        k_descale = load_k_descale(cta, n_block)
+
+    before_scores(cta, n_block, slot, first)
+    stage = cta.stage(slot)
+    gemm_ss(cta.lay.tiled_mma, acc_S, cta.q, cta.q.smem, cta.k, cta.k.stage(stage))
+    after_scores(cta, n_block)
+
+    S = mn_view(acc_S)
+    if cutlass.const_expr(cta.lay.fp8):  # each key's descale multiplies its column of scores
+        for col in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+                S[r, col] = S[r, col] * k_descale[col]
+    if cutlass.const_expr(masked):
+        mask_scores(S, cta.score_coords(n_block), cta.seqlen_k, cta.spec.causal, cta.q_group)
+    softmax.update(S, mn_view(cta.acc_O))
+
+    gemm_rs(cta.lay.tiled_mma, cta.acc_O, probabilities_as_operand(cta, acc_S), cta.vt,
+            cta.vt.stage(stage))
+    after_block(cta, n_block, slot)
+
+
+@cute.jit
+def probabilities_as_operand(cta: Cta, acc_S: cute.Tensor):
+    """P in the operand precision, re-viewed as the A operand of P·V (no trip through memory)."""
+    op = cta.lay.op_dtype
+    if cutlass.const_expr(cta.lay.fp8):
+        # Gather in the A operand's value order on the fp32 accumulator (4-byte elements: any
+        # stride is fine), then convert into a compact fragment: the MMA takes each 32-bit
+        # register as 4 consecutive bytes of the fragment's storage.
+        acc_as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
+        tOrP = cute.make_rmem_tensor(acc_as_a.shape, op)
+        tOrP.store((acc_as_a.load() * P_SCALE).to(op))
+        return tOrP
+    rP = cute.make_rmem_tensor(acc_S.layout, op)
+    rP.store(acc_S.load().to(op))
+    return cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
+
+
+@cute.jit
+def load_k_descale(cta: Cta, n_block):
+    """The descales of the keys whose scores this thread holds (1 past the last key)."""
+    cols = cta.score_coords(n_block)
+    kd = cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
+    for c in cutlass.range_constexpr(cute.size(cols, mode=[1])):
+        col = cols[0, c][1]
+        kd[c] = cutlass.Float32(1.0)
+        if col < cta.seqlen_k:
+            kd[c] = cta.gKd[col]
+    return kd

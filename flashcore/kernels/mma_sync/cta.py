@@ -1,0 +1,143 @@
+"""One CTA's share of the work, set up once at the kernel's start: which query tile, head, batch
+and key range it owns, its global and shared tiles, their copy partitions, and the MMA operands.
+
+Grid: x walks (batch, head, query tile) with the query tile fastest (so any batch and head count
+fits: grid.x allows 2^31 - 1 CTAs), y is the share of the keys (split-KV across CTAs, 1 unless
+the spec's ``split_kv``). Causal grids run the last query tiles (the most keys) first. K and V
+are read at the query head's group (grouped-query attention: ``heads_q / heads_kv`` query heads
+per K/V head; 1 without GQA).
+"""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common.block_info import key_range
+from ..common.fragments import mn_view
+from ..common.mma import SmemOperand
+from ..common.sreg import fresh_ctaid
+from .layouts import KernelLayouts
+
+
+@cute.jit
+def tile_coords(mQ: cute.Tensor, tile_m: cutlass.Constexpr, causal: cutlass.Constexpr,
+                split_kv: cutlass.Constexpr):
+    """(query tile, head, batch, key share) of this CTA. Cheap enough to compute again where
+    needed (from a fresh read of the block index, which the compiler cannot merge with the
+    first) instead of keeping it live through the key loop (registers)."""
+    lin, split = fresh_ctaid("x"), 0
+    if cutlass.const_expr(split_kv):
+        split = fresh_ctaid("y")
+    m_blocks = cute.ceil_div(mQ.shape[2], tile_m)
+    heads = mQ.shape[1]
+    m_block = lin % m_blocks
+    if cutlass.const_expr(causal):
+        m_block = m_blocks - 1 - m_block
+    bh = lin // m_blocks
+    return m_block, bh % heads, bh // heads, split
+
+
+def kv_head_of(head, mQ: cute.Tensor, mK: cute.Tensor):
+    """The K/V head of query head ``head`` (grouped-query attention)."""
+    return head // (mQ.shape[1] // mK.shape[1])
+
+
+class Cta:
+    """Trace-time view of one CTA (or, with kv_splits > 1, of one of its warp groups)."""
+
+    def __init__(self, lay: KernelLayouts, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits):
+        spec, c = lay.spec, lay.spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.lay, self.spec, self.config = lay, spec, c
+        cta_tidx, _, _ = cute.arch.thread_idx()
+        self.group, self.tidx = 0, cta_tidx  # kv_splits groups of `warps` warps
+        if cutlass.const_expr(c.kv_splits > 1):
+            self.group, self.tidx = cta_tidx // c.group_threads, cta_tidx % c.group_threads
+        self.m_block, head, batch, split = tile_coords(mQ, tm, spec.causal, spec.split_kv)
+        if cutlass.const_expr(not spec.split_kv):
+            num_splits = 1  # one CTA per query tile: its key range is known at compile time
+        self.kv_head = kv_head_of(head, mQ, mK)
+        # per-key descales of this K/V head: of K (FP8 operands, or an FP8 KV cache) and of V
+        # (an FP8 KV cache; FP8 operands scale V per head, in the epilogue)
+        self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
+        self.gVd = mVd[batch, self.kv_head, None] if lay.kv_fp8 else None
+        self.seqlen_q, self.seqlen_k, self.q_group = mQ.shape[2], mK.shape[2], q_group
+        self.n_lo, self.n_hi = key_range(self.m_block, tm, tn, self.seqlen_k, spec.causal, q_group,
+                                         split, num_splits, self.group, c.kv_splits, cutlass.min)
+
+        # ---- global tiles and their coordinates (for predicates and masks) --------------------
+        gQ = cute.local_tile(mQ[batch, head, None, None], (tm, d), (self.m_block, 0))
+        gK = cute.local_tile(mK[batch, self.kv_head, None, None], (tn, d), (None, 0))
+        if cutlass.const_expr(lay.fp8):  # Vᵀ, padded with zero keys: never ragged
+            gV = cute.local_tile(mV[batch, self.kv_head, None, None], (d, tn), (0, None))
+        else:
+            gV = cute.local_tile(mV[batch, self.kv_head, None, None], (tn, d), (None, 0))
+        cQ = cute.local_tile(cute.make_identity_tensor((self.seqlen_q, d)), (tm, d),
+                             (self.m_block, 0))
+        cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d), (None, 0))
+
+        # ---- shared tiles -------------------------------------------------------------------
+        g = self.group
+        self.sQ = storage.sQ.get_tensor(lay.sQ)
+        self.sK_ring = storage.sK.get_tensor(lay.sK_ring)[None, None, None, g]  # (keys, d, stage)
+        self.sV_ring = storage.sV.get_tensor(lay.sV_ring)[None, None, None, g]
+        if cutlass.const_expr(lay.kv_fp8):
+            sK = storage.sK16.get_tensor(lay.sK)[None, None, None, g]  # one stage
+            sV = storage.sV16.get_tensor(lay.sV)[None, None, None, g]
+            scales = cute.make_layout((tn, c.stages, c.kv_splits))
+            self.sKd = storage.sKd.get_tensor(scales)[None, None, g]  # (keys, stage)
+            self.sVd = storage.sVd.get_tensor(scales)[None, None, g]
+            self.sK16, self.sV16 = sK[None, None, 0], sV[None, None, 0]
+        else:
+            sK, sV = self.sK_ring, self.sV_ring
+        if cutlass.const_expr(lay.fp8):
+            sVt = sV  # already (head_dim, keys, stage)
+            self.sO = storage.sO.get_tensor(lay.sO)
+        else:
+            # V read as (head_dim, keys): the B operand of P·V
+            stages = cute.size(sV, mode=[2])
+            sVt = cute.composition(sV, cute.make_layout((d, tn, stages),
+                                                        stride=(tn, 1, tn * d)))
+            self.sO = cute.make_tensor(self.sQ.iterator, lay.sO)  # Q's buffer, free by then
+
+        # ---- global->shared copy partitions ------------------------------------------------------
+        q_copy = lay.g2s_q.get_slice(self.tidx)
+        self.tQgQ, self.tQsQ, self.tQcQ = (q_copy.partition_S(gQ), q_copy.partition_D(self.sQ),
+                                           q_copy.partition_S(cQ))
+        k_copy, v_copy = lay.g2s_k.get_slice(self.tidx), lay.g2s_v.get_slice(self.tidx)
+        self.tKgK, self.tKsK = k_copy.partition_S(gK), k_copy.partition_D(self.sK_ring)
+        self.tVgV, self.tVsV = v_copy.partition_S(gV), v_copy.partition_D(self.sV_ring)
+        self.tKVcKV = k_copy.partition_S(cKV)
+
+        # ---- MMA operands and the output accumulator -----------------------------------------
+        mma = lay.tiled_mma
+        self.thr_mma = mma.get_slice(self.tidx)
+        ld_a, ld_v = lay.ldmatrix_ops()
+        frag = self.thr_mma
+        self.q = SmemOperand(mma, cute.make_tiled_copy_A, ld_a, lay.op_dtype, self.sQ,
+                             frag.make_fragment_A(frag.partition_A(self.sQ)), self.tidx)
+        self.k = SmemOperand(mma, cute.make_tiled_copy_B, ld_a, lay.op_dtype, sK,
+                             frag.make_fragment_B(frag.partition_B(sK[None, None, 0])), self.tidx)
+        self.vt = SmemOperand(mma, cute.make_tiled_copy_B, ld_v, lay.op_dtype, sVt,
+                              frag.make_fragment_B(frag.partition_B(sVt[None, None, 0])),
+                              self.tidx)
+        self.acc_O = cute.make_rmem_tensor(frag.partition_shape_C((tm, d)), cutlass.Float32)
+        self.acc_O.fill(0.0)
+
+    def score_coords(self, n_block):
+        """(query row, key) of each score this thread holds, as an (rows, keys) view."""
+        c = self.config
+        cS = cute.local_tile(cute.make_identity_tensor((self.seqlen_q, self.seqlen_k)),
+                             (c.tile_m, c.tile_n), (self.m_block, n_block))
+        return mn_view(self.thr_mma.partition_C(cS))
+
+    def row_coords(self) -> list:
+        """The row, within the query tile, of each accumulator row this thread holds (static)."""
+        rows = mn_view(self.thr_mma.partition_C(
+            cute.make_identity_tensor((self.config.tile_m, self.spec.head_dim))))
+        return [rows[r, 0][0] for r in range(cute.size(rows, mode=[0]))]
+
+    def stage(self, slot):
+        """The K/V stage the MMAs read for ring slot ``slot`` (always 0 when an FP8 KV cache is
+        converted into a single 16-bit tile)."""
+        return 0 if self.lay.kv_fp8 else slot

@@ -1,0 +1,130 @@
+"""After the key loop: merge the CTA's warp groups (kv_splits > 1), then write the output.
+
+* Final output: O / row sum (times the FP8 output scale) through shared memory to 16-byte
+  predicated global stores; optional LSE.
+* Split-KV across CTAs (``spec.split_kv``): this CTA's share, normalised, as fp32 rows of
+  (num_splits · batch, heads, rows, head_dim) and its LSE; the combine kernel merges the shares.
+"""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common.fragments import mn_view
+from ..common.softmax import OnlineSoftmax
+from .cta import Cta, tile_coords
+from .pipeline import group_sync
+
+
+@cute.jit
+def merge_groups(cta: Cta, softmax: OnlineSoftmax, storage):
+    """Merge the warp groups' softmax states into the first group's registers: each publishes
+    its row max and sum; every group rescales its O to the common max; the others add theirs
+    into the first through fp32 shared memory."""
+    c, d, g = cta.config, cta.spec.head_dim, cta.group
+    sML = storage.sML.get_tensor(cute.make_layout((c.tile_m, 2, c.kv_splits)))
+    sAcc = storage.sAcc.get_tensor(
+        cute.make_layout((c.tile_m, d, c.kv_splits - 1), stride=(d, 1, c.tile_m * d)))
+    rows = cta.row_coords()
+    lane = cute.arch.lane_idx()
+    for r in cutlass.range_constexpr(len(rows)):
+        if lane % 4 == 0:
+            sML[rows[r], 0, g] = softmax.row_max[r]
+            sML[rows[r], 1, g] = softmax.row_sum[r]
+    cute.arch.sync_threads()
+    O = mn_view(cta.acc_O)
+    for r in cutlass.range_constexpr(len(rows)):
+        row = rows[r]
+        scale_log2 = softmax.row_scale[r]
+        new_max = sML[row, 0, 0]
+        for j in cutlass.range_constexpr(1, c.kv_splits):
+            new_max = cute.arch.fmax(new_max, sML[row, 0, j])
+        safe_max = 0.0 if new_max == -cutlass.Float32.inf else new_max
+        total = cutlass.Float32(0.0)
+        for j in cutlass.range_constexpr(c.kv_splits):
+            total += sML[row, 1, j] * cute.math.exp2((sML[row, 0, j] - safe_max) * scale_log2,
+                                                     fastmath=True)
+        mine = cute.math.exp2((softmax.row_max[r] - safe_max) * scale_log2, fastmath=True)
+        O[r, None] = O[r, None].load() * mine
+        softmax.row_max[r] = new_max
+        softmax.row_sum[r] = total
+    # (partitions taken outside the run-time `if`s: the DSL cannot carry `cta` through them)
+    acc_O = cta.acc_O
+    mine_acc = cta.thr_mma.partition_C(sAcc[None, None, cutlass.max(g - 1, 0)])
+    others = [cta.thr_mma.partition_C(sAcc[None, None, j]) for j in range(c.kv_splits - 1)]
+    if g > 0:
+        mine_acc.store(acc_O.load())
+    cute.arch.sync_threads()
+    if g == 0:
+        for j in cutlass.range_constexpr(c.kv_splits - 1):
+            acc_O.store(acc_O.load() + others[j].load())
+
+
+@cute.jit
+def normalise(cta: Cta, softmax: OnlineSoftmax, o_scale):
+    O = mn_view(cta.acc_O)
+    for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+        O[r, None] = O[r, None].load() * (softmax.inverse_sum(r) * o_scale)
+
+
+@cute.jit
+def store_lse(cta: Cta, softmax: OnlineSoftmax, lse_rows: cute.Tensor, m_block):
+    """Each row's log-sum-exp into ``lse_rows`` (the rows of this batch and head)."""
+    tm = cta.config.tile_m
+    gLSE = cute.local_tile(lse_rows, (tm,), (m_block,))
+    rows = cta.row_coords()
+    lane = cute.arch.lane_idx()
+    for r in cutlass.range_constexpr(len(rows)):
+        value = softmax.lse(r)
+        if lane % 4 == 0 and m_block * tm + rows[r] < cta.seqlen_q:
+            gLSE[rows[r]] = value
+
+
+@cute.jit
+def store_output(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
+    """The final output, in the output dtype, through shared memory to 16-byte stores."""
+    lay, c, d = cta.lay, cta.config, cta.spec.head_dim
+    m_block, head, batch, _ = tile_coords(mQ, c.tile_m, cta.spec.causal, cta.spec.split_kv)
+    normalise(cta, softmax, o_scale)
+    if cutlass.const_expr(mLSE is not None):
+        store_lse(cta, softmax, mLSE[batch, head, None], m_block)
+
+    rO = cute.make_rmem_tensor(cta.acc_O.layout, lay.out_dtype)
+    rO.store(cta.acc_O.load().to(lay.out_dtype))
+    r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                     lay.out_dtype), lay.tiled_mma)
+    r2s_thr = r2s.get_slice(cta.tidx)
+    group_sync(cta, 0)  # every warp is done reading sQ (O may reuse it)
+    cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cta.sO))
+    group_sync(cta, 0)
+
+    gO = cute.local_tile(mO[batch, head, None, None], (c.tile_m, d), (m_block, 0))
+    cO = cute.local_tile(cute.make_identity_tensor((cta.seqlen_q, d)), (c.tile_m, d),
+                         (m_block, 0))
+    r2g = lay.r2g_o.get_slice(cta.tidx)
+    tOsO, tOgO, tOcO = r2g.partition_S(cta.sO), r2g.partition_D(gO), r2g.partition_D(cO)
+    tOrO = cute.make_rmem_tensor_like(tOgO, lay.out_dtype)
+    cute.autovec_copy(tOsO, tOrO)
+    for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+        if cute.elem_less(tOcO[0, m, 0][0], cta.seqlen_q):
+            cute.copy(lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])
+
+
+@cute.jit
+def store_partials(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
+    """This CTA's share of the keys: normalised fp32 output rows and their LSE, at batch index
+    split · batch_size + batch of the workspace."""
+    c, d = cta.config, cta.spec.head_dim
+    m_block, head, batch, split = tile_coords(mQ, c.tile_m, cta.spec.causal, cta.spec.split_kv)
+    at = split * mQ.shape[0] + batch
+    normalise(cta, softmax, o_scale)
+    store_lse(cta, softmax, mLSE[at, head, None], m_block)
+    gO = mn_view(cta.thr_mma.partition_C(
+        cute.local_tile(mO[at, head, None, None], (c.tile_m, d), (m_block, 0))))
+    cO = mn_view(cta.thr_mma.partition_C(cute.local_tile(
+        cute.make_identity_tensor((cta.seqlen_q, d)), (c.tile_m, d), (m_block, 0))))
+    O = mn_view(cta.acc_O)
+    for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+        if cO[r, 0][0] < cta.seqlen_q:
+            for col in cutlass.range_constexpr(cute.size(O, mode=[1])):
+                gO[r, col] = O[r, col]

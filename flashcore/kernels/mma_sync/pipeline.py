@@ -1,0 +1,156 @@
+"""Getting K and V blocks into shared memory, for one warp group's key range (walked downwards).
+
+Three schedules, chosen by the spec:
+
+* ``stages == 1`` (FlashAttention-2's K/V overlap): wait K(n), issue V(n), S = Q·Kᵀ, wait V(n),
+  issue K(n-1) over K(n), softmax, P·V. The first block's V is issued with its K.
+* ``stages > 1``: K and V of each block are one cp.async group, issued ``stages`` blocks ahead
+  into a ring; a stage is refilled once every warp is done with it.
+* FP8 KV cache: e4m3 K and V (and their per-key descales) arrive in the ring as above; when a
+  block is due it is converted, descale applied, into one 16-bit K and V tile that the MMAs read,
+  which frees its ring stage at once for the block ``stages`` ahead.
+
+Every block commits exactly one cp.async group (possibly empty), so ``wait_group(stages - 1)``
+always means "the oldest block in flight has landed".
+"""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common.copies import load_block, load_rows, load_vector
+from .cta import Cta
+
+
+@cute.jit
+def group_sync(cta: Cta, group):
+    """Barrier of one warp group's threads (the whole CTA when there is one group)."""
+    if cutlass.const_expr(cta.config.kv_splits == 1):
+        cute.arch.sync_threads()
+    else:
+        cute.arch.barrier(barrier_id=1 + group, number_of_threads=cta.config.group_threads)
+
+
+@cute.jit
+def issue_k(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
+    load_block(cta.lay.g2s_k, cta.tKgK, cta.tKsK, cta.tKVcKV, n_block, slot, cta.seqlen_k, ragged)
+
+
+@cute.jit
+def issue_v(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
+    # fp8 Vᵀ is padded with zero keys: never ragged
+    load_block(cta.lay.g2s_v, cta.tVgV, cta.tVsV, cta.tKVcKV, n_block, slot, cta.seqlen_k,
+               ragged and not cta.lay.fp8)
+
+
+@cute.jit
+def issue_block(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
+    """K and V of one block into ring stage ``slot`` (and their descales for an FP8 KV cache)."""
+    issue_k(cta, n_block, slot, ragged)
+    issue_v(cta, n_block, slot, ragged)
+    if cutlass.const_expr(cta.lay.kv_fp8):
+        issue_scales(cta, cta.gKd, cta.sKd, n_block, slot)
+        issue_scales(cta, cta.gVd, cta.sVd, n_block, slot)
+
+
+@cute.jit
+def issue_scales(cta: Cta, g_scale, s_scale, n_block, slot):
+    """The per-key descales of one block into ring stage ``slot`` (0 past the last key)."""
+    tn = cta.config.tile_n
+    load_vector(cta.lay.scale_atom, cute.local_tile(g_scale, (tn,), (n_block,)),
+                s_scale[None, slot], cta.tidx, cta.config.group_threads, tn, n_block * tn,
+                cta.seqlen_k)
+
+
+@cute.jit
+def prologue(cta: Cta):
+    """Issue Q (the first warp group loads it for all) and this group's first K/V blocks."""
+    if cta.group == 0:
+        load_rows(cta.lay.g2s_q, cta.tQgQ, cta.tQsQ, cta.tQcQ, cta.seqlen_q)
+    n_last = cta.n_hi - 1
+    if cutlass.const_expr(cta.config.stages == 1 and not cta.lay.kv_fp8):
+        # Q and the first K, then the first V, as two groups (a short problem has few blocks
+        # per CTA; each would otherwise wait one more DRAM round trip for its V)
+        if cta.n_hi > cta.n_lo:
+            issue_k(cta, n_last, 0, True)
+        cute.arch.cp_async_commit_group()
+        if cta.n_hi > cta.n_lo:
+            issue_v(cta, n_last, 0, True)
+        cute.arch.cp_async_commit_group()
+    else:
+        # the first `stages` blocks, one group each (Q joins the first)
+        for i in cutlass.range_constexpr(cta.config.stages):
+            if n_last - i >= cta.n_lo:
+                issue_block(cta, n_last - i, i, i == 0)
+            cute.arch.cp_async_commit_group()
+    if cutlass.const_expr(cta.config.kv_splits > 1):
+        # the first group's loads hold Q for everyone: they must land before anyone reads it
+        cute.arch.cp_async_wait_group(1 if cta.config.stages == 1 and not cta.lay.kv_fp8
+                                      else cta.config.stages - 1)
+        cute.arch.sync_threads()
+
+
+@cute.jit
+def before_scores(cta: Cta, n_block, slot, first: cutlass.Constexpr):
+    """Block ``n_block``'s K (and for the ring schedules its V) is in the tiles the MMAs read."""
+    stages = cta.config.stages
+    if cutlass.const_expr(cta.lay.kv_fp8):
+        cute.arch.cp_async_wait_group(stages - 1)
+        group_sync(cta, cta.group)
+        dequantize(cta, cta.sK_ring[None, None, slot], cta.sKd[None, slot], cta.sK16)
+        dequantize(cta, cta.sV_ring[None, None, slot], cta.sVd[None, slot], cta.sV16)
+        group_sync(cta, cta.group)
+        # the stage is free already: refill it with the block `stages` ahead
+        if n_block - stages >= cta.n_lo:
+            issue_block(cta, n_block - stages, slot, False)
+        cute.arch.cp_async_commit_group()
+    elif cutlass.const_expr(stages > 1):
+        cute.arch.cp_async_wait_group(stages - 1)  # block n's group is the oldest in flight
+        group_sync(cta, cta.group)
+    elif cutlass.const_expr(first):
+        cute.arch.cp_async_wait_group(1)  # K(n) has landed; V(n) may still be in flight
+        group_sync(cta, cta.group)
+    else:
+        cute.arch.cp_async_wait_group(0)  # K(n) has landed; every warp is done with V(n+1)
+        group_sync(cta, cta.group)
+        issue_v(cta, n_block, 0, False)
+        cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def after_scores(cta: Cta, n_block):
+    """FA2 schedule: V(n) lands and K(n-1) is issued over K(n), which every warp has read."""
+    if cutlass.const_expr(cta.config.stages == 1 and not cta.lay.kv_fp8):
+        cute.arch.cp_async_wait_group(0)
+        group_sync(cta, cta.group)
+        if n_block > cta.n_lo:
+            issue_k(cta, n_block - 1, 0, False)
+            cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def after_block(cta: Cta, n_block, slot):
+    """Ring schedule: every warp is done with this stage; refill it with block n - stages."""
+    if cutlass.const_expr(cta.config.stages > 1 and not cta.lay.kv_fp8):
+        group_sync(cta, cta.group)
+        if n_block - cta.config.stages >= cta.n_lo:
+            issue_block(cta, n_block - cta.config.stages, slot, False)
+        cute.arch.cp_async_commit_group()
+
+
+@cute.jit
+def dequantize(cta: Cta, src: cute.Tensor, scales: cute.Tensor, dst: cute.Tensor):
+    """e4m3 (keys, head_dim) tile times each key's descale -> the 16-bit tile ``dst``, 16 values
+    (one 16-byte chunk of ``src``) per step of each thread."""
+    d = cta.spec.head_dim
+    per_row = d // 16
+    chunks = cta.config.tile_n * per_row  # a multiple of the group's threads (spec validation)
+    for i in cutlass.range_constexpr(chunks // cta.config.group_threads):
+        c = cta.tidx + i * cta.config.group_threads
+        row, col = c // per_row, c % per_row
+        e4m3 = cute.make_rmem_tensor((16,), cta.lay.ring_dtype)
+        cute.autovec_copy(cute.local_tile(src[row, None], (16,), (col,)), e4m3)
+        vals = e4m3.load().to(cutlass.Float32) * scales[row]
+        out = cute.make_rmem_tensor((16,), cta.lay.op_dtype)
+        out.store(vals.to(cta.lay.op_dtype))
+        cute.autovec_copy(out, cute.local_tile(dst[row, None], (16,), (col,)))

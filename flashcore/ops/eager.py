@@ -1,0 +1,195 @@
+"""The eager implementations behind the public ops (and the registered ones): validate, plan,
+launch. ``run``: ``flashcore.ops.attention``; ``run_fp8``: ``flashcore.ops.fp8.attention_fp8``."""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+
+from ..runtime.device import arch_of
+from ..spec import HEAD_DIMS, TileConfig
+from . import plan
+from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
+from .launcher import launch_attention
+from .quantize import padded_keys, run_quantize
+from .validate import check_extents, check_kv_descales, check_out, check_qkv
+
+_warned: set[int] = set()  # devices told that FP8 is emulated there
+
+
+@functools.lru_cache(maxsize=256)
+def _explicit_config(tile, warps, stages, kv_splits) -> TileConfig:
+    """The TileConfig of explicit knobs (memoised: every eager call with a tile comes here)."""
+    return TileConfig(tuple(tile), warps=warps, stages=1 if stages is None else stages,
+                      kv_splits=1 if kv_splits is None else kv_splits)
+
+
+def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, causal,
+                   seqlen_q, precision) -> TileConfig:
+    """One TileConfig from what the caller gave: ``config`` whole, or ``tile`` and knobs, or
+    (``tile=None``) the tuned table's config with any knob the caller set on top."""
+    if config is not None:
+        if not isinstance(config, TileConfig):
+            raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
+        if tile is not None or warps is not None or stages is not None or kv_splits is not None:
+            raise ValueError("attention: give either config or tile/warps/stages/kv_splits")
+        return config
+    if tile is not None:
+        return _explicit_config(tuple(tile), warps, stages, kv_splits)
+    tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision)
+    if warps is None and stages is None and kv_splits is None:
+        return tuned
+    return tuned.replace(**{k: v for k, v in (("warps", warps), ("stages", stages),
+                                              ("kv_splits", kv_splits)) if v is not None})
+
+
+def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages, kv_splits,
+        num_splits, out, precision, k_descale, v_descale):
+    """The eager implementation (the registered op's too): validate, plan, launch."""
+    check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention: causal must be a bool, got {causal!r}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[3])
+    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= plan.MAX_SPLITS):
+        raise ValueError(f"attention: num_splits must be an int in 1..{plan.MAX_SPLITS}, "
+                         f"got {num_splits!r}")
+    dev = q.get_device()
+    if precision not in ("fp16", "fp8"):
+        raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
+    if precision == "fp8" and k.dtype == E4M3:
+        raise ValueError("attention: precision='fp8' quantises 16-bit k and v itself; an FP8 KV "
+                         "cache runs with precision='fp16' (16-bit arithmetic)")
+    config = resolve_config(config, tile, warps, stages, kv_splits, arch=arch_of(dev),
+                            head_dim=q.shape[3], causal=causal, seqlen_q=q.shape[2],
+                            precision=precision)
+    B, H, Sq, D = q.shape
+    if out is not None:
+        check_out(out, q.shape, q.dtype, q.device, (q, k, v))
+    if 0 in (B, H, Sq, k.shape[2]):
+        return _empty_result(q, k, return_lse, out)
+    if precision == "fp8":
+        return attention_via_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                 return_lse=return_lse, config=config, num_splits=num_splits,
+                                 out=out)
+    kd, vd = check_kv_descales(k, k_descale, v_descale)
+    check_extents(q, k)
+    result = out if out is not None else q.new_empty((B, H, Sq, D))
+    lse = q.new_empty((B, H, Sq), dtype=torch.float32) if return_lse else None
+    # keep any copy prepared() makes alive until the launch: freed earlier, its memory could be
+    # handed to a later allocation while the kernel still reads it
+    q, q_arg = prepared(q)
+    k, k_arg = prepared(k)
+    v, v_arg = prepared(v)
+    descales = () if kd is None else (kd, vd)
+    launch_attention(q, k, result, lse, (q_arg, k_arg, v_arg), descales, config, causal,
+                     softmax_scale, num_splits, kv_fp8=kd is not None)
+    if out is not None:
+        torch.autograd.graph.increment_version(out)
+    return (result, lse) if return_lse else result
+
+
+def _empty_result(q, k, return_lse, out):
+    """Like SDPA: empty outputs for empty queries; zeros (and lse -inf) when there is no key."""
+    B, H, Sq, D = q.shape
+    result = out if out is not None else q.new_empty((B, H, Sq, D))
+    result.zero_()
+    lse = q.new_full((B, H, Sq), -math.inf, dtype=torch.float32) if return_lse else None
+    return (result, lse) if return_lse else result
+
+
+def _check_fp8(name: str, t: torch.Tensor, shape: tuple) -> None:
+    if not isinstance(t, torch.Tensor) or t.dtype != E4M3:
+        raise TypeError(f"attention_fp8: {name} must be a float8_e4m3fn tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"attention_fp8: {name} has shape {tuple(t.shape)}, expected {shape}")
+    st = t.stride()
+    if st[3] != 1 or t.data_ptr() % 16 or any(s % 16 for s in st[:3]):
+        raise ValueError(f"attention_fp8: {name} needs a contiguous last dim and 16-byte aligned "
+                         f"base and strides; got strides {st}")
+
+
+def _check_descale(name: str, t: torch.Tensor, shape: tuple, device) -> torch.Tensor:
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
+            or tuple(t.shape) != shape or t.device != device):
+        raise ValueError(f"attention_fp8: {name} must be float32 of shape {shape} on {device}, "
+                         f"got {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
+    return t.contiguous()
+
+
+def run_fp8(
+    q8: torch.Tensor,
+    k8: torch.Tensor,
+    vt8: torch.Tensor,
+    q_descale: torch.Tensor,
+    k_descale: torch.Tensor,
+    v_descale: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype = torch.float16,
+    config: TileConfig | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+):
+    """``flashcore.ops.fp8.attention_fp8``, eager."""
+    if q8.dim() != 4 or k8.dim() != 4:
+        raise ValueError("attention_fp8: q8 and k8 must be (batch, heads, seq, head_dim)")
+    B, H, Sq, D = q8.shape
+    Hkv, Sk = k8.shape[1], k8.shape[2]
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"attention_fp8: q8 has {H} heads and k8 {Hkv}: the query heads must be "
+                         "a whole multiple of the key/value heads")
+    _check_fp8("q8", q8, (B, H, Sq, D))
+    _check_fp8("k8", k8, (B, Hkv, Sk, D))
+    _check_fp8("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
+    if not (q8.device == k8.device == vt8.device) or q8.device.type != "cuda":
+        raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
+    if D not in HEAD_DIMS or min(B, H, Sq, Sk) == 0:
+        raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
+    if out_dtype not in DTYPE_NAMES:
+        raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
+    qd = _check_descale("q_descale", q_descale, (B, H, Sq), q8.device)
+    kd = _check_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device)
+    vd = _check_descale("v_descale", v_descale, (B, Hkv), q8.device)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D)
+    device = q8.get_device()
+    arch = arch_of(device)
+    if config is None:
+        config = plan.tuned_config(arch, D, causal, Sq, "fp8")
+    if arch == "sm_90" and device not in _warned:
+        _warned.add(device)
+        warnings.warn(
+            "flashcore FP8 on sm_90: Hopper has no e4m3 mma.sync (ptxas emulates it with f16 "
+            "MMAs), so this path is slower than precision='fp16' there; it is fast on sm_89",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if out is None:
+        out = torch.empty((B, H, Sq, D), dtype=out_dtype, device=q8.device)
+    elif out.shape != (B, H, Sq, D) or out.dtype != out_dtype or not out.is_contiguous():
+        raise ValueError(f"attention_fp8: out must be contiguous {out_dtype} of shape {(B, H, Sq, D)}")
+    lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q8.device) if return_lse else None
+    launch_attention(q8, k8, out, lse, (tensor_arg(q8), tensor_arg(k8), transposed_arg(vt8)),
+                     (qd, kd, vd), config, causal, softmax_scale, num_splits, precision="fp8")
+    return (out, lse) if return_lse else out
+
+
+def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, config, num_splits, out):
+    """Quantise fp16/bf16 q, k, v, then ``attention_fp8``; the output has q's dtype."""
+    q8, qd = run_quantize(q, granularity="token")
+    k8, kd = run_quantize(k, granularity="token")
+    vt8, vd = run_quantize(v, transpose=True)
+    return run_fp8(
+        q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, out_dtype=q.dtype, config=config, num_splits=num_splits, out=out,
+    )

@@ -1,0 +1,94 @@
+"""Launching attention kernels: the loaded kernel of each spec, and one call's launches
+(the attention kernel, and for split-KV the combine kernel) with GQA packing and split counts
+from ``flashcore.ops.plan``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..build.abi import LOG2_E, attention_grid, combine_grid
+from ..runtime.device import arch_of
+from ..runtime.launch import kernel_for, launch
+from ..spec import AttentionSpec, CombineSpec, TileConfig
+from . import plan
+from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
+
+_kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
+
+
+def loaded_kernel(device: int, *fields) -> Any:
+    """The loaded attention kernel of ``AttentionSpec(arch, *fields)`` (dtype, head_dim, config,
+    causal, return_lse, precision, kv_fp8, split_kv) on CUDA device index ``device``, built once
+    (the key is a plain tuple: every call looks it up)."""
+    key = (device, *fields)
+    k = _kernels.get(key)
+    if k is None:
+        dtype, head_dim, config, causal, return_lse, precision, kv_fp8, split_kv = fields
+        k = _kernels[key] = kernel_for(AttentionSpec(
+            arch=arch_of(device), dtype=dtype, head_dim=head_dim, config=config, causal=causal,
+            return_lse=return_lse, precision=precision, kv_fp8=kv_fp8, split_kv=split_kv),
+            device)
+    return k
+
+
+def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> Any:
+    key = ("combine", device, dtype, head_dim, return_lse)
+    k = _kernels.get(key)
+    if k is None:
+        k = _kernels[key] = kernel_for(CombineSpec(arch=arch_of(device), dtype=dtype,
+                                                   head_dim=head_dim, return_lse=return_lse),
+                                       device)
+    return k
+
+
+def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
+                     causal: bool, softmax_scale: float, num_splits: int | None, *,
+                     kv_fp8: bool = False, precision: str = "fp16") -> None:
+    """Plan and launch one attention (and, split over CTAs, its combine) into ``out``/``lse``.
+
+    ``qkv_args``: the kernel arguments of q, k and v (Vᵀ for fp8 operands); ``descales``: the
+    float32 descale tensors the spec takes, in ABI order ((B, H, S) per token, (B, H) per
+    head)."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dev = q.get_device()
+    q_group = 1
+    if plan.packs_heads(Sq, H, Hkv):  # query heads of each K/V head as the rows of one tile
+        q_group = H // Hkv
+        qkv_args = (tensor_arg(plan.packed(q, Hkv)), *qkv_args[1:])
+        if precision == "fp8":  # the query descales are packed like the queries
+            descales = (plan.packed(descales[0], Hkv), *descales[1:])
+        out = plan.packed(out, Hkv)
+        lse = None if lse is None else plan.packed(lse, Hkv)
+        H, Sq = Hkv, q_group
+    descale_args = tuple(rows_arg(t) if t.dim() == 3 else (t.data_ptr(), *t.shape, t.stride(0))
+                         for t in descales) if descales else ()
+    dtype = DTYPE_NAMES[out.dtype]
+    splits = num_splits
+    if splits is None:
+        splits = 1
+        if Sq <= plan.DECODE_MAX_Q:
+            probe = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True)
+            splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
+                                     -(-Sk // config.tile_n),
+                                     plan.sm_count(dev) * probe.ctas_per_sm)
+    scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
+    if splits == 1:
+        kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,
+                             False)
+        lse_args = () if lse is None else (rows_arg(lse),)
+        launch(kern, attention_grid(Sq, H, B, config.tile_m),
+               (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
+        return
+    # split-KV across CTAs: fp32 partials of each share, then the combine kernel
+    o_part = torch.empty((splits * B, H, Sq, D), dtype=torch.float32, device=q.device)
+    lse_part = torch.empty((splits * B, H, Sq), dtype=torch.float32, device=q.device)
+    kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True)
+    launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
+           (*qkv_args, tensor_arg(o_part), rows_arg(lse_part), *descale_args, *scalars), dev)
+    comb = combine_kernel(dev, dtype, D, lse is not None)
+    lse_args = () if lse is None else (rows_arg(lse),)
+    launch(comb, combine_grid(Sq, H, B, comb.artifact.spec.rows_per_cta),
+           (tensor_arg(o_part), rows_arg(lse_part), tensor_arg(out), *lse_args, (splits,)), dev)

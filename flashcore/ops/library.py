@@ -1,0 +1,143 @@
+"""flashcore's ops registered with ``torch.library``, so ``torch.compile(fullgraph=True)``,
+``torch.export`` and CUDA graphs under ``mode="reduce-overhead"`` trace through them:
+
+    torch.ops.flashcore.attention(q, k, v, causal=..., ...) -> (out, lse)
+    torch.ops.flashcore.attention_fp8(q8, k8, vt8, q_descale, k_descale, v_descale, ...)
+    torch.ops.flashcore.quantize_fp8(x, transpose=..., granularity=...) -> (x8, descale)
+
+Each returns a fixed structure (``lse`` is an empty tensor unless asked for). Their fake
+implementations give the shapes, dtypes and strides the real ones return. Eager calls of
+``flashcore.ops.attention`` skip this layer (it costs host time) and run the same code directly.
+
+No backward exists yet: the ops carry an autograd formula whose backward raises an error that
+says so, so a compiled model never trains silently through attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..spec import TileConfig
+from .eager import run, run_fp8
+from .inputs import E4M3
+from .quantize import padded_keys, run_quantize
+
+_NO_GRAD = ("flashcore.ops.attention has no backward yet; run it under torch.no_grad() or "
+            "detach its inputs")
+
+
+def _config_knobs(config, tile, warps, stages, kv_splits):
+    if config is None:
+        return None if tile is None else list(tile), warps, stages, kv_splits
+    if not isinstance(config, TileConfig):
+        raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
+    return list(config.tile), config.warps, config.stages, config.kv_splits
+
+
+def _lse_or_empty(q: Tensor, lse: Tensor | None) -> Tensor:
+    return lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("flashcore::attention", mutates_args=())
+def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
+               softmax_scale: float | None = None, return_lse: bool = False,
+               tile: list[int] | None = None, warps: int | None = None,
+               stages: int | None = None, kv_splits: int | None = None,
+               num_splits: int | None = None, precision: str = "fp16",
+               k_descale: Tensor | None = None,
+               v_descale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    res = run(q, k, v, None if tile is None else tuple(tile), causal, softmax_scale, return_lse,
+              None, warps, stages, kv_splits, num_splits, None, precision, k_descale, v_descale)
+    return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
+
+
+@_attention.register_fake
+def _(q, k, v, causal=False, softmax_scale=None, return_lse=False, tile=None, warps=None,
+      stages=None, kv_splits=None, num_splits=None, precision="fp16", k_descale=None,
+      v_descale=None):
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
+    return q.new_empty(q.shape), _lse_or_empty(q, lse)
+
+
+@torch.library.custom_op("flashcore::attention_fp8", mutates_args=())
+def _attention_fp8(q8: Tensor, k8: Tensor, vt8: Tensor, q_descale: Tensor, k_descale: Tensor,
+                   v_descale: Tensor, causal: bool = False, softmax_scale: float | None = None,
+                   return_lse: bool = False, out_dtype: torch.dtype = torch.float16,
+                   tile: list[int] | None = None, warps: int | None = None,
+                   stages: int | None = None, kv_splits: int | None = None,
+                   num_splits: int | None = None) -> tuple[Tensor, Tensor]:
+    config = None if tile is None else TileConfig(tuple(tile), warps=warps,
+                                                   stages=stages or 1, kv_splits=kv_splits or 1)
+    res = run_fp8(q8, k8, vt8, q_descale, k_descale, v_descale, causal=causal,
+                      softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype,
+                      config=config, num_splits=num_splits, out=None)
+    return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q8, None))
+
+
+@_attention_fp8.register_fake
+def _(q8, k8, vt8, q_descale, k_descale, v_descale, causal=False, softmax_scale=None,
+      return_lse=False, out_dtype=torch.float16, tile=None, warps=None, stages=None,
+      kv_splits=None, num_splits=None):
+    lse = q8.new_empty(q8.shape[:3], dtype=torch.float32) if return_lse else None
+    return q8.new_empty(q8.shape, dtype=out_dtype), _lse_or_empty(q8, lse)
+
+
+@torch.library.custom_op("flashcore::quantize_fp8", mutates_args=())
+def _quantize_fp8(x: Tensor, transpose: bool = False,
+                  granularity: str = "head") -> tuple[Tensor, Tensor]:
+    return run_quantize(x, transpose=transpose, granularity=granularity)
+
+
+@_quantize_fp8.register_fake
+def _(x, transpose=False, granularity="head"):
+    B, H, S, D = x.shape
+    if transpose:
+        x8 = x.new_empty((B, H, D, padded_keys(S)), dtype=E4M3)
+    else:
+        x8 = x.new_empty((B, H, S, D), dtype=E4M3)
+    shape = (B, H, S) if granularity == "token" else (B, H)
+    return x8, x.new_empty(shape, dtype=torch.float32)
+
+
+def _no_backward(ctx, *grads):
+    raise RuntimeError(_NO_GRAD)
+
+
+def _save_nothing(ctx, inputs, output):
+    pass
+
+
+for _op in (_attention, _attention_fp8):
+    _op.register_autograd(_no_backward, setup_context=_save_nothing)
+
+
+def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, warps, stages,
+                 kv_splits, num_splits, out, precision, k_descale, v_descale):
+    """``flashcore.ops.attention`` through the registered op (tracing, tensor subclasses)."""
+    tile, warps, stages, kv_splits = _config_knobs(config, tile, warps, stages, kv_splits)
+    res, lse = torch.ops.flashcore.attention(
+        q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, tile=tile,
+        warps=warps, stages=stages, kv_splits=kv_splits, num_splits=num_splits,
+        precision=precision, k_descale=k_descale, v_descale=v_descale)
+    if out is not None:
+        out.copy_(res)
+        res = out
+    return (res, lse) if return_lse else res
+
+
+def attention_fp8_op(q8, k8, vt8, q_descale, k_descale, v_descale, *, causal, softmax_scale,
+                     return_lse, out_dtype, config, num_splits, out):
+    tile, warps, stages, kv_splits = _config_knobs(config, None, None, None, None)
+    res, lse = torch.ops.flashcore.attention_fp8(
+        q8, k8, vt8, q_descale, k_descale, v_descale, causal=causal,
+        softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype, tile=tile,
+        warps=warps, stages=stages, kv_splits=kv_splits, num_splits=num_splits)
+    if out is not None:
+        out.copy_(res)
+        res = out
+    return (res, lse) if return_lse else res
+
+
+def quantize_fp8_op(x, *, transpose, granularity):
+    return torch.ops.flashcore.quantize_fp8(x, transpose=transpose, granularity=granularity)

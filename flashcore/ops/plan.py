@@ -1,0 +1,68 @@
+"""How one attention call is run: the tile config, whether the query heads of a K/V head are
+packed into one tile's rows, and how many CTAs share each row's keys (split-KV).
+
+Decode (at most ``DECODE_MAX_Q`` query tokens per sequence) has too few query tiles to fill the
+GPU: its keys are split over CTAs (flash-decoding), each writing an fp32 partial result that a
+second kernel combines. With grouped-query attention and one query token, the query heads that
+share a K/V head become the rows of one tile (they share every K/V load): a (B, Hq, 1, D) tensor
+is viewed as (B, Hkv, Hq / Hkv, D), for any strides.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from ..spec import TileConfig
+from ..tuning.table import BUCKETS, bucket_of, lookup
+
+DECODE_MAX_Q = BUCKETS[0][1]  # the decode bucket's bound
+MAX_SPLITS = 256
+SHARE_OVERHEAD = 2  # key blocks' worth of time a share costs beyond its blocks
+_sm_count: dict[int, int] = {}
+
+
+def sm_count(device: int) -> int:
+    n = _sm_count.get(device)
+    if n is None:
+        n = _sm_count[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def tuned_config(arch: str, head_dim: int, causal: bool, seqlen_q: int,
+                 precision: str) -> TileConfig:
+    return lookup(arch, head_dim, causal, bucket_of(seqlen_q), precision)
+
+
+def packs_heads(seqlen_q: int, heads_q: int, heads_kv: int) -> bool:
+    """One query token and several query heads per K/V head: pack them into rows."""
+    return seqlen_q == 1 and heads_q > heads_kv
+
+
+def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, Hq, 1, ...) -> (B, Hkv, Hq / Hkv, ...): the query heads of each K/V head as rows."""
+    b, hq = t.shape[:2]
+    g = hq // heads_kv
+    st = t.stride()
+    return t.as_strided((b, heads_kv, g, *t.shape[3:]), (st[0], g * st[1], st[1], *st[3:]))
+
+
+@functools.lru_cache(maxsize=4096)
+def num_splits(ctas: int, n_blocks: int, slots: int) -> int:
+    """How many CTAs share each row's ``n_blocks`` key blocks, when ``ctas`` CTAs (one per query
+    tile) would run on a GPU that holds ``slots`` CTAs at once.
+
+    Time is modelled as waves x (blocks per share + ``SHARE_OVERHEAD``): a share's CTA first
+    waits for Q and its first blocks, and its partial result is read again by the combine. The
+    fewest shares of the least modelled time win. A grid that already fills the GPU is not
+    split (its combine would cost more than a fuller last wave gains)."""
+    if ctas >= slots:
+        return 1
+    best, choice = None, 1
+    for s in range(1, min(MAX_SPLITS, n_blocks) + 1):
+        cost = math.ceil(ctas * s / slots) * (math.ceil(n_blocks / s) + SHARE_OVERHEAD)
+        if best is None or cost < best:
+            best, choice = cost, s
+    return choice

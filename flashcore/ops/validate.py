@@ -1,0 +1,165 @@
+"""Checking what the user passes to the attention ops: every error names the argument and the
+problem. The common case is one pass over a few attributes (every call pays for it); the named
+errors are worked out only when that pass fails."""
+
+from __future__ import annotations
+
+import torch
+
+from ..spec import HEAD_DIMS
+from .inputs import DTYPE_NAMES, E4M3
+
+_INT32_MAX = 2**31 - 1
+
+
+def check_qkv(q, k, v) -> None:
+    """q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) on one CUDA device, fp16/bf16 (k and v may be
+    an e4m3 KV cache), D in HEAD_DIMS, Hq a multiple of Hkv."""
+    try:
+        qs, ks, vs, dt = q.shape, k.shape, v.shape, q.dtype
+        if (
+            len(qs) == 4 and len(ks) == 4 and ks == vs
+            and dt in DTYPE_NAMES and k.dtype == v.dtype and (k.dtype == dt or k.dtype == E4M3)
+            and qs[3] in HEAD_DIMS and ks[3] == qs[3] and ks[0] == qs[0]
+            and ks[1] and qs[1] % ks[1] == 0
+            and q.is_cuda and k.is_cuda and v.is_cuda
+            and q.get_device() == k.get_device() == v.get_device()
+        ):
+            return
+    except AttributeError:  # not a tensor: named below
+        pass
+    _explain(q, k, v)
+
+
+def _explain(q, k, v) -> None:
+    # Shape and dtype problems are reported before device ones, so each is named precisely.
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"attention: {name} must have 4 dims (batch, heads, seq, head_dim), "
+                f"got shape {tuple(t.shape)}"
+            )
+    if q.dtype not in DTYPE_NAMES:
+        raise TypeError(f"attention: q has dtype {q.dtype}; supported are float16 and bfloat16")
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype not in (q.dtype, E4M3):
+            raise TypeError(
+                f"attention: dtypes differ: q {q.dtype}, k {k.dtype}, v {v.dtype} (k and v "
+                "take q's dtype, or float8_e4m3fn for an FP8 KV cache)"
+            )
+    if k.dtype != v.dtype:
+        raise TypeError(f"attention: k and v dtypes differ ({k.dtype} vs {v.dtype})")
+    B, Hq, _, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"attention: head_dim {D} is not supported; supported are {HEAD_DIMS}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(
+            f"attention: k has shape {tuple(k.shape)}, expected ({B}, heads_kv, seq_k, {D}) to "
+            f"match q {tuple(q.shape)}"
+        )
+    if k.shape[1] == 0 or Hq % k.shape[1]:
+        raise ValueError(
+            f"attention: q has {Hq} heads and k/v {k.shape[1]}: the query heads must be a whole "
+            "multiple of the key/value heads (grouped-query attention)"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not t.is_cuda:
+            raise ValueError(f"attention: {name} is on {t.device}; flashcore runs on CUDA tensors")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"attention: devices differ: q {q.device}, k {k.device}, v {v.device}")
+
+
+def check_kv_descales(k, k_descale, v_descale) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 KV cache needs float32 per-token descales (B, Hkv, Sk) for k and v; 16-bit k/v
+    take none. Returns them with a unit last stride."""
+    if k.dtype != E4M3:
+        if k_descale is not None or v_descale is not None:
+            raise ValueError("attention: k_descale/v_descale are for float8_e4m3fn k and v")
+        return None, None
+    want = tuple(k.shape[:3])
+    for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
+        if t is None:
+            raise ValueError(f"attention: float8_e4m3fn k and v need {name} (float32, shape "
+                             f"{want}: flashcore.ops.fp8.quantize_fp8(x, granularity='token'))")
+        if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
+                or tuple(t.shape) != want or t.device != k.device):
+            raise ValueError(f"attention: {name} must be float32 of shape {want} on {k.device}, "
+                             f"got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{tuple(getattr(t, 'shape', ()))}")
+    return (k_descale if k_descale.stride(2) == 1 else k_descale.contiguous(),
+            v_descale if v_descale.stride(2) == 1 else v_descale.contiguous())
+
+
+def check_grad(q, k, v) -> None:
+    """No backward exists yet: refuse inputs that would silently lose their gradients."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        names = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad]
+        raise RuntimeError(
+            f"flashcore.ops.attention has no backward yet, and {', '.join(names)} require "
+            "grad: the output would carry no gradient to them. Call it under torch.no_grad() or "
+            "torch.inference_mode(), pass detached tensors, or pass allow_no_grad=True to get a "
+            "result that is not differentiable"
+        )
+
+
+def check_extents(*tensors: torch.Tensor) -> None:
+    """Kernels take batch, heads and sequence extents as 32-bit integers."""
+    for t in tensors:
+        if t.numel() > _INT32_MAX and max(t.shape[:-1], default=0) > _INT32_MAX:
+            raise ValueError(f"attention: a dimension of {tuple(t.shape)} is over 2**31 - 1, "
+                             "more than flashcore's kernels index")
+
+
+def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device,
+              inputs: tuple) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"attention: out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(
+            f"attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
+            f"{tuple(shape)} {dtype} on {device}"
+        )
+    st = out.stride()
+    align = 16 // out.element_size()
+    if st[3] != 1 or out.data_ptr() % 16 or any(s % align for s in st[:3]):
+        raise ValueError(
+            "attention: out needs a contiguous last dim, a 16-byte aligned base and strides "
+            f"that are multiples of {align} elements; got strides {st}"
+        )
+    if _self_overlapping(out):
+        raise ValueError(f"attention: out overlaps itself (strides {st} for shape "
+                         f"{tuple(out.shape)}): elements would be written twice")
+    for name, t in zip(("q", "k", "v"), inputs):
+        if _ranges_overlap(out, t):
+            raise ValueError(f"attention: out shares memory with {name}; the kernel would "
+                             "overwrite inputs that other blocks still read")
+
+
+def _byte_range(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 1)
+    start = t.data_ptr()
+    return start, start + (span + 1) * t.element_size()
+
+
+def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_range(a), _byte_range(b)
+    return a0 < b1 and b0 < a1
+
+
+def _self_overlapping(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` address one element (e.g. a stride-0 expand)."""
+    extent = 1
+    for n, s in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n > 1),
+                       key=lambda x: x[1]):
+        if s < extent:
+            return True
+        extent = s * n
+    return False

@@ -1,0 +1,95 @@
+"""Every kernel family on ragged shapes, small enough for compute-sanitizer (run by
+scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks its result against
+the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
+
+    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+
+from flashcore import reference
+from flashcore.ops import attention
+from flashcore.ops.fp8 import attention_fp8, quantize_fp8
+from flashcore.runtime.device import arch_of
+
+
+def qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g)
+                 for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
+
+
+def check(name, out, q, k, v, causal, tol=2e-2):
+    ref = reference.attention(q, k, v, causal=causal, device=q.device)
+    err = (out.double() - ref).abs().max().item()
+    ok = torch.isfinite(out).all().item() and err < tol * max(1.0, ref.abs().max().item())
+    print(f"{'ok ' if ok else 'BAD'} {name}: max err {err:.2e}", flush=True)
+    return ok
+
+
+def split_cases(equal: bool):
+    # key splits inside a CTA: 2 groups; 256 keys = 4 blocks of 64 split 2 + 2 (equal), or
+    # 200 keys = 4 blocks, and causal rows whose groups walk 1 and 0 blocks (unequal)
+    sk = 256 if equal else 200
+    for causal in ((False,) if equal else (False, True)):
+        for tile, warps in (((64, 64), 4), ((32, 64), 1)):
+            q, k, v = qkv(1, 2, 2, 64 if equal else 77, sk, 64)
+            out = attention(q, k, v, causal=causal, tile=tile, warps=warps, kv_splits=2,
+                            return_lse=True)[0]
+            yield check(f"kv_splits=2 {tile} w{warps} sk={sk} causal={causal}", out, q, k, v,
+                        causal)
+
+
+def all_cases():
+    arch = arch_of(torch.cuda.current_device())
+    for causal in (False, True):
+        for d in (64, 128):  # prefill, ragged, the tuned config and a few explicit ones
+            q, k, v = qkv(2, 2, 2, 77, 45, d, seed=d)
+            yield check(f"prefill d{d} causal={causal}", attention(q, k, v, causal=causal),
+                        q, k, v, causal)
+            yield check(f"stages=2 d{d} causal={causal}",
+                        attention(q, k, v, causal=causal, tile=(64, 64), stages=2), q, k, v,
+                        causal)
+        q, k, v = qkv(1, 8, 2, 33, 130, 64, torch.bfloat16)  # GQA prefill
+        yield check(f"gqa prefill causal={causal}", attention(q, k, v, causal=causal),
+                    q, k, v, causal)
+        for group, sk, splits in ((4, 300, None), (1, 129, 5), (8, 1, 3)):  # decode, split-KV
+            q, k, v = qkv(2, 2 * group, 2, 1, sk, 128)
+            out, _ = attention(q, k, v, causal=causal, num_splits=splits, return_lse=True)
+            yield check(f"decode g{group} sk={sk} splits={splits} causal={causal}", out, q, k,
+                        v, causal)
+        if arch in ("sm_89", "sm_90"):
+            q, k, v = qkv(1, 4, 2, 1, 150, 64)  # FP8 KV cache decode
+            k8, kd = quantize_fp8(k, granularity="token")
+            v8, vd = quantize_fp8(v, granularity="token")
+            kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
+            out = attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
+            yield check(f"fp8 kv cache causal={causal}", out, q, kq, vq, causal)
+            q, k, v = qkv(1, 2, 2, 70, 90, 64)  # FP8 operands, and its quantisers
+            q8, qd = quantize_fp8(q, granularity="token")
+            k8, kd = quantize_fp8(k, granularity="token")
+            vt8, vdh = quantize_fp8(v, transpose=True)
+            out = attention_fp8(q8, k8, vt8, qd, kd, vdh, causal=causal)
+            yield check(f"fp8 operands causal={causal}", out, q, k, v, causal, tol=0.1)
+    yield from split_cases(equal=False)
+
+
+def main() -> int:
+    mode = sys.argv[1] if len(sys.argv) > 1 else "all"
+    cases = {"all": all_cases, "splits-equal": lambda: split_cases(True),
+             "splits-unequal": lambda: split_cases(False)}[mode]
+    results = list(cases())
+    torch.cuda.synchronize()
+    print(f"{sum(results)}/{len(results)} cases ok", flush=True)
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,189 @@
+"""GPU tests of grouped-query attention, decode (split-KV across CTAs and its combine) and the
+FP8 KV cache, against the float64 reference.
+
+Skipped without CUDA. The bound is the one the prefill tests use: 2x torch SDPA's own error
+(SDPA with ``enable_gqa``) plus what rounding alone may do (``test_gpu_attention._allowed``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from flashcore import reference
+from flashcore.ops import attention
+from flashcore.ops.fp8 import quantize_fp8
+from tests.gpu_utils import max_abs, requires_cuda
+from tests.test_gpu_attention import _allowed
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _qkv(b, hq, hkv, sq, sk, d, dtype, seed, magnitude=1.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def mk(h, s):
+        return (torch.randn(b, h, s, d, device="cuda", generator=g) * magnitude).to(dtype)
+
+    return mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
+
+
+def _sdpa(q, k, v, causal):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _check(q, k, v, causal, **knobs):
+    """Poisoned output and LSE of one call against the float64 reference and SDPA's error."""
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention(q, k, v, causal=causal, return_lse=True, out=out, **knobs)
+    torch.cuda.synchronize()
+    assert res is out and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    assert torch.isfinite(out).all(), "NaN or unwritten elements"
+    err = max_abs(out, ref)
+    err_sdpa = max_abs(_sdpa(q, k, v, causal), ref)
+    allowed = _allowed(err_sdpa, ref, q.dtype, q, k, v)
+    assert err <= allowed, f"max err {err:.3g} vs SDPA's {err_sdpa:.3g} (allowed {allowed:.3g})"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is seen"
+    assert max_abs(lse[finite], ref_lse[finite]) < 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 3),
+    hkv=st.integers(1, 4),
+    group=st.sampled_from([1, 2, 4, 8, 32]),
+    sq=st.one_of(st.just(1), st.integers(1, 16), st.integers(17, 200)),
+    sk=st.one_of(st.integers(1, 300), st.integers(1, 65536)),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    num_splits=st.one_of(st.none(), st.integers(1, 48)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=8, group=4, sq=1, sk=8192, d=128, dtype="float16", causal=False,
+         num_splits=None, seed=1)
+@example(b=2, hkv=1, group=32, sq=1, sk=65536, d=128, dtype="bfloat16", causal=False,
+         num_splits=None, seed=2)
+@example(b=1, hkv=2, group=4, sq=3, sk=40, d=64, dtype="float16", causal=True, num_splits=9,
+         seed=3)
+def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal, num_splits,
+                                        seed):
+    # keep the float64 reference's score matrix within a few hundred MB
+    while b * hkv * group * sq * sk > 2**25 and sk > 1:
+        sk //= 2
+    if num_splits is not None and sq > 16:
+        num_splits = min(num_splits, 4)  # prefill splits are legal too, just slow here
+    q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], seed)
+    _check(q, k, v, causal, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("group", [1, 4, 32])
+@pytest.mark.parametrize("splits", [1, 3, 64])
+def test_split_shares_may_be_empty(group, splits):
+    """More shares than key blocks: the shares past the last block see no key (LSE -inf,
+    weight 0); a causal decode row sees key 0 only (top-left), a share of one block."""
+    for causal in (False, True):
+        q, k, v = _qkv(2, 2 * group, 2, 1, 70, 128, torch.float16, seed=group * splits + causal)
+        _check(q, k, v, causal, num_splits=splits)
+
+
+def test_decode_with_strided_queries_and_a_long_cache():
+    """q of one token from a (B, 1, Hq, D) projection (heads not contiguous), K/V views of a
+    preallocated cache (only the first Sk of its slots used)."""
+    cache_k = torch.randn(4, 8, 9000, 128, device="cuda", dtype=torch.bfloat16)
+    cache_v = torch.randn_like(cache_k)
+    q = torch.randn(4, 1, 32, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    for sk in (1, 777, 8193):
+        _check(q, cache_k[:, :, :sk], cache_v[:, :, :sk], False)
+
+
+def test_gqa_prefill_equals_expanded_kv():
+    """GQA with many query tokens (not packed: each query head's CTA reads its group's K/V)
+    gives what the same call on K/V repeated to the query heads gives."""
+    q, k, v = _qkv(2, 8, 2, 333, 290, 64, torch.float16, seed=11)
+    for causal in (False, True):
+        a = attention(q, k, v, causal=causal)
+        e = attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), causal=causal)
+        assert torch.equal(a, e)
+
+
+# -- FP8 KV cache -------------------------------------------------------------------------------
+FP8_KV_TOL = 2e-3  # relative L2 against exact attention over the dequantised cache
+
+
+def _dequantised(x8, descale):
+    return x8.double() * descale.double()[..., None]
+
+
+def _rel_l2(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 4, 8]),
+    sq=st.one_of(st.just(1), st.integers(1, 40)),
+    sk=st.one_of(st.integers(1, 300), st.integers(1, 20000)),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    log_mag=st.floats(-3, 4),
+    outlier=st.sampled_from([0.0, 100.0, 1e4]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=8, group=4, sq=1, sk=8192, d=128, dtype="float16", causal=False, log_mag=0,
+         outlier=0.0, seed=1)
+@example(b=1, hkv=1, group=1, sq=1, sk=5, d=64, dtype="bfloat16", causal=False, log_mag=4,
+         outlier=1e4, seed=2)
+def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
+    b, hkv, group, sq, sk, d, dtype, causal, log_mag, outlier, seed
+):
+    """K/V quantised per token (any finite magnitude: 448 / amax per token), Q and the
+    arithmetic 16-bit: the result matches exact attention over the dequantised cache."""
+    dt = DTYPES[dtype]
+    mag = 10.0**log_mag
+    if dt == torch.float16:  # fp16 inputs cannot exceed 65504
+        mag = min(mag, 6e4 / max(outlier, 1.0) / 5)
+    q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, torch.float32, seed)
+    q = (q / math.sqrt(d)).to(dt)  # O(1) logits: the property under test is K/V's range
+    k, v = (k * mag).to(dt), (v * mag).to(dt)
+    if outlier:
+        k[0, 0, sk // 2] *= outlier / 10 if dt == torch.float16 else outlier
+    k8, kd = quantize_fp8(k, granularity="token")
+    v8, vd = quantize_fp8(v, granularity="token")
+    scale = 1.0 / (math.sqrt(d) * mag)
+    out = torch.full_like(q, float("nan"))
+    attention(q, k8, v8, causal=causal, softmax_scale=scale, k_descale=kd, v_descale=vd,
+              out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "NaN/Inf (or unwritten elements) in the output"
+    exact = reference.attention(q, _dequantised(k8, kd), _dequantised(v8, vd), causal=causal,
+                                softmax_scale=scale, device=q.device)
+    err = _rel_l2(out, exact)
+    # bf16 output rounding alone is up to 2^-9 relative per element
+    assert err <= (FP8_KV_TOL if dt == torch.float16 else 2 * FP8_KV_TOL), f"rel L2 {err:.3g}"
+
+
+def test_fp8_kv_cache_errors():
+    q, k, v = _qkv(1, 4, 2, 1, 64, 64, torch.float16, seed=5)
+    k8, kd = quantize_fp8(k, granularity="token")
+    v8, vd = quantize_fp8(v, granularity="token")
+    with pytest.raises(ValueError, match="need k_descale"):
+        attention(q, k8, v8)
+    with pytest.raises(ValueError, match="v_descale must be float32 of shape"):
+        attention(q, k8, v8, k_descale=kd, v_descale=vd[:, :1])
+    with pytest.raises(ValueError, match="for float8_e4m3fn k and v"):
+        attention(q, k, v, k_descale=kd, v_descale=vd)
+    with pytest.raises(ValueError, match="precision='fp8' quantises"):
+        attention(q, k8, v8, k_descale=kd, v_descale=vd, precision="fp8")

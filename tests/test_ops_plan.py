@@ -1,0 +1,115 @@
+"""The ops layer's CPU-side logic: split counts, GQA packing views, config resolution, and the
+checks on what users pass (no GPU needed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flashcore.kernels.common.block_info import key_range, share
+from flashcore.ops import plan
+from flashcore.ops.eager import resolve_config
+from flashcore.ops.validate import _ranges_overlap, _self_overlapping, check_qkv
+from flashcore.spec import TileConfig
+from flashcore.tuning.table import DECODE_DEFAULT
+
+
+@given(ctas=st.integers(1, 4000), n_blocks=st.integers(1, 2000), slots=st.integers(8, 600))
+def test_num_splits_is_the_cheapest_in_the_model(ctas, n_blocks, slots):
+    s = plan.num_splits(ctas, n_blocks, slots)
+    assert 1 <= s <= min(plan.MAX_SPLITS, n_blocks)
+
+    def cost(x):
+        return math.ceil(ctas * x / slots) * (math.ceil(n_blocks / x) + plan.SHARE_OVERHEAD)
+
+    if ctas >= slots:  # the grid already fills the GPU
+        assert s == 1
+    else:
+        assert all(cost(s) <= cost(x) for x in range(1, min(plan.MAX_SPLITS, n_blocks) + 1))
+
+
+def test_num_splits_of_the_issue_shapes():
+    slots = 132 * 2  # an H100 holding two decode CTAs per SM
+    # 1,8,8,32768,128: 8 CTAs over 512 key blocks of 64 -> one wave of 16-block shares
+    assert plan.num_splits(8, 512, slots) == 32
+    # 1,32,8,8192,128, query heads packed: 8 CTAs over 128 blocks -> 4-block shares
+    assert plan.num_splits(8, 128, slots) == 32
+    # 16,32,8,4096,128 packed: 128 CTAs over 64 blocks -> two shares, one wave
+    assert plan.num_splits(128, 64, slots) == 2
+
+
+@given(n=st.integers(0, 300), parts=st.integers(1, 64))
+def test_shares_partition_the_blocks(n, parts):
+    covered = []
+    for i in range(parts):
+        lo, hi = share(n, parts, i)
+        assert 0 <= lo <= hi <= n
+        covered += range(lo, hi)
+    assert covered == list(range(n))
+
+
+@given(sq=st.integers(1, 300), sk=st.integers(1, 300), causal=st.booleans(),
+       splits=st.integers(1, 8), groups=st.sampled_from([1, 2, 4]))
+def test_key_ranges_cover_exactly_the_visible_blocks(sq, sk, causal, splits, groups):
+    tm, tn = 64, 32
+    for mb in range(-(-sq // tm)):
+        blocks = []
+        for s in range(splits):
+            for g in range(groups):
+                lo, hi = key_range(mb, tm, tn, sk, causal, 1, s, splits, g, groups)
+                blocks += range(lo, hi)
+        last_row = min((mb + 1) * tm, sq) - 1
+        visible = -(-min(sk, last_row + 1) // tn) if causal else -(-sk // tn)
+        assert sorted(blocks) == list(range(visible)) or (causal and blocks == list(
+            range(-(-min(sk, (mb + 1) * tm) // tn))))
+
+
+def test_packed_views_put_a_kv_heads_queries_in_rows():
+    q = torch.arange(2 * 1 * 8 * 4, dtype=torch.float32).reshape(2, 1, 8, 4).transpose(1, 2)
+    p = plan.packed(q, 2)  # (2, 8, 1, 4) -> (2, 2, 4, 4)
+    assert p.shape == (2, 2, 4, 4)
+    for b, h in ((0, 5), (1, 7)):
+        assert torch.equal(p[b, h // 4, h % 4], q[b, h, 0])
+    lse = torch.arange(2 * 8, dtype=torch.float32).reshape(2, 8, 1)
+    assert torch.equal(plan.packed(lse, 2)[1, 1], lse[1, 4:, 0])  # K/V head 1: query heads 4-7
+    assert plan.packs_heads(1, 8, 2) and not plan.packs_heads(2, 8, 2)
+    assert not plan.packs_heads(1, 8, 8)
+
+
+def test_resolve_config():
+    kw = {"arch": "sm_90", "head_dim": 64, "causal": False, "seqlen_q": 1, "precision": "fp16"}
+    assert resolve_config(None, None, None, None, None, **kw) == DECODE_DEFAULT
+    assert resolve_config(None, (32, 64), None, None, None, **kw) == TileConfig((32, 64))
+    assert resolve_config(None, None, None, 3, None, **kw) == DECODE_DEFAULT.replace(stages=3)
+    cfg = TileConfig((128, 64), warps=8)
+    assert resolve_config(cfg, None, None, None, None, **kw) is cfg
+    with pytest.raises(ValueError, match="either config or"):
+        resolve_config(cfg, (64, 64), None, None, None, **kw)
+    with pytest.raises(TypeError, match="must be a TileConfig"):
+        resolve_config((64, 64), None, None, None, None, **kw)
+
+
+def test_overlap_checks():
+    base = torch.zeros(4, 8, 16, 64)
+    assert _ranges_overlap(base[:2], base[1:3]) and not _ranges_overlap(base[:2], base[2:])
+    assert not _ranges_overlap(base, torch.zeros(4, 8, 16, 64))
+    assert _self_overlapping(torch.zeros(4, 1, 16, 64).expand(4, 8, 16, 64))
+    assert not _self_overlapping(base.transpose(1, 2))
+
+
+def test_cpu_tensors_and_bad_shapes_are_named():
+    q = torch.zeros(1, 4, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q is on cpu"):
+        check_qkv(q, q, q)
+    with pytest.raises(ValueError, match="whole multiple of the key/value heads"):
+        check_qkv(q, q[:, :3], q[:, :3])
+    with pytest.raises(ValueError, match="k .* and v .* differ in shape"):
+        check_qkv(q, q[:, :2], q[:, :1])
+    with pytest.raises(TypeError, match="dtypes differ"):
+        check_qkv(q, q.float(), q.float())
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        check_qkv(q, None, q)
