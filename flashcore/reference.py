@@ -127,6 +127,7 @@ def attention_fp8(
     device: torch.device | str | None = None,
     tile: tuple[int, int] | None = None,
     kv_splits: int = 1,
+    num_splits: int = 1,
 ) -> torch.Tensor:
     """Float64 attention of the FP8 kernel's quantised computation: q and k quantised per token
     and v per head as the quantiser does (same scales, e4m3 rounding), and, with ``round_p``, P
@@ -144,7 +145,7 @@ def attention_fp8(
         (qc, qd), (kc, kd), (vc, vd) = ((c.to(dev), d.to(dev)) for c, d in codes)
         out = attention_fp8_online(qc, qd, kc, kd, vc, vd, causal=causal,
                                    softmax_scale=softmax_scale, tile=tile, kv_splits=kv_splits,
-                                   round_p=round_p)
+                                   num_splits=num_splits, round_p=round_p)
         return out.to(q.dtype).to(torch.float64)
     deq = [dequantize_e4m3(*c) for c in codes]
 
@@ -156,14 +157,17 @@ def attention_fp8(
 
 
 def kernel_key_blocks(
-    seqlen_q: int, seqlen_k: int, tile: tuple[int, int], causal: bool, kv_splits: int = 1
+    seqlen_q: int, seqlen_k: int, tile: tuple[int, int], causal: bool, kv_splits: int = 1,
+    num_splits: int = 1,
 ) -> list[list[tuple[int, int]]]:
-    """[split][m_block] -> (lo, hi): the key blocks [lo, hi) of tile_n keys that each split of
-    each query tile of tile_m rows walks (hi - 1 down to lo) in the attention kernel: the
+    """[share][m_block] -> (lo, hi): the key blocks [lo, hi) of tile_n keys that each share of
+    each query tile of tile_m rows walks (hi - 1 down to lo) in the attention kernel, a share
+    being one warp group (of ``kv_splits``) of one CTA (of ``num_splits`` split-KV CTAs): the
     kernel's own ``key_range`` (``flashcore.kernels.common.block_info``)."""
     tile_m, tile_n = tile
-    return [[key_range(mb, tile_m, tile_n, seqlen_k, causal, 1, 0, 1, g, kv_splits)
-             for mb in range(-(-seqlen_q // tile_m))] for g in range(kv_splits)]
+    return [[key_range(mb, tile_m, tile_n, seqlen_k, causal, 1, s, num_splits, g, kv_splits)
+             for mb in range(-(-seqlen_q // tile_m))]
+            for s in range(num_splits) for g in range(kv_splits)]
 
 
 def attention_fp8_online(
@@ -178,6 +182,7 @@ def attention_fp8_online(
     softmax_scale: float | None,
     tile: tuple[int, int],
     kv_splits: int = 1,
+    num_splits: int = 1,
     round_p: bool = True,
 ) -> torch.Tensor:
     """The FP8 kernel's online softmax replayed in float64 on e4m3 codes (as ``quantize_e4m3``
@@ -195,8 +200,9 @@ def attention_fp8_online(
     can still decide between two keys that (nearly) tie.
     """
     tile_m, tile_n = tile
-    if tile_m <= 0 or tile_n <= 0 or kv_splits <= 0:
-        raise ValueError(f"tile and kv_splits must be positive, got {tile}, {kv_splits}")
+    if tile_m <= 0 or tile_n <= 0 or kv_splits <= 0 or num_splits <= 0:
+        raise ValueError(f"tile, kv_splits and num_splits must be positive, got {tile}, "
+                         f"{kv_splits}, {num_splits}")
     sq, sk = qc.shape[2], kc.shape[2]
     scale = 1.0 / math.sqrt(qc.shape[-1]) if softmax_scale is None else float(softmax_scale)
     # the q descale is folded into each row's exp2 scale; the k descale into the scores
@@ -205,7 +211,7 @@ def attention_fp8_online(
     qc, kc, vc = (t.to(torch.float64) for t in (qc, kc, vc))
     rows = torch.arange(sq, device=qc.device).unsqueeze(1)
     splits = []
-    for ranges in kernel_key_blocks(sq, sk, tile, causal, kv_splits):
+    for ranges in kernel_key_blocks(sq, sk, tile, causal, kv_splits, num_splits):
         m = qc.new_full((*qc.shape[:3], 1), -math.inf)
         l = qc.new_zeros((*qc.shape[:3], 1))
         acc = qc.new_zeros((*qc.shape[:3], vc.shape[-1]))

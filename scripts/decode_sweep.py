@@ -14,13 +14,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from flashcore.ops import attention  # noqa: E402
-from flashcore.ops.fp8 import quantize_fp8  # noqa: E402
-from flashcore.spec import TileConfig  # noqa: E402
-from flashcore.tuning.bench import DECODE, _fa4, _sdpa  # noqa: E402
-from flashcore.tuning.timing import n_sets, time_kernel  # noqa: E402
+from flashcore.ops import attention
+from flashcore.ops.fp8 import quantize_fp8
+from flashcore.spec import TileConfig
+from flashcore.tuning.bench import DECODE, _fa4, _sdpa
+from flashcore.tuning.timing import n_sets, time_kernel
 
 CONFIGS = [TileConfig((16, t), warps=1, stages=s) for t in (32, 64, 128) for s in (1, 2, 3)]
 SPLITS = [None, 8, 16, 32, 64, 128]

@@ -94,6 +94,7 @@ def fp8_specs(arch: str) -> list:
     specs += _specs(arch, [TileConfig(t, warps=w, kv_splits=k) for t, w, k in FP8_SPLIT_CONFIGS],
                     **fp8)
     specs += _specs(arch, [TileConfig((64, 64), stages=2)], **fp8)
+    specs += _specs(arch, [TileConfig((16, 64), warps=1)], split_kv=[False, True], **fp8)
     for bucket in [b for b, _, _ in BUCKETS]:  # tile=None fp8, decode splits included
         for d, causal in itertools.product(HEAD_DIMS, (False, True)):
             specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8")], dtype=DTYPES,

@@ -52,6 +52,8 @@ def _allowed(err_sdpa, ref, dtype, q=None, k=None, v=None, scale=None) -> float:
     ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(ref.abs().max().item(), 1e-30)))
     logits = 0.0
     if q is not None:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each query head's K/V head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         s_max = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() * sc
         spread = (v.double().amax() - v.double().amin()).item()

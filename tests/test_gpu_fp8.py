@@ -86,7 +86,9 @@ def test_fp8_attention_never_overflows_and_stays_accurate(
     v = _make((b, h, sk, d), mv, pattern, min(outlier, 30.0), dt, g)
     scale = 1.0 / (math.sqrt(d) * mq * mk)
     out = torch.full_like(q, float("nan"))
-    attention(q, k, v, causal=causal, softmax_scale=scale, precision="fp8", out=out)
+    # the tile and one share of the keys per row, as the simulation below replays them
+    attention(q, k, v, causal=causal, softmax_scale=scale, precision="fp8", out=out,
+              tile=(64, 64), num_splits=1)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "NaN/Inf (or unwritten elements) in the FP8 output"
     if b * h * sq * sk <= 2**22:  # the simulated-quantisation reference runs on the CPU
@@ -203,9 +205,28 @@ def test_fp8_huge_logits_default_scale(dtype, mag, causal):
     q, k, v = ((torch.randn(2, 4, 300, 64, device="cuda", generator=g) * mag).to(dtype)
                for _ in range(3))
     out = torch.full_like(q, float("nan"))
-    attention(q, k, v, causal=causal, precision="fp8", out=out)
+    attention(q, k, v, causal=causal, precision="fp8", out=out, tile=(64, 64))
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
     sim = reference.attention_fp8(q, k, v, causal=causal, tile=(64, 64))
     rel, _ = _metrics(out, sim)
     assert rel <= 1e-2, f"vs simulated quantisation {rel:.3g}"
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_decode_split_over_ctas(splits, causal):
+    """One query token (and a few) against split keys: each share's P is rounded against its own
+    running max; the simulation replays the shares and merges them."""
+    g = torch.Generator(device="cuda").manual_seed(splits + causal)
+    for sq in (1, 7):
+        q, k, v = (torch.randn(2, 4, s, 128, device="cuda", generator=g, dtype=torch.float16)
+                   for s in (sq, 700, 700))
+        out = torch.full_like(q, float("nan"))
+        attention(q, k, v, causal=causal, precision="fp8", out=out, tile=(16, 64), warps=1,
+                  num_splits=splits)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        sim = reference.attention_fp8(q, k, v, causal=causal, tile=(16, 64), num_splits=splits)
+        rel, _ = _metrics(out, sim)
+        assert rel <= SIM_TOL, f"vs simulated quantisation {rel:.3g}"

@@ -88,14 +88,17 @@ def test_opcheck():
     if current_arch() in ("sm_89", "sm_90"):
         k8, kd = quantize_fp8(k, granularity="token")
         v8, vd = quantize_fp8(v, granularity="token")
+        # opcheck's schema test does arithmetic on the inputs, which torch has no e4m3 CUDA
+        # kernels for ("mul_cuda not implemented for Float8_e4m3fn"): the other checks only
+        no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
         torch.library.opcheck(torch.ops.flashcore.attention.default, (q, k8, v8),
-                              {"k_descale": kd, "v_descale": vd})
+                              {"k_descale": kd, "v_descale": vd}, test_utils=no_schema)
         torch.library.opcheck(torch.ops.flashcore.quantize_fp8.default, (k,),
                               {"granularity": "token"})
         q8, qd = quantize_fp8(q, granularity="token")
         vt8, vdh = quantize_fp8(v, transpose=True)
         torch.library.opcheck(torch.ops.flashcore.attention_fp8.default,
-                              (q8, k8, vt8, qd, kd, vdh), {"causal": True})
+                              (q8, k8, vt8, qd, kd, vdh), {"causal": True}, test_utils=no_schema)
 
 
 def test_inputs_that_require_grad_raise_unless_told():
@@ -136,11 +139,12 @@ def test_batch_beyond_the_grid_z_limit():
     sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     assert max_abs(out, sdpa) < 2e-3
     dec = attention(q[:, :, :1], k, v)  # decode: one token against 16 keys each
-    assert max_abs(dec, torch.nn.functional.scaled_dot_product_attention(q[:, :, :1], k, v)) < 2e-3
+    # (torch's cuDNN backend fails on this decode shape; the float64 reference is the truth)
+    assert max_abs(dec, reference.attention(q[:, :, :1], k, v, device=q.device)) < 2e-3
 
 
 def test_out_that_aliases_an_input_is_refused():
-    q, k, v = _qkv(hkv=4)
+    q, k, v = _qkv(hkv=4, sq=64, sk=64)
     for alias, name in ((q, "q"), (v, "v")):
         with pytest.raises(ValueError, match=f"shares memory with {name}"):
             attention(q, k, v, out=alias)

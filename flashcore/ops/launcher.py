@@ -70,10 +70,8 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     if splits is None:
         splits = 1
         if Sq <= plan.DECODE_MAX_Q:
-            probe = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True)
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
-                                     -(-Sk // config.tile_n),
-                                     plan.sm_count(dev) * probe.ctas_per_sm)
+                                     -(-Sk // config.tile_n), plan.sm_count(dev))
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,

@@ -52,7 +52,9 @@ def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=4096)
 def num_splits(ctas: int, n_blocks: int, slots: int) -> int:
     """How many CTAs share each row's ``n_blocks`` key blocks, when ``ctas`` CTAs (one per query
-    tile) would run on a GPU that holds ``slots`` CTAs at once.
+    tile) would run on a GPU of ``slots`` SMs. One decode CTA a SM keeps the SM's memory pipe
+    full (its K/V stages are in flight); more only add partial results to combine (measured on
+    the H100, 2026-11-23: 16 shares of 1,8,8,32768,128 at 52 µs, 32 at 55, 64 at 59).
 
     Time is modelled as waves x (blocks per share + ``SHARE_OVERHEAD``): a share's CTA first
     waits for Q and its first blocks, and its partial result is read again by the combine. The

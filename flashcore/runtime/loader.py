@@ -59,17 +59,6 @@ class LoadedKernel:
         self.programmatic = getattr(self.artifact.spec, "programmatic_launch", False)
         self._configs: dict[tuple, object] = {}  # (grid, stream) -> CUlaunchConfig
 
-    @property
-    def ctas_per_sm(self) -> int:
-        """CTAs of this kernel an SM holds at once (the driver's occupancy calculator)."""
-        n = getattr(self, "_ctas_per_sm", None)
-        if n is None:
-            n = self._ctas_per_sm = max(1, check(
-                cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                    self.function, self._block[0], self._smem),
-                f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.artifact.entry})"))
-        return n
-
     def launch(self, grid: tuple[int, int, int], values: tuple, stream: int) -> None:
         """``values``: every parameter's fields, flattened in ABI order (see flashcore.abi)."""
         result, call = self._launch(grid, values, stream)

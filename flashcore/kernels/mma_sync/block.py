@@ -28,23 +28,33 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
         # issued before the MMAs so their global-load latency hides behind them
         k_descale = load_k_descale(cta, n_block)
 
-    before_scores(cta, n_block, slot, first)
+    kv_scales = before_scores(cta, n_block, slot, first)
     stage = cta.stage(slot)
     gemm_ss(cta.lay.tiled_mma, acc_S, cta.q, cta.q.smem, cta.k, cta.k.stage(stage))
     after_scores(cta, n_block)
 
     S = mn_view(acc_S)
     if cutlass.const_expr(cta.lay.fp8):  # each key's descale multiplies its column of scores
-        for col in cutlass.range_constexpr(cute.size(S, mode=[1])):
-            for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-                S[r, col] = S[r, col] * k_descale[col]
+        scale_columns(S, k_descale)
+    if cutlass.const_expr(cta.lay.kv_fp8):  # the FP8 KV cache's per-key descales of K and V
+        scale_columns(S, kv_scales[0])
     if cutlass.const_expr(masked):
         mask_scores(S, cta.score_coords(n_block), cta.seqlen_k, cta.spec.causal, cta.q_group)
     softmax.update(S, mn_view(cta.acc_O))
+    if cutlass.const_expr(cta.lay.kv_fp8):  # P·(v8 · v_descale) = (P · v_descale)·v8, per key
+        scale_columns(S, kv_scales[1])
 
     gemm_rs(cta.lay.tiled_mma, cta.acc_O, probabilities_as_operand(cta, acc_S), cta.vt,
             cta.vt.stage(stage))
     after_block(cta, n_block, slot)
+
+
+@cute.jit
+def scale_columns(S: cute.Tensor, scales: cute.Tensor):
+    """S[r, c] *= scales[c] over a (rows, keys) view."""
+    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            S[r, c] = S[r, c] * scales[c]
 
 
 @cute.jit

@@ -7,8 +7,9 @@ Three schedules, chosen by the spec:
 * ``stages > 1``: K and V of each block are one cp.async group, issued ``stages`` blocks ahead
   into a ring; a stage is refilled once every warp is done with it.
 * FP8 KV cache: e4m3 K and V (and their per-key descales) arrive in the ring as above; when a
-  block is due it is converted, descale applied, into one 16-bit K and V tile that the MMAs read,
-  which frees its ring stage at once for the block ``stages`` ahead.
+  block is due its codes are converted (exactly) into one 16-bit K and V tile that the MMAs read,
+  which frees its ring stage at once for the block ``stages`` ahead; the descales go to
+  registers and scale the block's scores (K) and probabilities (V).
 
 Every block commits exactly one cp.async group (possibly empty), so ``wait_group(stages - 1)``
 always means "the oldest block in flight has landed".
@@ -19,6 +20,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common.copies import load_block, load_rows, load_vector
+from ..common.fragments import mn_view
 from .cta import Cta
 
 
@@ -92,18 +94,21 @@ def prologue(cta: Cta):
 
 @cute.jit
 def before_scores(cta: Cta, n_block, slot, first: cutlass.Constexpr):
-    """Block ``n_block``'s K (and for the ring schedules its V) is in the tiles the MMAs read."""
+    """Block ``n_block``'s K (and for the ring schedules its V) is in the tiles the MMAs read.
+    For an FP8 KV cache returns this thread's (K, V) descales of its score columns."""
     stages = cta.config.stages
     if cutlass.const_expr(cta.lay.kv_fp8):
         cute.arch.cp_async_wait_group(stages - 1)
         group_sync(cta, cta.group)
-        dequantize(cta, cta.sK_ring[None, None, slot], cta.sKd[None, slot], cta.sK16)
-        dequantize(cta, cta.sV_ring[None, None, slot], cta.sVd[None, slot], cta.sV16)
+        scales = column_scales(cta, slot)
+        dequantize(cta, cta.sK_ring[None, None, slot], cta.sK16)
+        dequantize(cta, cta.sV_ring[None, None, slot], cta.sV16)
         group_sync(cta, cta.group)
         # the stage is free already: refill it with the block `stages` ahead
         if n_block - stages >= cta.n_lo:
             issue_block(cta, n_block - stages, slot, False)
         cute.arch.cp_async_commit_group()
+        return scales
     elif cutlass.const_expr(stages > 1):
         cute.arch.cp_async_wait_group(stages - 1)  # block n's group is the oldest in flight
         group_sync(cta, cta.group)
@@ -115,6 +120,7 @@ def before_scores(cta: Cta, n_block, slot, first: cutlass.Constexpr):
         group_sync(cta, cta.group)
         issue_v(cta, n_block, 0, False)
         cute.arch.cp_async_commit_group()
+    return None
 
 
 @cute.jit
@@ -139,18 +145,38 @@ def after_block(cta: Cta, n_block, slot):
 
 
 @cute.jit
-def dequantize(cta: Cta, src: cute.Tensor, scales: cute.Tensor, dst: cute.Tensor):
-    """e4m3 (keys, head_dim) tile times each key's descale -> the 16-bit tile ``dst``, 16 values
-    (one 16-byte chunk of ``src``) per step of each thread."""
+def column_scales(cta: Cta, slot):
+    """The K and V descales of the keys whose scores this thread holds, from ring stage
+    ``slot`` (read before the stage is refilled)."""
+    c = cta.config
+    cols = mn_view(cta.thr_mma.partition_C(cute.make_identity_tensor((c.tile_m, c.tile_n))))
+    n = cute.size(cols, mode=[1])
+    k_scale = cute.make_rmem_tensor(n, cutlass.Float32)
+    v_scale = cute.make_rmem_tensor(n, cutlass.Float32)
+    for j in cutlass.range_constexpr(n):
+        key = cols[0, j][1]
+        k_scale[j] = cta.sKd[key, slot]
+        v_scale[j] = cta.sVd[key, slot]
+    return k_scale, v_scale
+
+
+@cute.jit
+def dequantize(cta: Cta, src: cute.Tensor, dst: cute.Tensor):
+    """e4m3 (keys, head_dim) tile -> the 16-bit tile ``dst``, 16 values (one 16-byte chunk of
+    ``src``) per step of each thread. The codes are exact in 16 bits; each key's descale is
+    applied to its scores (K) and its probabilities (V) in fp32, where it is cheap."""
     d = cta.spec.head_dim
     per_row = d // 16
     chunks = cta.config.tile_n * per_row  # a multiple of the group's threads (spec validation)
+    op = cta.lay.op_dtype
     for i in cutlass.range_constexpr(chunks // cta.config.group_threads):
         c = cta.tidx + i * cta.config.group_threads
         row, col = c // per_row, c % per_row
         e4m3 = cute.make_rmem_tensor((16,), cta.lay.ring_dtype)
         cute.autovec_copy(cute.local_tile(src[row, None], (16,), (col,)), e4m3)
-        vals = e4m3.load().to(cutlass.Float32) * scales[row]
-        out = cute.make_rmem_tensor((16,), cta.lay.op_dtype)
-        out.store(vals.to(cta.lay.op_dtype))
+        out = cute.make_rmem_tensor((16,), op)
+        if cutlass.const_expr(op == cutlass.Float16):
+            out.store(e4m3.load().to(op))  # cvt.rn.f16x2.e4m3x2
+        else:
+            out.store(e4m3.load().to(cutlass.Float32).to(op))
         cute.autovec_copy(out, cute.local_tile(dst[row, None], (16,), (col,)))
