@@ -6,7 +6,9 @@
 #   tests ARCH      the GPU tests, the kernels of ARCH (sm_89 runs from PTX on an H100)
 #   sanitize ARCH   compute-sanitizer memcheck, racecheck, synccheck (scripts/sanitize.sh)
 #   decode          the decode sweep (scripts/decode_sweep.py)
-#   bench           python -m flashcore.bench --quick, every peer
+#   bench           python -m flashcore.bench --quick, every peer (FLASHCORE_NV_FA2 names
+#                   NVIDIA's CuTe DSL FA2 example, fetched outside git)
+#   hostprof        eager host time at the mission shape, this tree and OLD_TREE if set
 set -u
 out=${OUT:-gpu-results}
 mkdir -p "$out"
@@ -16,11 +18,16 @@ export FLASHCORE_CACHE_DIR=$cache-sm_90
 phase=""
 for word in "$@"; do
   case "$word" in
-    build|tests|sanitize|decode|bench) phase=$word
+    build|tests|sanitize|decode|bench|hostprof) phase=$word
       [ "$phase" = decode ] && { timeout -s KILL "${DECODE_S:-240}" python3 scripts/decode_sweep.py \
           ${DECODE_ARGS:-} > "$out/decode-sweep.log" 2>&1; tail -60 "$out/decode-sweep.log"; }
       [ "$phase" = bench ] && { timeout -s KILL "${BENCH_S:-400}" python3 -m flashcore.bench --quick \
           ${BENCH_ARGS:-} --out "$out" > "$out/bench.log" 2>&1; tail -30 "$out/bench.log"; }
+      [ "$phase" = hostprof ] && {
+        timeout -s KILL 120 python3 scripts/host_overhead.py --tag new > "$out/host-overhead.log" 2>&1
+        [ -n "${OLD_TREE:-}" ] && FLASHCORE_CACHE_DIR=/tmp/fc-old PYTHONPATH="$OLD_TREE:${PYTHONPATH:-}" \
+          timeout -s KILL 150 python3 scripts/host_overhead.py --tag old >> "$out/host-overhead.log" 2>&1
+        cat "$out/host-overhead.log" | grep "per call"; }
       continue ;;
   esac
   arch=$word

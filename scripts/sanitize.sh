@@ -9,7 +9,7 @@ mkdir -p "$out"
 tag=${FLASHCORE_ARCH:-native}
 export PYTHONUNBUFFERED=1
 status=0
-for tool in memcheck racecheck synccheck; do
+for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
   for mode in ${SANITIZE_MODES:-all splits-equal splits-unequal}; do
     log="$out/sanitize-$tag-$tool-$mode.log"
     extra=""

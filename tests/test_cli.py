@@ -181,3 +181,23 @@ def test_catalog_without_ir_still_verifies_and_loads(catalog, tmp_path):
         art = KernelArtifact.load(tmp_path / "slim" / k["path"])
         assert art.ir == "" and len(art.cubin) > 0
         assert not (tmp_path / "slim" / k["path"] / "kernel.mlir").exists()
+
+
+def test_spec_flags_come_from_the_spec(tmp_path):
+    """Every spec field is a typed flag: the kernel-families issue's command, and a compare
+    whose pairs are parsed with the fields' types."""
+    p = run(["dump", "--arch", "sm_89", "--kv-splits", "2", "--precision", "fp8",
+             "--out", str(tmp_path / "d")], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(next((tmp_path / "d").glob("*/spec.json")).read_text())
+    assert spec["config"]["kv_splits"] == 2 and spec["precision"] == "fp8"
+    p = run(["dump", "--compare", "arch=sm_89,tile=32x64,warps=2",
+             "arch=sm_89,tile=32x64,warps=2,kv_splits=2"], tmp_path / "cache")
+    assert p.returncode == 0, p.stderr
+    assert "registers" in p.stdout
+    from flashcore.cli import build_parser
+
+    helps = build_parser()._subparsers._group_actions[0].choices["compile"].format_help()
+    for flag in ("--kv-splits", "--stages", "--precision", "--kv-fp8", "--split-kv", "--family",
+                 "--return-lse", "--lse"):
+        assert flag in helps, flag

@@ -41,23 +41,28 @@ from filelock import FileLock, Timeout
 from ..errors import CacheCorruptionError, CompileError
 from ..spec import KernelSpec, spec_from_dict
 from .artifact import META, KernelArtifact
+from .catalog_index import CATALOG_SHA256_ENV, read_index
 from .fingerprint import dsl_fingerprint, source_hash
+from .layout import (
+    CATALOG_INDEX,
+    ENTRY_DIR,
+    FAILED_SUFFIX,
+    LAYOUT,
+    LOCK_SUFFIX,
+    QUARANTINE,
+    SPEC_DIR,
+    entry_name,
+    spec_dir_name,
+)
 
 CACHE_ENV = "FLASHCORE_CACHE_DIR"
 MAX_SIZE_ENV = "FLASHCORE_CACHE_MAX_SIZE"
-LAYOUT = "v1"
-QUARANTINE = "quarantine"
-CATALOG_INDEX = "index.json"
-LOCK_SUFFIX = ".lock"
-FAILED_SUFFIX = ".failed"
 _TMP_PREFIX = ".tmp-"
 _LOCK_TIMEOUT_S = 1800  # longer than any compile; a dead holder's flock is released by the OS
 _FAILURE_TTL_S = 60.0  # a failed build's marker: long enough for every waiter of that lock
 _STALE_TMP_S = 3600.0  # a temporary this old is abandoned even if its pid lives (pid reuse)
 _READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
 # What the cache writes, and so what `clear` removes: nothing else in the folder is touched.
-_SPEC_DIR = re.compile(r"[A-Za-z0-9_.]+-[0-9a-f]{16}")
-_ENTRY_DIR = re.compile(r"[0-9a-f]{16}-dsl[A-Za-z0-9._+-]*")
 _TMP_PID = re.compile(r"-(\d+)-[0-9a-f]{8}$")
 
 
@@ -69,15 +74,6 @@ def cache_root() -> Path:
     """``$FLASHCORE_CACHE_DIR`` if set, else the user's cache directory for flashcore."""
     env = os.environ.get(CACHE_ENV)
     return Path(env) if env else Path(platformdirs.user_cache_dir("flashcore"))
-
-
-def spec_dir_name(spec: KernelSpec) -> str:
-    return f"{spec.name}-{spec.content_hash}"
-
-
-def entry_name(source: str, dsl: str | None) -> str:
-    """``<source hash>-dsl<DSL fingerprint>``: one build of one spec."""
-    return f"{source}-dsl{dsl}"
 
 
 def parse_size(text: str) -> int:
@@ -473,7 +469,7 @@ class KernelCache:
         try:
             return sorted(
                 p for p in self.base.iterdir()
-                if p.name != QUARANTINE and _SPEC_DIR.fullmatch(p.name) and p.is_dir()
+                if p.name != QUARANTINE and SPEC_DIR.fullmatch(p.name) and p.is_dir()
             ) if self.base.is_dir() else []
         except OSError as e:
             problems.append((self.base, f"cannot be listed: {e.strerror or e}"))
@@ -486,7 +482,7 @@ class KernelCache:
         for sdir in self._spec_dirs(problems):
             try:
                 out += sorted(e for e in sdir.iterdir()
-                              if _ENTRY_DIR.fullmatch(e.name) and e.is_dir())
+                              if ENTRY_DIR.fullmatch(e.name) and e.is_dir())
             except OSError as e:
                 problems.append((sdir, f"cannot be listed: {e.strerror or e}"))
         return out, problems
@@ -500,7 +496,6 @@ class KernelCache:
         served = self.catalog
         if served is None and self.is_catalog_root():
             from ..errors import CatalogError
-            from .catalog import read_index  # a catalog imports this module
 
             try:
                 served = read_index(self.root).served()
@@ -557,7 +552,7 @@ class KernelCache:
                 continue
             for p in children:
                 n = p.name
-                if (_ENTRY_DIR.fullmatch(n) or n.startswith(_TMP_PREFIX)
+                if (ENTRY_DIR.fullmatch(n) or n.startswith(_TMP_PREFIX)
                         or n.endswith((LOCK_SUFFIX, FAILED_SUFFIX))):
                     _rmtree(p, failed)
             with contextlib.suppress(OSError):
@@ -681,7 +676,6 @@ def default_cache() -> KernelCache:
         cache = _defaults.get(root)
         if cache is None:
             if (root / CATALOG_INDEX).exists():
-                from .catalog import CATALOG_SHA256_ENV, read_index
 
                 index = read_index(root, sha256=os.environ.get(CATALOG_SHA256_ENV) or None)
                 cache = KernelCache(root, catalog=index.served())

@@ -115,7 +115,7 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
     from ..build.compiler import compile_kernel
     from ..ops import attention
     from ..runtime.device import arch_of
-    from .bench import fp8_kernel_only
+    from .peers import fp8_kernel_only
     from .timing import time_kernel
 
     if not torch.cuda.is_available():
