@@ -17,8 +17,8 @@ from pathlib import Path
 from flashcore.build.catalog import catalog_specs
 from flashcore.errors import SpecError
 from flashcore.spec import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
+from flashcore.tuned.table import BUCKETS, lookup, table_arch, winner_specs
 from flashcore.tuning.search import all_candidates
-from flashcore.tuning.table import BUCKETS, lookup, table_arch, winner_specs
 from tests.gpu_utils import FP8_SPLIT_CONFIGS, SPLIT_CONFIGS, STAGE_CONFIGS
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]

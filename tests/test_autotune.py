@@ -7,7 +7,8 @@ import json
 import pytest
 
 from flashcore.spec import SMEM_PER_BLOCK, TileConfig
-from flashcore.tuning import search, table
+from flashcore.tuned import table
+from flashcore.tuning import search
 
 
 @pytest.fixture

@@ -145,7 +145,7 @@ def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):
     spill (beyond a value parked across the key loop, as above)."""
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
     from flashcore.build.compiler import compile_many
-    from flashcore.tuning.table import winner_specs
+    from flashcore.tuned.table import winner_specs
 
     specs = list(winner_specs("sm_90", build_arch="sm_89", precisions=("fp16",)).values())
     assert len(specs) == 12

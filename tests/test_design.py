@@ -16,9 +16,9 @@ LAYERS = {
     "kernels": {"spec", "errors"},
     "build": {"spec", "errors"},
     "runtime": {"build", "spec", "errors"},
-    "tuning.table": {"spec", "errors"},
-    "ops": {"runtime", "build", "spec", "errors", "tuning.table"},
-    "tuning": {"ops", "runtime", "build", "spec", "errors", "tuning.table"},
+    "tuned": {"spec", "errors"},
+    "ops": {"runtime", "build", "spec", "errors", "tuned"},
+    "tuning": {"ops", "runtime", "build", "spec", "errors", "tuned"},
     "reference": {"kernels.common.block_info"},
 }
 TOP = {"cli", "bench", "autotune", "__init__"}
@@ -85,8 +85,6 @@ def _graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> str:
-    if module.startswith("tuning.table"):
-        return "tuning.table"
     return module.split(".")[0] if module else "__init__"
 
 

@@ -15,7 +15,7 @@ from flashcore.ops import plan
 from flashcore.ops.eager import resolve_config
 from flashcore.ops.validate import _ranges_overlap, _self_overlapping, check_qkv
 from flashcore.spec import TileConfig
-from flashcore.tuning.table import DECODE_DEFAULT
+from flashcore.tuned.table import DECODE_DEFAULT
 
 
 @given(ctas=st.integers(1, 4000), n_blocks=st.integers(1, 2000), slots=st.integers(8, 600))

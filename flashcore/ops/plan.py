@@ -16,7 +16,7 @@ import math
 import torch
 
 from ..spec import TileConfig
-from ..tuning.table import BUCKETS, bucket_of, lookup
+from ..tuned.table import BUCKETS, bucket_of, lookup
 
 DECODE_MAX_Q = BUCKETS[0][1]  # the decode bucket's bound
 MAX_SPLITS = 256

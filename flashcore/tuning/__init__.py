@@ -1,2 +1,2 @@
-"""Choosing configs: the tuned tables that ``tile=None`` reads (``table``), and the search and
-timing behind them (``search``, ``timing``) that the autotuner and the benchmark use."""
+"""Finding configs: the autotuner (``search``) and the benchmark (``bench``, its ``peers``),
+both timing with ``timing``. The tables they write live in ``flashcore.tuned``."""

@@ -6,7 +6,7 @@
 ``build`` compiles every candidate in parallel worker processes (no GPU needed) into a cache
 folder that a GPU host without the DSL can use. ``run`` times each candidate with CUDA graphs at a
 representative shape per bucket and writes the winners to ``flashcore/tuned/<arch>.json`` (or
-``--out``); ``flashcore.tuning.table`` reads them for ``tile=None``. bf16 uses the fp16 winners
+``--out``); ``flashcore.tuned.table`` reads them for ``tile=None``. bf16 uses the fp16 winners
 (same kernel structure and instruction mix).
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..errors import KernelNotAvailableError, SpecError
 from ..spec import FP8_ARCHS, AttentionSpec, TileConfig
-from .table import BUCKETS, TUNED_DIR, clear, key
+from ..tuned.table import BUCKETS, TUNED_DIR, clear, key
 
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
 WARPS = [1, 2, 4, 8]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..spec import AttentionSpec, SpecError, TileConfig
 
-TUNED_DIR = Path(__file__).resolve().parent.parent / "tuned"
+TUNED_DIR = Path(__file__).resolve().parent
 TABLE_ENV = "FLASHCORE_TUNED"
 DEFAULT = TileConfig((64, 64), warps=4)
 # Decode (a few query tokens against many keys): one warp per 16 rows, K/V streamed through two
