@@ -72,8 +72,11 @@ def decode_specs(arch: str) -> list:
     for bucket in ("decode", "short"):
         for d, causal in itertools.product(HEAD_DIMS, (False, True)):
             specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
-                            causal=causal, return_lse=[False, True], split_kv=[False, True],
-                            kv_fp8=kv8)
+                            causal=causal, return_lse=[False, True], split_kv=[False, True])
+            if len(kv8) > 1:  # an FP8 KV cache has configs of its own
+                specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8kv")], dtype=DTYPES,
+                                head_dim=d, causal=causal, return_lse=[False, True],
+                                split_kv=[False, True], kv_fp8=True)
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)
               for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
     return specs

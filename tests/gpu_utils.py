@@ -52,7 +52,8 @@ def current_arch() -> str:
     return arch_of(torch.cuda.current_device())
 
 
-def skip_unless_fits(head_dim: int, **knobs) -> None:
+def skip_unless_fits(head_dim: int, precision: str = "fp16", kv_fp8: bool = False,
+                     **knobs) -> None:
     """Skip a test whose config does not fit this arch (an L4's 99 KB of shared memory when the
     sm_89 kernels run on an H100 from their PTX)."""
     import pytest
@@ -61,7 +62,7 @@ def skip_unless_fits(head_dim: int, **knobs) -> None:
     from flashcore.spec import AttentionSpec, TileConfig
 
     try:
-        AttentionSpec(arch=current_arch(), head_dim=head_dim,
-                      config=TileConfig(knobs.pop("tile"), **knobs))
+        AttentionSpec(arch=current_arch(), head_dim=head_dim, precision=precision,
+                      kv_fp8=kv_fp8, config=TileConfig(knobs.pop("tile"), **knobs))
     except SpecError as e:
         pytest.skip(f"does not fit {current_arch()}: {e}")

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention
 from flashcore.ops.fp8 import attention_fp8, key_permutation, padded_keys, quantize_fp8
-from tests.gpu_utils import FP8_SPLIT_CONFIGS, attention_shapes, requires_cuda
+from tests.gpu_utils import FP8_SPLIT_CONFIGS, attention_shapes, requires_cuda, skip_unless_fits
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -165,6 +165,7 @@ def test_low_level_entry_and_errors():
 def test_fp8_kv_splits(config, causal, d, sq, sk):
     """The FP8 kernel with split key ranges: same answer as the simulated quantisation."""
     tile, warps, splits = config
+    skip_unless_fits(d, precision="fp8", tile=tile, warps=warps, kv_splits=splits)
     g = torch.Generator(device="cuda").manual_seed(sq * d + causal)
     q, k, v = (torch.randn(2, 3, s, d, device="cuda", generator=g, dtype=torch.float16)
                for s in (sq, sk, sk))

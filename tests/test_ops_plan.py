@@ -113,3 +113,10 @@ def test_cpu_tensors_and_bad_shapes_are_named():
         check_qkv(q, q.float(), q.float())
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         check_qkv(q, None, q)
+
+
+def test_fp8_kv_cache_splits_into_short_shares():
+    assert plan.num_splits(128, 128, 132, kv_fp8=True) == 16  # 8 blocks a share
+    assert plan.num_splits(8, 1024, 132, kv_fp8=True) == 128
+    assert plan.num_splits(16 * 132, 128, 132, kv_fp8=True) == 1  # the grid is full already
+    assert plan.num_splits(1000, 128, 132, kv_fp8=True) == 2  # at most 16 CTAs a SM

@@ -68,7 +68,7 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                          "cache runs with precision='fp16' (16-bit arithmetic)")
     config = resolve_config(config, tile, warps, stages, kv_splits, arch=arch_of(dev),
                             head_dim=q.shape[3], causal=causal, seqlen_q=q.shape[2],
-                            precision=precision)
+                            precision="fp8kv" if k.dtype == E4M3 else precision)
     B, H, Sq, D = q.shape
     if out is not None:
         check_out(out, q.shape, q.dtype, q.device, (q, k, v))

@@ -71,7 +71,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         splits = 1
         if Sq <= plan.DECODE_MAX_Q:
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
-                                     -(-Sk // config.tile_n), plan.sm_count(dev))
+                                     -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8)
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,
