@@ -47,6 +47,17 @@ def split_cases(equal: bool):
                         causal)
 
 
+def fp8_kv_cases(causal: bool, shapes):
+    # FP8 KV cache decode with the default config (one warp, short shares, combine)
+    for shape in shapes:
+        q, k, v = qkv(*shape)
+        k8, kd = quantize_fp8(k, granularity="token")
+        v8, vd = quantize_fp8(v, granularity="token")
+        kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
+        out = attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
+        yield check(f"fp8 kv cache {shape} causal={causal}", out, q, kq, vq, causal)
+
+
 def all_cases():
     arch = arch_of(torch.cuda.current_device())
     for causal in (False, True):
@@ -66,12 +77,7 @@ def all_cases():
             yield check(f"decode g{group} sk={sk} splits={splits} causal={causal}", out, q, k,
                         v, causal)
         if arch in ("sm_89", "sm_90"):
-            q, k, v = qkv(1, 4, 2, 1, 150, 64)  # FP8 KV cache decode
-            k8, kd = quantize_fp8(k, granularity="token")
-            v8, vd = quantize_fp8(v, granularity="token")
-            kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
-            out = attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
-            yield check(f"fp8 kv cache causal={causal}", out, q, kq, vq, causal)
+            yield from fp8_kv_cases(causal, ((1, 4, 2, 1, 150, 64),))
             q, k, v = qkv(1, 2, 2, 70, 90, 64)  # FP8 operands, and its quantisers
             q8, qd = quantize_fp8(q, granularity="token")
             k8, kd = quantize_fp8(k, granularity="token")
@@ -84,7 +90,9 @@ def all_cases():
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
     cases = {"all": all_cases, "splits-equal": lambda: split_cases(True),
-             "splits-unequal": lambda: split_cases(False)}[mode]
+             "splits-unequal": lambda: split_cases(False),
+             "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
+                                                    (1, 32, 8, 1, 2049, 128)))}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)
