@@ -11,13 +11,12 @@ from pathlib import Path, PurePosixPath
 from ..errors import CacheCorruptionError, CatalogError, SpecError
 from ..spec import spec_from_dict
 from .artifact import META, KernelArtifact
-from .layout import CATALOG_INDEX, LAYOUT, spec_dir_name
+from .layout import CATALOG_INDEX, ENTRY_DIR, LAYOUT, spec_dir_name
 
 INDEX = CATALOG_INDEX
 CATALOG_FORMAT = 2  # 2: specs carry a TileConfig; the kernel sources moved (rebuild format 1)
 CATALOG_SHA256_ENV = "FLASHCORE_CATALOG_SHA256"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-_ENTRY = re.compile(r"[0-9a-f]{16}-dsl[A-Za-z0-9._+-]*")
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ def _check_entry(root: Path, i: int, k) -> None:
         or len(parts) != 3
         or parts[0] != LAYOUT
         or parts[1] != spec_dir_name(spec)
-        or not _ENTRY.fullmatch(parts[2])
+        or not ENTRY_DIR.fullmatch(parts[2])
     ):
         raise _index_problem(
             root,

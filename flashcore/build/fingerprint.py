@@ -40,7 +40,8 @@ def build_source_files() -> list[Path]:
     return sorted(files, key=lambda f: f.relative_to(PACKAGE).as_posix())
 
 
-def _hash_files(files: list[Path]) -> str:
+def hash_files(files: list[Path]) -> str:
+    """sha256 (16 hex) of ``files`` (inside the package), by relative path and content."""
     h = hashlib.sha256()
     for path in files:
         rel = path.relative_to(PACKAGE).as_posix().encode()
@@ -53,13 +54,13 @@ def _hash_files(files: list[Path]) -> str:
 @functools.cache
 def source_hash() -> str:
     """sha256 (16 hex) of the build's sources, by relative path and content (once a process)."""
-    return _hash_files(build_source_files())
+    return hash_files(build_source_files())
 
 
 def fresh_source_hash() -> str:
     """The same, read again now (the compiler compares it after a build: sources edited while a
     kernel compiled must not be filed under the old key)."""
-    return _hash_files(build_source_files())
+    return hash_files(build_source_files())
 
 
 def dsl_version() -> str | None:

@@ -54,7 +54,7 @@ def _fakes():
 def _attention_args(spec: AttentionSpec) -> tuple:
     import cutlass
 
-    from .mma_sync.layouts import DTYPES, E4M3
+    from .common.dtypes import DTYPES, E4M3
 
     bhsd, rows, per_head = _fakes()
     d, out = spec.head_dim, DTYPES[spec.dtype]
@@ -75,7 +75,7 @@ def _attention_args(spec: AttentionSpec) -> tuple:
 def _combine_args(spec: CombineSpec) -> tuple:
     import cutlass
 
-    from .mma_sync.layouts import DTYPES
+    from .common.dtypes import DTYPES
 
     bhsd, rows, _ = _fakes()
     lse = rows() if spec.return_lse else None
@@ -88,7 +88,7 @@ def _quantize_args(spec: QuantizeSpec) -> tuple:
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
-    from .mma_sync.layouts import DTYPES
+    from .common.dtypes import DTYPES
 
     bhsd, rows, per_head = _fakes()
     x = bhsd(DTYPES[spec.dtype], spec.head_dim)

@@ -11,16 +11,12 @@ lane owns head_dim / 32 consecutive columns, read as one vector.
 """
 
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 
 from ..spec import CombineSpec
-
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
-_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
+from .common.dtypes import DTYPES
+from .common.softmax import LN_2, LOG2_E
 
 
 class CombineSplits:
@@ -65,8 +61,8 @@ class CombineSplits:
                 cute.autovec_copy(cute.local_tile(mOp[at, head, row, None], (self.cols,),
                                                   (lane,)), part)
                 acc.store(acc.load() + part.load() * weight)
-            out = cute.make_rmem_tensor((self.cols,), _DTYPES[self.spec.dtype])
-            out.store(acc.load().to(_DTYPES[self.spec.dtype]))
+            out = cute.make_rmem_tensor((self.cols,), DTYPES[self.spec.dtype])
+            out.store(acc.load().to(DTYPES[self.spec.dtype]))
             cute.autovec_copy(out, cute.local_tile(mO[batch, head, row, None], (self.cols,),
                                                    (lane,)))
             if cutlass.const_expr(mLSE is not None):  # noqa: SIM102 - compile time, then run time

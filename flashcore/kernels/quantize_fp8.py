@@ -17,15 +17,15 @@ Every value is cast as ``x * 448 / amax``, so no finite input saturates (|x| <= 
 import cutlass
 import cutlass.cute as cute
 
+from .common.dtypes import DTYPES
+
 E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-30  # 448 / 1e-30 is still a finite float32
-
-_DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
 
 
 class QuantizeFP8:
     def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        self.in_dtype = _DTYPES[dtype]
+        self.in_dtype = DTYPES[dtype]
         self.head_dim = head_dim
         self.threads = threads
         self.warps = threads // 32
@@ -109,7 +109,7 @@ class QuantizeFP8Transposed:
     coalesced), converts them in the permuted key order and writes 32 contiguous bytes."""
 
     def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        self.in_dtype = _DTYPES[dtype]
+        self.in_dtype = DTYPES[dtype]
         self.head_dim = head_dim
         self.threads = threads
         self.groups = threads // head_dim  # groups of 32 keys per CTA
@@ -152,7 +152,7 @@ class QuantizeFP8Transposed:
 
 class QuantizeFP8PerToken:
     def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        self.in_dtype = _DTYPES[dtype]
+        self.in_dtype = DTYPES[dtype]
         self.head_dim = head_dim
         self.threads = threads
         self.tpr = head_dim // 8  # threads per row, 8 elements (16 bytes) each

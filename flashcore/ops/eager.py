@@ -15,7 +15,14 @@ from . import plan
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 from .launcher import launch_attention
 from .quantize import padded_keys, run_quantize
-from .validate import check_extents, check_kv_descales, check_out, check_qkv
+from .validate import (
+    check_extents,
+    check_fp8_descale,
+    check_fp8_operand,
+    check_kv_descales,
+    check_out,
+    check_qkv,
+)
 
 _warned: set[int] = set()  # devices told that FP8 is emulated there
 
@@ -104,26 +111,6 @@ def _empty_result(q, k, return_lse, out):
     return (result, lse) if return_lse else result
 
 
-def _check_fp8(name: str, t: torch.Tensor, shape: tuple) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype != E4M3:
-        raise TypeError(f"attention_fp8: {name} must be a float8_e4m3fn tensor, got "
-                        f"{getattr(t, 'dtype', type(t).__name__)}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"attention_fp8: {name} has shape {tuple(t.shape)}, expected {shape}")
-    st = t.stride()
-    if st[3] != 1 or t.data_ptr() % 16 or any(s % 16 for s in st[:3]):
-        raise ValueError(f"attention_fp8: {name} needs a contiguous last dim and 16-byte aligned "
-                         f"base and strides; got strides {st}")
-
-
-def _check_descale(name: str, t: torch.Tensor, shape: tuple, device) -> torch.Tensor:
-    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
-            or tuple(t.shape) != shape or t.device != device):
-        raise ValueError(f"attention_fp8: {name} must be float32 of shape {shape} on {device}, "
-                         f"got {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
-    return t.contiguous()
-
-
 def run_fp8(
     q8: torch.Tensor,
     k8: torch.Tensor,
@@ -148,18 +135,18 @@ def run_fp8(
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"attention_fp8: q8 has {H} heads and k8 {Hkv}: the query heads must be "
                          "a whole multiple of the key/value heads")
-    _check_fp8("q8", q8, (B, H, Sq, D))
-    _check_fp8("k8", k8, (B, Hkv, Sk, D))
-    _check_fp8("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
+    check_fp8_operand("q8", q8, (B, H, Sq, D))
+    check_fp8_operand("k8", k8, (B, Hkv, Sk, D))
+    check_fp8_operand("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
     if not (q8.device == k8.device == vt8.device) or q8.device.type != "cuda":
         raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
     if D not in HEAD_DIMS or min(B, H, Sq, Sk) == 0:
         raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
     if out_dtype not in DTYPE_NAMES:
         raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
-    qd = _check_descale("q_descale", q_descale, (B, H, Sq), q8.device)
-    kd = _check_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device)
-    vd = _check_descale("v_descale", v_descale, (B, Hkv), q8.device)
+    qd = check_fp8_descale("q_descale", q_descale, (B, H, Sq), q8.device)
+    kd = check_fp8_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device)
+    vd = check_fp8_descale("v_descale", v_descale, (B, Hkv), q8.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     device = q8.get_device()

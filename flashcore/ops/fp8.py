@@ -62,7 +62,7 @@ def attention_fp8(
     """Attention on already-quantised tensors (see module docstring for their layout). K/V may
     have fewer heads than Q (grouped-query attention)."""
     kw = {"causal": causal, "softmax_scale": softmax_scale, "return_lse": return_lse,
-              "out_dtype": out_dtype, "config": config, "num_splits": num_splits, "out": out}
+          "out_dtype": out_dtype, "config": config, "num_splits": num_splits, "out": out}
     if _tracing(q8):
         return attention_fp8_op(q8, k8, vt8, q_descale, k_descale, v_descale, **kw)
     return run_fp8(q8, k8, vt8, q_descale, k_descale, v_descale, **kw)

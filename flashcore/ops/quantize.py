@@ -33,12 +33,7 @@ def padded_keys(seqlen_k: int) -> int:
 def run_quantize(
     x: torch.Tensor, *, transpose: bool = False, granularity: str = "head"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x8, descale) with x ≈ x8.float() * descale, the descale per (batch, head) (shape (B, H))
-    or per token (``granularity="token"``, shape (B, H, S)).
-
-    x is (batch, heads, seq, head_dim) float16/bfloat16 on CUDA, every element finite. With
-    ``transpose`` x8 is Vᵀ in the FP8 attention kernel's layout (see module docstring).
-    """
+    """``flashcore.ops.fp8.quantize_fp8``, eager."""
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"quantize_fp8: x must be a 4-d tensor, got {getattr(x, 'shape', x)!r}")
     if x.dtype not in DTYPE_NAMES:

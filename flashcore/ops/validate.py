@@ -94,6 +94,28 @@ def check_kv_descales(k, k_descale, v_descale) -> tuple[torch.Tensor, torch.Tens
             v_descale if v_descale.stride(2) == 1 else v_descale.contiguous())
 
 
+def check_fp8_operand(name: str, t: torch.Tensor, shape: tuple) -> None:
+    """An ``attention_fp8`` operand: e4m3 of ``shape``, 16-byte aligned, contiguous last dim."""
+    if not isinstance(t, torch.Tensor) or t.dtype != E4M3:
+        raise TypeError(f"attention_fp8: {name} must be a float8_e4m3fn tensor, got "
+                        f"{getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"attention_fp8: {name} has shape {tuple(t.shape)}, expected {shape}")
+    st = t.stride()
+    if st[3] != 1 or t.data_ptr() % 16 or any(s % 16 for s in st[:3]):
+        raise ValueError(f"attention_fp8: {name} needs a contiguous last dim and 16-byte aligned "
+                         f"base and strides; got strides {st}")
+
+
+def check_fp8_descale(name: str, t: torch.Tensor, shape: tuple, device) -> torch.Tensor:
+    """An ``attention_fp8`` descale: float32 of ``shape`` on ``device``; returned contiguous."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
+            or tuple(t.shape) != shape or t.device != device):
+        raise ValueError(f"attention_fp8: {name} must be float32 of shape {shape} on {device}, "
+                         f"got {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
+    return t.contiguous()
+
+
 def check_grad(q, k, v) -> None:
     """No backward exists yet: refuse inputs that would silently lose their gradients."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import hashlib
 import importlib.metadata
 import json
 import platform
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..build.fingerprint import PACKAGE, dsl_fingerprint, source_hash
+from ..build.fingerprint import PACKAGE, dsl_fingerprint, hash_files, source_hash
 from .peers import (
     Impl,
     _flashcore,
@@ -178,13 +177,8 @@ def measure(shapes: list[Shape], impls: dict[str, Impl], eager: bool = True) -> 
 def _tree_hash() -> str:
     """sha256 (16 hex) of every file of the flashcore package as it is on disk: the code that ran
     (a device copy's .git may lag its work tree)."""
-    h = hashlib.sha256()
-    for p in sorted(PACKAGE.rglob("*")):
-        if p.is_file() and "__pycache__" not in p.parts:
-            rel = p.relative_to(PACKAGE).as_posix().encode()
-            data = p.read_bytes()
-            h.update(len(rel).to_bytes(8, "little") + rel + len(data).to_bytes(8, "little") + data)
-    return h.hexdigest()[:16]
+    return hash_files([p for p in sorted(PACKAGE.rglob("*"))
+                       if p.is_file() and "__pycache__" not in p.parts])
 
 
 def environment() -> dict:

@@ -16,6 +16,7 @@ import cutlass.cute as cute
 from .fragments import quad_max, quad_sum
 
 LN_2 = math.log(2.0)
+LOG2_E = math.log2(math.e)
 
 
 class OnlineSoftmax:

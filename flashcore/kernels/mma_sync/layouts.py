@@ -9,9 +9,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ...spec import AttentionSpec
 from ..common.copies import g2s_copy, swizzled_row_atom
-
-DTYPES = {"float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}
-E4M3 = cutlass.Float8E4M3FN
+from ..common.dtypes import DTYPES, E4M3
 
 
 class KernelLayouts:
