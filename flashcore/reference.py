@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels.common.block_info import key_range
+from .kernels.common.block_info import KeyBounds, key_range
 
 
 def attention(
@@ -23,6 +23,9 @@ def attention(
     return_lse: bool = False,
     device: torch.device | str | None = None,
     p_round: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    mask_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of (B, H, S, D) inputs, computed and returned in float64.
 
@@ -32,6 +35,11 @@ def attention(
     natural log of the softmax denominator, shape (B, H, S_q). Work happens on ``device``
     (default: the CPU), where the results are returned. ``p_round``, if given, is applied to the
     unnormalised probabilities exp(s - rowmax) in the P·V product only (not the denominator).
+
+    ``mask_align="bottom_right"`` shifts the diagonal by S_k - S_q (query i sees j <= i + S_k -
+    S_q); ``window=(left, right)`` keeps keys i + shift - left <= j <= i + shift + right (-1: no
+    limit; right is 0 when causal); ``softcap`` turns the scaled scores s into
+    softcap * tanh(s / softcap) before the mask.
     """
     _check_shapes(q, k, v)
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -40,11 +48,23 @@ def attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if causal or window is not None:
         sq, sk = scores.shape[-2:]
-        i = torch.arange(sq, device=dev).unsqueeze(1)
+        shift = sk - sq if mask_align == "bottom_right" else 0
+        i = torch.arange(sq, device=dev).unsqueeze(1) + shift
         j = torch.arange(sk, device=dev).unsqueeze(0)
-        scores = scores.masked_fill(j > i, -math.inf)
+        hidden = torch.zeros((sq, sk), dtype=torch.bool, device=dev)
+        if causal:
+            hidden |= j > i
+        if window is not None:
+            left, right = window
+            if right >= 0:
+                hidden |= j > i + right
+            if left >= 0:
+                hidden |= j < i - left
+        scores = scores.masked_fill(hidden, -math.inf)
 
     # Subtract the row max for range; a row with no visible key has max -inf, use 0 there so
     # exp gives 0 rather than exp(-inf - -inf) = NaN.
@@ -165,7 +185,8 @@ def kernel_key_blocks(
     being one warp group (of ``kv_splits``) of one CTA (of ``num_splits`` split-KV CTAs): the
     kernel's own ``key_range`` (``flashcore.kernels.common.block_info``)."""
     tile_m, tile_n = tile
-    return [[key_range(mb, tile_m, tile_n, seqlen_k, causal, 1, s, num_splits, g, kv_splits)
+    bounds = KeyBounds(causal)
+    return [[key_range(mb, tile_m, tile_n, seqlen_k, bounds, 1, s, num_splits, g, kv_splits)[:2]
              for mb in range(-(-seqlen_q // tile_m))]
             for s in range(num_splits) for g in range(kv_splits)]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from flashcore.build.cache import KernelCache
 from flashcore.build.compiler import compile_many
 from flashcore.build.fingerprint import source_hash
+from flashcore.build.inspect import find_nvdisasm
 from flashcore.spec import spec_from_dict
 
 
@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--per-kind", type=int, default=2)
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
-    nvdisasm = shutil.which("nvdisasm")
+    nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         raise SystemExit("nvdisasm not found (pip install '.[sass]')")
     by_kind: dict[str, list[dict]] = {}

@@ -2,7 +2,7 @@
 scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks its result against
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
-    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal]
+    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks]
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ def qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16, seed=0):
                  for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
 
 
-def check(name, out, q, k, v, causal, tol=2e-2):
-    ref = reference.attention(q, k, v, causal=causal, device=q.device)
+def check(name, out, q, k, v, causal, tol=2e-2, **masks):
+    ref = reference.attention(q, k, v, causal=causal, device=q.device, **masks)
     err = (out.double() - ref).abs().max().item()
     ok = torch.isfinite(out).all().item() and err < tol * max(1.0, ref.abs().max().item())
     print(f"{'ok ' if ok else 'BAD'} {name}: max err {err:.2e}", flush=True)
@@ -56,6 +56,23 @@ def fp8_kv_cases(causal: bool, shapes):
         kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
         out = attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
         yield check(f"fp8 kv cache {shape} causal={causal}", out, q, kq, vq, causal)
+
+
+def mask_cases():
+    # bottom-right causal, windows, soft-capping: prefill (rows that see no key included) and
+    # decode (packed GQA rows, split-KV), ragged everywhere; LSE on (the built kernels)
+    for b, hq, hkv, sq, sk, d, causal, masks in (
+            (2, 2, 2, 77, 300, 64, True, {"mask_align": "bottom_right", "window": (50, 0),
+                                           "softcap": 20.0}),
+            (1, 4, 2, 300, 77, 128, True, {"mask_align": "bottom_right"}),
+            (1, 2, 1, 100, 130, 64, False, {"window": (20, 30)}),
+            (1, 2, 2, 65, 65, 128, False, {"softcap": 5.0}),
+            (2, 8, 2, 1, 1000, 128, True, {"mask_align": "bottom_right", "window": (300, 0)}),
+            (1, 4, 4, 1, 517, 64, False, {"window": (100, -1), "softcap": 30.0})):
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, torch.bfloat16 if d == 128 else torch.float16)
+        out, _ = attention(q, k, v, causal=causal, return_lse=True, **masks)
+        yield check(f"masks {(b, hq, hkv, sq, sk, d)} causal={causal} {masks}", out, q, k, v,
+                    causal, **masks)
 
 
 def all_cases():
@@ -92,7 +109,8 @@ def main() -> int:
     cases = {"all": all_cases, "splits-equal": lambda: split_cases(True),
              "splits-unequal": lambda: split_cases(False),
              "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
-                                                    (1, 32, 8, 1, 2049, 128)))}[mode]
+                                                    (1, 32, 8, 1, 2049, 128))),
+             "masks": mask_cases}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)

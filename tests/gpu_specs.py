@@ -82,6 +82,29 @@ def decode_specs(arch: str) -> list:
     return specs
 
 
+# (causal, mask_align, window, softcap) of the masks-as-data kernels tests/test_gpu_masks.py runs
+MASK_VARIANTS = [(c, a, w, sc) for c in (False, True) for a in ("top_left", "bottom_right")
+                 for w in (False, True) for sc in (False, True)
+                 if (c or w or a == "top_left") and (c or w or sc) and not (
+                     c and a == "top_left" and not w and not sc)]
+
+
+def mask_specs(arch: str) -> list:
+    """tile=None kernels with masks: decode (split or not) and short prefill, with LSE (a split
+    kernel writes its shares' LSE whatever the call asks: its spec has none); and the long
+    causal window of ``test_window_kernel_walks_only_the_window``."""
+    specs = []
+    for bucket, lse_split in (("decode", [(True, False), (False, True)]),
+                              ("short", [(True, False)])):
+        for d, (causal, align, window, softcap), (lse, split) in itertools.product(
+                HEAD_DIMS, MASK_VARIANTS, lse_split):
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
+                            causal=causal, return_lse=lse, split_kv=split, mask_align=align,
+                            window=window, softcap=softcap)
+    specs += _specs(arch, [_tuned(arch, "long", 64, True)], head_dim=64, causal=True, window=True)
+    return specs
+
+
 def fp8_specs(arch: str) -> list:
     if arch not in FP8_ARCHS:
         return []
@@ -107,7 +130,7 @@ def fp8_specs(arch: str) -> list:
 
 
 def gpu_test_specs(arch: str, buckets=None) -> list:
-    specs = prefill_specs(arch) + decode_specs(arch) + fp8_specs(arch)
+    specs = prefill_specs(arch) + decode_specs(arch) + mask_specs(arch) + fp8_specs(arch)
     specs += [s for s in winner_specs(table_arch(arch), build_arch=arch).values()]
     if buckets != []:  # the autotuner's candidates
         precisions = ("fp16", "fp8") if arch in FP8_ARCHS else ("fp16",)

@@ -182,3 +182,14 @@ def assert_no_spills_in_loops(art, what: str = "") -> None:
     text = sass(art.cubin)
     if text is not None:
         assert local_memory_in_loops(text) == 0, f"{what}: local memory inside a loop"
+
+
+def compiled_in_fresh_cache(specs: list, tmp_path_factory) -> dict:
+    """{spec: artifact} of ``specs`` compiled (2 workers) into a fresh cache of this test
+    module's (FLASHCORE_CACHE_DIR points there from now on)."""
+    import os
+
+    os.environ["FLASHCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
+    from flashcore.build.compiler import compile_many
+
+    return dict(zip(specs, compile_many(specs, jobs=2)))

@@ -10,7 +10,7 @@ import pytest
 from flashcore import AttentionSpec, compile_kernel
 from flashcore.build.abi import attention_params
 from flashcore.spec import SMEM_PER_BLOCK, TileConfig
-from tests.kernels import assert_no_spills_in_loops
+from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 SPECS = [
     AttentionSpec(arch="sm_80", dtype="bfloat16", head_dim=128, causal=True, return_lse=True),
@@ -24,12 +24,7 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    import os
-
-    os.environ["FLASHCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    from flashcore.build.compiler import compile_many
-
-    return dict(zip(SPECS, compile_many(SPECS, jobs=2)))
+    return compiled_in_fresh_cache(SPECS, tmp_path_factory)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

@@ -10,7 +10,7 @@ import pytest
 from flashcore.build.abi import attention_params, combine_params
 from flashcore.build.inspect import local_memory_in_loops
 from flashcore.spec import SMEM_PER_BLOCK, AttentionSpec, CombineSpec, TileConfig
-from tests.kernels import assert_no_spills_in_loops
+from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 DECODE = TileConfig((16, 64), warps=1, stages=2)
 SPECS = [
@@ -27,12 +27,7 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
-    import os
-
-    os.environ["FLASHCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    from flashcore.build.compiler import compile_many
-
-    return dict(zip(SPECS, compile_many(SPECS, jobs=2)))
+    return compiled_in_fresh_cache(SPECS, tmp_path_factory)
 
 
 def _ptx_body(art) -> str:

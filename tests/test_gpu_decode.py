@@ -146,6 +146,8 @@ def _rel_l2(out, ref):
          outlier=0.0, seed=1)
 @example(b=1, hkv=1, group=1, sq=1, sk=5, d=64, dtype="bfloat16", causal=False, log_mag=4,
          outlier=1e4, seed=2)
+@example(b=1, hkv=3, group=4, sq=27, sk=176, d=64, dtype="float16", causal=True, log_mag=-3,
+         outlier=1e4, seed=72269)  # fp16 P·v_descale among the subnormals (layouts.KV_V_SCALE_F16)
 def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
     b, hkv, group, sq, sk, d, dtype, causal, log_mag, outlier, seed
 ):

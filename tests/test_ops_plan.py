@@ -10,7 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from flashcore.kernels.common.block_info import key_range, share
+from flashcore.kernels.common.block_info import KeyBounds, key_range, share
 from flashcore.ops import plan
 from flashcore.ops.eager import resolve_config
 from flashcore.ops.validate import _ranges_overlap, _self_overlapping, check_qkv
@@ -60,7 +60,8 @@ def test_key_ranges_cover_exactly_the_visible_blocks(sq, sk, causal, splits, gro
         blocks = []
         for s in range(splits):
             for g in range(groups):
-                lo, hi = key_range(mb, tm, tn, sk, causal, 1, s, splits, g, groups)
+                lo, hi, _ = key_range(mb, tm, tn, sk, KeyBounds(causal), 1, s, splits, g,
+                                      groups)
                 blocks += range(lo, hi)
         last_row = min((mb + 1) * tm, sq) - 1
         visible = -(-min(sk, last_row + 1) // tn) if causal else -(-sk // tn)

@@ -64,7 +64,9 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     num_splits · batch rows of batches. LSE and the descales: (batch, heads, seq) float32 with a
     unit last stride, or (batch, heads) for FP8 V. Then the exp2 softmax scale, the query rows
     per token (``q_group``: > 1 when a K/V head's query heads are packed into rows) and the
-    number of key shares (split-KV across CTAs; 1 otherwise).
+    number of key shares (split-KV across CTAs; 1 otherwise); with a window its left and right
+    sizes (``flashcore.kernels.common.block_info.UNBOUNDED`` for a side without one), with
+    soft-capping scale / cap and cap / scale.
     """
     params = [TensorParam("q", 3, 3), TensorParam("k", 3, 3),
               TensorParam("vt" if spec.precision == "fp8" else "v", 3, 3), TensorParam("o", 3, 3)]
@@ -77,6 +79,10 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
         params += [TensorParam("k_descale", 3, 2), TensorParam("v_descale", 3, 2)]
     params += [ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"),
                ScalarParam("num_splits", "<i")]
+    if getattr(spec, "window", False):  # keys a token sees: [t - left, t + right], block_info
+        params += [ScalarParam("window_left", "<i"), ScalarParam("window_right", "<i")]
+    if getattr(spec, "softcap", False):  # S -> out * tanh(S * in): in = scale / cap
+        params += [ScalarParam("softcap_in", "<f"), ScalarParam("softcap_out", "<f")]
     return tuple(params)
 
 

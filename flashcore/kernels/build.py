@@ -68,8 +68,11 @@ def _attention_args(spec: AttentionSpec) -> tuple:
         qd, kd, vd = rows(), rows(), per_head()
     elif spec.kv_fp8:
         kd, vd = rows(), rows()
+    window = (cutlass.Int32(1), cutlass.Int32(1)) if spec.window else (None, None)
+    softcap = (cutlass.Float32(1.0), cutlass.Float32(1.0)) if spec.softcap else (None, None)
     return (bhsd(q_dtype, d), bhsd(kv_dtype, d), bhsd(kv_dtype, d, transposed=fp8), o, lse,
-            qd, kd, vd, cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1))
+            qd, kd, vd, cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), *window,
+            *softcap)
 
 
 def _combine_args(spec: CombineSpec) -> tuple:

@@ -34,6 +34,9 @@ def attention(
     precision: str = "fp16",
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    mask_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     allow_no_grad: bool = False,
 ):
     """softmax(scale · q kᵀ [+ causal mask]) v, like torch's SDPA, for (batch, heads, seq, head_dim).
@@ -60,6 +63,13 @@ def attention(
     ``flashcore.ops.fp8.quantize_fp8(x, granularity="token")``); q and the arithmetic stay
     16-bit, K/V bytes halve.
 
+    Masks (each compiled into its own kernel; their sizes are run-time values):
+    ``mask_align="bottom_right"`` puts the causal diagonal (and a window's) on the last key, so
+    query i sees keys j <= i + S_k - S_q (FlashAttention >= 2.1, torch's
+    ``causal_lower_right``: chunked prefill against a longer cache); ``window=(left, right)``
+    lets query i see keys i - left .. i + right (-1: no limit on that side; key blocks outside
+    the window are skipped); ``softcap=c`` turns the scaled logits s into c · tanh(s / c).
+
     There is no backward yet: inputs that require grad raise an error (under
     ``torch.no_grad()`` they do not) unless ``allow_no_grad=True``, which returns a result that
     carries no gradient.
@@ -68,8 +78,10 @@ def attention(
         return attention_op(q, k, v, tile=tile, causal=causal, softmax_scale=softmax_scale,
                             return_lse=return_lse, config=config, warps=warps, stages=stages,
                             kv_splits=kv_splits, num_splits=num_splits, out=out,
-                            precision=precision, k_descale=k_descale, v_descale=v_descale)
+                            precision=precision, k_descale=k_descale, v_descale=v_descale,
+                            mask_align=mask_align, window=window, softcap=softcap)
     if not allow_no_grad:
         check_grad(q, k, v)
     return run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
-               kv_splits, num_splits, out, precision, k_descale, v_descale)
+               kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align, window,
+               softcap)

@@ -14,6 +14,7 @@ from ..spec import HEAD_DIMS, TileConfig
 from . import plan
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 from .launcher import launch_attention
+from .masks import NO_MASK, Masking, masking
 from .quantize import padded_keys, run_quantize
 from .validate import (
     check_extents,
@@ -54,11 +55,16 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
 
 
 def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages, kv_splits,
-        num_splits, out, precision, k_descale, v_descale):
+        num_splits, out, precision, k_descale, v_descale, mask_align="top_left", window=None,
+        softcap=None):
     """The eager implementation (the registered op's too): validate, plan, launch."""
     check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"attention: causal must be a bool, got {causal!r}")
+    mask = NO_MASK
+    if mask_align != "top_left" or window is not None or softcap is not None:
+        mask = masking(causal, mask_align,
+                       tuple(window) if isinstance(window, (list, tuple)) else window, softcap)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[3])
     elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
@@ -70,6 +76,9 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     dev = q.get_device()
     if precision not in ("fp16", "fp8"):
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
+    if precision == "fp8" and mask.softcap is not None:
+        raise ValueError("attention: softcap needs precision='fp16' (the FP8 kernel never forms "
+                         "the true logits: its query descales fold into the exp2 scale)")
     if precision == "fp8" and k.dtype == E4M3:
         raise ValueError("attention: precision='fp8' quantises 16-bit k and v itself; an FP8 KV "
                          "cache runs with precision='fp16' (16-bit arithmetic)")
@@ -84,7 +93,7 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     if precision == "fp8":
         return attention_via_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                  return_lse=return_lse, config=config, num_splits=num_splits,
-                                 out=out)
+                                 out=out, mask=mask)
     kd, vd = check_kv_descales(k, k_descale, v_descale)
     check_extents(q, k)
     result = out if out is not None else q.new_empty((B, H, Sq, D))
@@ -96,7 +105,7 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     v, v_arg = prepared(v)
     descales = () if kd is None else (kd, vd)
     launch_attention(q, k, result, lse, (q_arg, k_arg, v_arg), descales, config, causal,
-                     softmax_scale, num_splits, kv_fp8=kd is not None)
+                     softmax_scale, num_splits, kv_fp8=kd is not None, mask=mask)
     if out is not None:
         torch.autograd.graph.increment_version(out)
     return (result, lse) if return_lse else result
@@ -126,6 +135,7 @@ def run_fp8(
     config: TileConfig | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    mask: Masking = NO_MASK,
 ):
     """``flashcore.ops.fp8.attention_fp8``, eager."""
     if q8.dim() != 4 or k8.dim() != 4:
@@ -167,11 +177,13 @@ def run_fp8(
         raise ValueError(f"attention_fp8: out must be contiguous {out_dtype} of shape {(B, H, Sq, D)}")
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q8.device) if return_lse else None
     launch_attention(q8, k8, out, lse, (tensor_arg(q8), tensor_arg(k8), transposed_arg(vt8)),
-                     (qd, kd, vd), config, causal, softmax_scale, num_splits, precision="fp8")
+                     (qd, kd, vd), config, causal, softmax_scale, num_splits, precision="fp8",
+                     mask=mask)
     return (out, lse) if return_lse else out
 
 
-def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, config, num_splits, out):
+def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, config, num_splits, out,
+                      mask: Masking = NO_MASK):
     """Quantise fp16/bf16 q, k, v, then ``attention_fp8``; the output has q's dtype."""
     q8, qd = run_quantize(q, granularity="token")
     k8, kd = run_quantize(k, granularity="token")
@@ -179,4 +191,5 @@ def attention_via_fp8(q, k, v, *, causal, softmax_scale, return_lse, config, num
     return run_fp8(
         q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=softmax_scale,
         return_lse=return_lse, out_dtype=q.dtype, config=config, num_splits=num_splits, out=out,
+        mask=mask,
     )

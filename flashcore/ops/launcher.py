@@ -14,22 +14,24 @@ from ..runtime.launch import kernel_for, launch
 from ..spec import AttentionSpec, CombineSpec, TileConfig
 from . import plan
 from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
+from .masks import NO_MASK, Masking
 
 _kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
 
 
 def loaded_kernel(device: int, *fields) -> Any:
     """The loaded attention kernel of ``AttentionSpec(arch, *fields)`` (dtype, head_dim, config,
-    causal, return_lse, precision, kv_fp8, split_kv) on CUDA device index ``device``, built once
-    (the key is a plain tuple: every call looks it up)."""
+    causal, return_lse, precision, kv_fp8, split_kv, (mask_align, window, softcap)) on CUDA
+    device index ``device``, built once (the key is a plain tuple: every call looks it up)."""
     key = (device, *fields)
     k = _kernels.get(key)
     if k is None:
-        dtype, head_dim, config, causal, return_lse, precision, kv_fp8, split_kv = fields
+        dtype, head_dim, config, causal, return_lse, precision, kv_fp8, split_kv, masks = fields
+        align, window, softcap = masks
         k = _kernels[key] = kernel_for(AttentionSpec(
             arch=arch_of(device), dtype=dtype, head_dim=head_dim, config=config, causal=causal,
-            return_lse=return_lse, precision=precision, kv_fp8=kv_fp8, split_kv=split_kv),
-            device)
+            return_lse=return_lse, precision=precision, kv_fp8=kv_fp8, split_kv=split_kv,
+            mask_align=align, window=window, softcap=softcap), device)
     return k
 
 
@@ -45,7 +47,8 @@ def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> 
 
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
                      causal: bool, softmax_scale: float, num_splits: int | None, *,
-                     kv_fp8: bool = False, precision: str = "fp16") -> None:
+                     kv_fp8: bool = False, precision: str = "fp16",
+                     mask: Masking = NO_MASK) -> None:
     """Plan and launch one attention (and, split over CTAs, its combine) into ``out``/``lse``.
 
     ``qkv_args``: the kernel arguments of q, k and v (Vᵀ for fp8 operands); ``descales``: the
@@ -73,9 +76,12 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
                                      -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8)
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
+    if mask is not NO_MASK:
+        scalars += mask.scalars(softmax_scale)
+    masks = mask.spec_fields()
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,
-                             False)
+                             False, masks)
         lse_args = () if lse is None else (rows_arg(lse),)
         launch(kern, attention_grid(Sq, H, B, config.tile_m),
                (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
@@ -83,7 +89,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     # split-KV across CTAs: fp32 partials of each share, then the combine kernel
     o_part = torch.empty((splits * B, H, Sq, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits * B, H, Sq), dtype=torch.float32, device=q.device)
-    kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True)
+    kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True, masks)
     launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
            (*qkv_args, tensor_arg(o_part), rows_arg(lse_part), *descale_args, *scalars), dev)
     comb = combine_kernel(dev, dtype, D, lse is not None)

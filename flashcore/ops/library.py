@@ -46,16 +46,19 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                stages: int | None = None, kv_splits: int | None = None,
                num_splits: int | None = None, precision: str = "fp16",
                k_descale: Tensor | None = None,
-               v_descale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               v_descale: Tensor | None = None, mask_align: str = "top_left",
+               window: list[int] | None = None,
+               softcap: float | None = None) -> tuple[Tensor, Tensor]:
     res = run(q, k, v, None if tile is None else tuple(tile), causal, softmax_scale, return_lse,
-              None, warps, stages, kv_splits, num_splits, None, precision, k_descale, v_descale)
+              None, warps, stages, kv_splits, num_splits, None, precision, k_descale, v_descale,
+              mask_align, None if window is None else tuple(window), softcap)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
 
 @_attention.register_fake
 def _(q, k, v, causal=False, softmax_scale=None, return_lse=False, tile=None, warps=None,
       stages=None, kv_splits=None, num_splits=None, precision="fp16", k_descale=None,
-      v_descale=None):
+      v_descale=None, mask_align="top_left", window=None, softcap=None):
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
     return q.new_empty(q.shape), _lse_or_empty(q, lse)
 
@@ -113,13 +116,16 @@ for _op in (_attention, _attention_fp8):
 
 
 def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, warps, stages,
-                 kv_splits, num_splits, out, precision, k_descale, v_descale):
+                 kv_splits, num_splits, out, precision, k_descale, v_descale,
+                 mask_align="top_left", window=None, softcap=None):
     """``flashcore.ops.attention`` through the registered op (tracing, tensor subclasses)."""
     tile, warps, stages, kv_splits = _config_knobs(config, tile, warps, stages, kv_splits)
     res, lse = torch.ops.flashcore.attention(
         q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, tile=tile,
         warps=warps, stages=stages, kv_splits=kv_splits, num_splits=num_splits,
-        precision=precision, k_descale=k_descale, v_descale=v_descale)
+        precision=precision, k_descale=k_descale, v_descale=v_descale, mask_align=mask_align,
+        window=None if window is None else list(window),
+        softcap=None if softcap is None else float(softcap))
     if out is not None:
         out.copy_(res)
         res = out

@@ -28,6 +28,10 @@ from .serial import SpecData
 from .tile import TileConfig
 
 PRECISIONS = ("fp16", "fp8")  # MMA operand precision: the input dtype, or float8_e4m3fn
+# where the causal diagonal (and a window's edges) sit when S_q != S_k: top-left (torch's
+# is_causal: query i sees keys <= i) or bottom-right (the last query sees the last key)
+MASK_ALIGNS = ("top_left", "bottom_right")
+WINDOW_UNBOUNDED = 1 << 30  # a window side without a limit, as the kernel takes it (int32-safe)
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class AttentionSpec(SpecData):
     shared memory). ``split_kv`` writes fp32 partial outputs of one share of the keys per CTA
     (flash-decoding); a combine kernel (``CombineSpec``) merges them. Every kernel serves
     grouped-query attention (K/V with fewer heads than Q) and any batch, head count and length.
+    ``mask_align``, ``window`` and ``softcap`` are the masks as data: where the causal diagonal
+    sits, a sliding window (key blocks outside it are skipped) and logit soft-capping; the
+    window's sizes and the cap are run-time arguments, so one kernel serves every value.
     """
 
     arch: str = field(default="sm_89", metadata={"help": "target architecture", "choices": ARCHS})
@@ -48,12 +55,19 @@ class AttentionSpec(SpecData):
     head_dim: int = field(default=64, metadata={"help": "head dimension", "choices": HEAD_DIMS})
     config: TileConfig = field(default_factory=TileConfig,
                                metadata={"help": "tile, warps, stages, kv_splits"})
-    causal: bool = field(default=False, metadata={"help": "top-left causal mask (torch's is_causal)"})
+    causal: bool = field(default=False, metadata={"help": "causal mask (top-left unless mask_align)"})
     return_lse: bool = field(default=False, metadata={"help": "also write the log-sum-exp"})
     precision: str = field(default="fp16", metadata={"help": "MMA operand precision",
                                                      "choices": PRECISIONS})
     kv_fp8: bool = field(default=False, metadata={"help": "K/V are an e4m3 cache with per-token scales"})
     split_kv: bool = field(default=False, metadata={"help": "write per-CTA partials for a combine"})
+    mask_align: str = field(default="top_left", metadata={
+        "help": "causal/window diagonal: top_left (torch's is_causal) or bottom_right",
+        "choices": MASK_ALIGNS})
+    window: bool = field(default=False, metadata={
+        "help": "sliding-window attention (the window's sizes are run-time arguments)"})
+    softcap: bool = field(default=False, metadata={
+        "help": "soft-cap logits, cap * tanh(s / cap) (the cap is a run-time argument)"})
     family: str = field(default="", metadata={"help": "kernel family (default: the arch's)"})
     op: str = field(default="attention_fwd", metadata={"cli": False})
 
@@ -83,7 +97,7 @@ class AttentionSpec(SpecData):
             raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
-        for name in ("causal", "return_lse", "kv_fp8", "split_kv"):
+        for name in ("causal", "return_lse", "kv_fp8", "split_kv", "window", "softcap"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if (self.precision == "fp8" or self.kv_fp8) and self.arch not in FP8_ARCHS:
@@ -92,6 +106,14 @@ class AttentionSpec(SpecData):
                 f"{what} needs e4m3 support (mma.sync / cvt e4m3), which {self.arch} does not "
                 f"have; use arch in {FP8_ARCHS}"
             )
+        if self.mask_align not in MASK_ALIGNS:
+            raise bad(f"mask_align={self.mask_align!r} is not supported; choose one of {MASK_ALIGNS}")
+        if self.mask_align != "top_left" and not (self.causal or self.window):
+            raise bad(f"mask_align={self.mask_align!r} aligns a causal mask or a window; this "
+                      "spec has neither (leave it 'top_left')")
+        if self.softcap and self.precision == "fp8":
+            raise bad("softcap=True needs the true logits, which the FP8 kernel never forms "
+                      "(its query descales fold into the exp2 scale); use precision='fp16'")
         if self.precision == "fp8" and self.kv_fp8:
             raise bad("kv_fp8=True is for 16-bit operands; precision='fp8' already reads e4m3 K/V")
         fam = family(self.family)
@@ -134,6 +156,12 @@ class AttentionSpec(SpecData):
         return self.config.threads
 
     @property
+    def shifted_mask(self) -> bool:
+        """The general key bounds: bottom-right alignment or a window (else the fixed top-left
+        diagonal, or no mask but the sequence end)."""
+        return self.mask_align == "bottom_right" or self.window
+
+    @property
     def programmatic_launch(self) -> bool:
         """Hopper kernels take part in programmatic dependent launch: they wait for the grid
         before them (``griddepcontrol.wait``) before touching global memory, so the runtime may
@@ -156,7 +184,9 @@ class AttentionSpec(SpecData):
                  f"d{self.head_dim}", self.config.tag]
         flags = [("causal", self.causal), ("lse", self.return_lse),
                  (self.precision, self.precision != "fp16"), ("kvfp8", self.kv_fp8),
-                 ("split", self.split_kv), (self.family, self.family != "mma_sync")]
+                 ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
+                 ("window", self.window), ("softcap", self.softcap),
+                 (self.family, self.family != "mma_sync")]
         return "_".join(parts + [tag for tag, on in flags if on])
 
     # -- serialisation -------------------------------------------------------------------------

@@ -2,12 +2,53 @@
 
 Plain integer arithmetic, written so that it runs on Python ints (``flashcore.reference`` replays
 the kernel's block loop with it) and on the DSL's run-time integers inside a kernel (pass
-``minimum=cutlass.min`` there). Imports nothing.
+``minimum=cutlass.min`` there). Imports no DSL.
 
 Rows of a query tile are tokens: one row per token, or (``q_group`` > 1) the query heads that
 share one K/V head packed into the rows of a single query token (GQA decode), all token 0.
-Causal masking is top-left (torch's ``is_causal``): token ``t`` sees keys ``j <= t``.
+
+Which keys a token sees (``KeyBounds``): token ``t`` sees key ``j`` iff ``j < seqlen_k`` and
+``t + offset - left <= j <= t + offset + right``, where ``offset`` is 0 for top-left alignment
+(torch's ``is_causal``) and ``seqlen_k - seqlen_q`` for bottom-right (the last query token on
+the last key), ``right`` is 0 when causal, and a side without a window is ``UNBOUNDED``.
 """
+
+from dataclasses import dataclass
+
+from ...spec.attention import WINDOW_UNBOUNDED as UNBOUNDED
+
+
+@dataclass(frozen=True)
+class KeyBounds:
+    """What limits the keys a token sees. ``causal`` and ``shifted`` (bottom-right alignment or a
+    window: the general formulas) are compile-time facts; ``offset``, ``left`` and ``right`` may
+    be run-time integers."""
+
+    causal: bool
+    shifted: bool = False
+    windowed: bool = False
+    offset: int = 0
+    left: int = UNBOUNDED
+    right: int = UNBOUNDED
+
+    @property
+    def right_edge(self):
+        return 0 if self.causal else self.right
+
+    @property
+    def bounded_above(self) -> bool:
+        return self.causal or self.windowed
+
+
+def token_keys(bounds: KeyBounds, token, seqlen_k, minimum=min, maximum=max):
+    """[lo, hi): the keys token ``token`` sees (hi <= lo: none)."""
+    hi = seqlen_k
+    if bounds.bounded_above:
+        hi = minimum(token + bounds.offset + bounds.right_edge + 1, seqlen_k)
+    lo = 0
+    if bounds.windowed:
+        lo = maximum(token + bounds.offset - bounds.left, 0)
+    return lo, hi
 
 
 
@@ -15,14 +56,27 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
-def key_blocks_seen(m_block, tile_m: int, tile_n: int, seqlen_k, causal: bool, q_group,
-                    minimum=min):
-    """How many key blocks (from block 0) the rows of query tile ``m_block`` can see."""
+def key_blocks_seen(m_block, tile_m: int, tile_n: int, seqlen_k, bounds: KeyBounds, q_group,
+                    minimum=min, maximum=max):
+    """[lo, hi, lo_unmasked): the key blocks the rows of query tile ``m_block`` can see, and the
+    first of them that no row's window cuts from below (blocks from there up need no mask but
+    for the top ones, see ``masked_steps``)."""
     n = ceil_div(seqlen_k, tile_n)
-    if causal:
+    if bounds.shifted:
+        first = m_block * tile_m // q_group
+        last = ((m_block + 1) * tile_m - 1) // q_group
+        _, hi_key = token_keys(bounds, last, seqlen_k, minimum, maximum)
+        lo_key, _ = token_keys(bounds, first, seqlen_k, minimum, maximum)
+        lo = minimum(lo_key // tile_n, n)
+        hi = maximum(minimum(ceil_div(maximum(hi_key, 0), tile_n), n), lo)
+        if bounds.windowed:  # every row sees all of block b once b * tile_n >= last's lo key
+            last_lo, _ = token_keys(bounds, last, seqlen_k, minimum, maximum)
+            return lo, hi, maximum(minimum(ceil_div(last_lo, tile_n), hi), lo)
+        return lo, hi, lo
+    if bounds.causal:
         # the tile's last token: its last row, or 0 for packed heads
         n = minimum(n, ceil_div((m_block + 1) * tile_m, tile_n * q_group))
-    return n
+    return 0, n, 0
 
 
 def share(n_blocks, parts, index, minimum=min):
@@ -33,22 +87,28 @@ def share(n_blocks, parts, index, minimum=min):
     return lo, minimum(lo + per, n_blocks)
 
 
-def key_range(m_block, tile_m: int, tile_n: int, seqlen_k, causal: bool, q_group,
-              cta_split, num_splits, group, kv_splits: int, minimum=min):
-    """[lo, hi): the key blocks warp group ``group`` (of ``kv_splits``) of the CTA that holds
-    share ``cta_split`` (of ``num_splits``, split-KV across CTAs) of query tile ``m_block``
-    walks, from ``hi - 1`` down to ``lo``."""
-    n = key_blocks_seen(m_block, tile_m, tile_n, seqlen_k, causal, q_group, minimum)
-    lo, hi = share(n, num_splits, cta_split, minimum)
+def key_range(m_block, tile_m: int, tile_n: int, seqlen_k, bounds: KeyBounds, q_group,
+              cta_split, num_splits, group, kv_splits: int, minimum=min, maximum=max):
+    """[lo, hi, lo_unmasked): the key blocks warp group ``group`` (of ``kv_splits``) of the CTA
+    that holds share ``cta_split`` (of ``num_splits``, split-KV across CTAs) of query tile
+    ``m_block`` walks, from ``hi - 1`` down to ``lo``; blocks below ``lo_unmasked`` are masked
+    (a window's lower edge)."""
+    first, n, unmasked = key_blocks_seen(m_block, tile_m, tile_n, seqlen_k, bounds, q_group,
+                                         minimum, maximum)
+    lo, hi = share(n - first, num_splits, cta_split, minimum)
     g_lo, g_hi = share(hi - lo, kv_splits, group, minimum)
-    return lo + g_lo, lo + g_hi
+    return first + lo + g_lo, first + lo + g_hi, unmasked
 
 
-def masked_steps(tile_m: int, tile_n: int, causal: bool) -> int:
+def masked_steps(tile_m: int, tile_n: int, bounds: KeyBounds) -> int:
     """How many blocks, from the top of each walk, are masked: the topmost block (it may hold
     the ragged end of the keys), or for causal tiles the ceil(tile_m / tile_n) blocks that can
-    touch the diagonal. These are the highest blocks of the whole key range, so whichever share
-    (of a split CTA or warp group) holds one holds it among its own first steps; masking a few
-    blocks that need no mask is harmless. With ``q_group`` > 1 (packed GQA rows, used for a
-    single query token) a tile sees one key block when causal, so one step covers it."""
-    return ceil_div(tile_m, tile_n) if causal else 1
+    touch the diagonal, one more when the diagonal is shifted (bottom-right alignment, or a
+    window's upper edge) and may cross a block boundary inside a row of blocks. These are the
+    highest blocks of the whole key range, so whichever share (of a split CTA or warp group)
+    holds one holds it among its own first steps; masking a few blocks that need no mask is
+    harmless. With ``q_group`` > 1 (packed GQA rows, used for a single query token) a tile
+    sees one key block when causal, so one step covers it."""
+    if bounds.shifted:
+        return ceil_div(tile_m, tile_n) + 1
+    return ceil_div(tile_m, tile_n) if bounds.causal else 1

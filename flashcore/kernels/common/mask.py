@@ -1,24 +1,34 @@
-"""Masking scores: keys past the sequence end, and (causal, top-left) keys past a row's token."""
+"""Masking scores: keys past the sequence end, and the keys a token may not see (causal,
+top-left or bottom-right, and sliding windows: ``block_info.KeyBounds``)."""
 
 
 import cutlass
 import cutlass.cute as cute
 
+from .block_info import KeyBounds, token_keys
+
 
 @cute.jit
-def mask_scores(S: cute.Tensor, coords: cute.Tensor, seqlen_k, causal: cutlass.Constexpr,
-                q_group):
+def mask_scores(S: cute.Tensor, coords: cute.Tensor, seqlen_k, bounds: KeyBounds, q_group):
     """Set to -inf every score S[r, c] (a (rows, keys) view) whose key may not be seen.
 
     ``coords[r, c]`` is the (query row, key) of each score. A row is its token, or with
     ``q_group`` > 1 (GQA packs the query heads of one K/V head into the rows of a single query
-    token) every row is token 0; causal rows see keys up to their token."""
+    token) every row is token 0."""
     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-        limit = seqlen_k
-        if cutlass.const_expr(causal):
+        lo, limit = 0, seqlen_k
+        if cutlass.const_expr(bounds.shifted):
+            row = coords[r, 0][0]
+            token = row if q_group == 1 else 0
+            lo, limit = token_keys(bounds, token, seqlen_k, cutlass.min, cutlass.max)
+        elif cutlass.const_expr(bounds.causal):
             row = coords[r, 0][0]
             token = row if q_group == 1 else 0  # a select: no division in the loop
             limit = cutlass.min(token + 1, seqlen_k)
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-            if cute.elem_less(limit, coords[0, c][1] + 1):
+            key = coords[0, c][1]
+            if cute.elem_less(limit, key + 1):
                 S[r, c] = -cutlass.Float32.inf
+            if cutlass.const_expr(bounds.windowed):  # noqa: SIM102 (compile-time, then run-time)
+                if cute.elem_less(key, lo):
+                    S[r, c] = -cutlass.Float32.inf

@@ -61,13 +61,18 @@ class AttentionForward:
         scale_log2: cutlass.Float32,
         q_group: cutlass.Int32,
         num_splits: cutlass.Int32,
+        window_left: cutlass.Int32 | None = None,
+        window_right: cutlass.Int32 | None = None,
+        softcap_in: cutlass.Float32 | None = None,
+        softcap_out: cutlass.Float32 | None = None,
     ):
         """The launch; flashcore keeps only the kernel's cubin and its runtime repeats this
         geometry (``flashcore.build.abi.attention_grid``)."""
         lay = KernelLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         m_blocks = cute.ceil_div(mQ.shape[2], self.spec.tile_m)
-        self.kernel(mQ, mK, mV, mO, mLSE, mQd, mKd, mVd, scale_log2, q_group, num_splits).launch(
+        self.kernel(mQ, mK, mV, mO, mLSE, mQd, mKd, mVd, scale_log2, q_group, num_splits,
+                    window_left, window_right, softcap_in, softcap_out).launch(
             grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
             block=[self.spec.threads, 1, 1], smem=self.smem_size,
         )
@@ -77,15 +82,19 @@ class AttentionForward:
         self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
         mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
         mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
-        num_splits: cutlass.Int32,
+        num_splits: cutlass.Int32, window_left: cutlass.Int32 | None,
+        window_right: cutlass.Int32 | None, softcap_in: cutlass.Float32 | None,
+        softcap_out: cutlass.Float32 | None,
     ):
         self.wait_for_inputs()
         lay = KernelLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
-        cta = Cta(lay, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits)
+        cta = Cta(lay, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits, window_left,
+                  window_right)
+        cta.softcap = (softcap_in, softcap_out)
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
                                 exact_max=lay.fp8)
-        o_scale = cutlass.Float32(1.0)
+        o_scale = cutlass.Float32(1.0 / lay.kv_v_scale)  # 1 but for an fp16 FP8-KV kernel
         if cutlass.const_expr(lay.fp8):
             self.fold_query_descales(cta, softmax, mQ, mQd, scale_log2)
             # O = (P8 · v8) * v_descale / P_SCALE; loaded early to hide its latency
@@ -105,17 +114,25 @@ class AttentionForward:
     @cute.jit
     def walk_keys(self, cta: Cta, softmax: OnlineSoftmax):
         """Key blocks n_hi - 1 down to n_lo; the first ``masked_steps`` of them masked (unrolled),
-        the rest in a loop. The i-th block walked uses ring stage i % stages."""
+        the rest in a loop, and with a window the blocks below ``n_lo_unmasked`` (its lower
+        edge) masked again. The i-th block walked uses ring stage i % stages."""
         spec = self.spec
-        steps = masked_steps(spec.tile_m, spec.tile_n, spec.causal)
+        steps = masked_steps(spec.tile_m, spec.tile_n, cta.bounds)
         for step in cutlass.range_constexpr(steps):
             n_block = cta.n_hi - 1 - step
             if n_block >= cta.n_lo:
                 key_block(cta, softmax, n_block, step % spec.stages, masked=True,
                           first=step == 0)
-        for n_block in range(cta.n_hi - 1 - steps, cta.n_lo - 1, -1):
+        lowest = cta.n_lo
+        if cutlass.const_expr(spec.window):
+            lowest = cutlass.max(cta.n_lo, cta.n_lo_unmasked)
+        for n_block in range(cta.n_hi - 1 - steps, lowest - 1, -1):
             key_block(cta, softmax, n_block, (cta.n_hi - 1 - n_block) % spec.stages,
                       masked=False, first=False)
+        if cutlass.const_expr(spec.window):
+            for n_block in range(cutlass.min(cta.n_hi - 1 - steps, lowest - 1), cta.n_lo - 1, -1):
+                key_block(cta, softmax, n_block, (cta.n_hi - 1 - n_block) % spec.stages,
+                          masked=True, first=False)
 
     @cute.jit
     def fold_query_descales(self, cta: Cta, softmax: OnlineSoftmax, mQ, mQd, scale_log2):

@@ -12,7 +12,7 @@ per K/V head; 1 without GQA).
 import cutlass
 import cutlass.cute as cute
 
-from ..common.block_info import key_range
+from ..common.block_info import UNBOUNDED, KeyBounds, key_range
 from ..common.fragments import mn_view
 from ..common.mma import SmemOperand
 from ..common.sreg import fresh_ctaid
@@ -45,7 +45,8 @@ def kv_head_of(head, mQ: cute.Tensor, mK: cute.Tensor):
 class Cta:
     """Trace-time view of one CTA (or, with kv_splits > 1, of one of its warp groups)."""
 
-    def __init__(self, lay: KernelLayouts, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits):
+    def __init__(self, lay: KernelLayouts, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits,
+                 window_left=None, window_right=None):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
@@ -62,8 +63,7 @@ class Cta:
         self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
         self.gVd = mVd[batch, self.kv_head, None] if lay.kv_fp8 else None
         self.seqlen_q, self.seqlen_k, self.q_group = mQ.shape[2], mK.shape[2], q_group
-        self.n_lo, self.n_hi = key_range(self.m_block, tm, tn, self.seqlen_k, spec.causal, q_group,
-                                         split, num_splits, self.group, c.kv_splits, cutlass.min)
+        self.key_share(split, num_splits, window_left, window_right)
 
         # ---- global tiles and their coordinates (for predicates and masks) --------------------
         gQ = cute.local_tile(mQ[batch, head, None, None], (tm, d), (self.m_block, 0))
@@ -123,6 +123,27 @@ class Cta:
                               self.tidx)
         self.acc_O = cute.make_rmem_tensor(frag.partition_shape_C((tm, d)), cutlass.Float32)
         self.acc_O.fill(0.0)
+
+    def key_share(self, split, num_splits, window_left, window_right):
+        """The key blocks this CTA (group) walks, ``n_hi - 1`` down to ``n_lo``, the lowest that
+        no window cuts (``n_lo_unmasked``), and the bounds its masks apply."""
+        c = self.config
+        self.bounds = self.key_bounds(window_left, window_right)
+        self.n_lo, self.n_hi, self.n_lo_unmasked = key_range(
+            self.m_block, c.tile_m, c.tile_n, self.seqlen_k, self.bounds, self.q_group, split,
+            num_splits, self.group, c.kv_splits, cutlass.min, cutlass.max)
+
+    def key_bounds(self, window_left, window_right) -> KeyBounds:
+        """The keys each token sees (``block_info``): bottom-right alignment puts the last
+        query token (rows / q_group tokens: packed GQA rows share one) on the last key."""
+        spec = self.spec
+        offset = 0
+        if cutlass.const_expr(spec.mask_align == "bottom_right"):
+            offset = self.seqlen_k - self.seqlen_q // self.q_group
+        left, right = UNBOUNDED, UNBOUNDED
+        if cutlass.const_expr(spec.window):
+            left, right = window_left, window_right
+        return KeyBounds(spec.causal, spec.shifted_mask, spec.window, offset, left, right)
 
     def score_coords(self, n_block):
         """(query row, key) of each score this thread holds, as an (rows, keys) view."""

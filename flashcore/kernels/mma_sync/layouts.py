@@ -11,6 +11,13 @@ from ...spec import AttentionSpec
 from ..common.copies import g2s_copy, swizzled_row_atom
 from ..common.dtypes import DTYPES, E4M3
 
+# FP8 KV cache with fp16 arithmetic: P·v_descale is rounded to fp16 for the P·V MMA, and a
+# small cache's descales (amax / 448: 7e-6 for values near 1e-3) put it among fp16's
+# subnormals, whose 2^-24 spacing cost 0.3% error. Scaled by this (undone on O in the
+# epilogue) a product stays normal for 64x smaller descales, and overflows only for a descale
+# over 1023, 7x what any fp16 tensor quantises to (65504 / 448). bf16 has fp32's range.
+KV_V_SCALE_F16 = 64.0
+
 
 class KernelLayouts:
     """Everything shaped by the spec. Shared tiles of K and V have modes (keys, head_dim, stage,
@@ -25,6 +32,8 @@ class KernelLayouts:
         self.out_dtype = DTYPES[spec.dtype]
         self.op_dtype = E4M3 if self.fp8 else self.out_dtype  # what the MMAs multiply
         self.ring_dtype = E4M3 if (self.fp8 or self.kv_fp8) else self.out_dtype  # K/V as loaded
+        self.kv_v_scale = (KV_V_SCALE_F16 if self.kv_fp8 and self.op_dtype == cutlass.Float16
+                           else 1.0)
         gt = c.group_threads
 
         def atom(dtype):

@@ -156,7 +156,7 @@ def column_scales(cta: Cta, slot):
     for j in cutlass.range_constexpr(n):
         key = cols[0, j][1]
         k_scale[j] = cta.sKd[key, slot]
-        v_scale[j] = cta.sVd[key, slot]
+        v_scale[j] = cta.sVd[key, slot] * cta.lay.kv_v_scale
     return k_scale, v_scale
 
 

@@ -1,0 +1,73 @@
+"""The masks of one attention call as one value: where the causal diagonal sits, a sliding
+window, logit soft-capping. Checked once here; the spec gets its compile-time flags from it
+(``spec_fields``), the kernel its run-time arguments (``scalars``)."""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+from ..spec.attention import MASK_ALIGNS
+from ..spec.attention import WINDOW_UNBOUNDED as UNBOUNDED
+
+
+@dataclass(frozen=True)
+class Masking:
+    """``align``: "top_left" (torch's ``is_causal``: query i sees keys j <= i) or
+    "bottom_right" (the last query sees the last key: query i sees j <= i + S_k - S_q; the
+    convention of FlashAttention >= 2.1 and torch's ``causal_lower_right``). ``window``:
+    (left, right), query i sees keys i - left .. i + right on its diagonal, -1 for no limit on
+    a side (the convention of ``flash_attn_func(window_size=...)``); with ``causal`` right is
+    0. ``softcap``: logits become softcap * tanh(logits / softcap), logits being the scaled
+    scores (Gemma 2)."""
+
+    align: str = "top_left"
+    window: tuple[int, int] | None = None
+    softcap: float | None = None
+
+    def spec_fields(self) -> tuple[str, bool, bool]:
+        """(mask_align, window, softcap) of the AttentionSpec."""
+        return self.align, self.window is not None, self.softcap is not None
+
+    def scalars(self, softmax_scale: float) -> tuple:
+        """The kernel's run-time mask arguments, in ABI order (``flashcore.build.abi``)."""
+        args: tuple = ()
+        if self.window is not None:
+            left, right = (UNBOUNDED if w < 0 else w for w in self.window)
+            args += ((left,), (right,))
+        if self.softcap is not None:
+            args += ((softmax_scale / self.softcap,), (self.softcap / softmax_scale,))
+        return args
+
+
+NO_MASK = Masking()
+
+
+@functools.lru_cache(maxsize=256)
+def masking(causal: bool, align: str, window, softcap) -> Masking:
+    """The checked Masking of an attention call's arguments (errors name the argument)."""
+    if align not in MASK_ALIGNS:
+        raise ValueError(f"attention: mask_align must be one of {MASK_ALIGNS}, got {align!r}")
+    if window is not None:
+        if (not isinstance(window, tuple) or len(window) != 2
+                or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
+            raise ValueError("attention: window must be (left, right), ints >= 0 or -1 for no "
+                             f"limit on that side, got {window!r}")
+        if causal and window[1] > 0:
+            raise ValueError(f"attention: window={window} looks right of the diagonal, which "
+                             "causal=True forbids; use right 0 (or -1)")
+        if window == (-1, -1) or (causal and window[0] == -1):
+            window = None  # no limit on either side: not a window
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"attention: softcap must be a number, got {softcap!r}")
+        if softcap == 0:
+            softcap = None  # flash_attn's convention: 0 turns it off
+        elif not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"attention: softcap must be a finite number > 0, got {softcap!r}")
+        else:
+            softcap = float(softcap)
+    if align != "top_left" and not causal and window is None:
+        align = "top_left"  # nothing to align: the same kernel as no mask
+    return Masking(align, window, softcap)

@@ -1,0 +1,127 @@
+"""GPU tests of the masks as data (bottom-right causal, sliding windows, soft-capping) against
+the float64 reference, prefill and decode (GQA packed rows, split-KV), with LSE.
+
+The bound is the prefill tests' (``test_gpu_attention._allowed``) with torch's own error taken
+from SDPA given the same mask as a boolean ``attn_mask`` (and, for soft-capping, the capped
+logits computed by torch in the input dtype's precision). Output and LSE are poisoned first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from flashcore import reference
+from flashcore.ops import attention
+from tests.gpu_utils import max_abs, requires_cuda
+from tests.test_gpu_attention import _allowed
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _visible(sq, sk, causal, align, window, device):
+    shift = sk - sq if align == "bottom_right" else 0
+    i = torch.arange(sq, device=device)[:, None] + shift
+    j = torch.arange(sk, device=device)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        if window[1] >= 0:
+            ok &= j <= i + window[1]
+        if window[0] >= 0:
+            ok &= j >= i - window[0]
+    return ok
+
+
+def _torch_baseline(q, k, v, causal, align, window, softcap):
+    """torch's attention in q's dtype with the same masks: SDPA with a boolean mask, or for
+    soft-capping the capped logits by hand (fp32 logits, P rounded to q's dtype)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
+    ok = _visible(q.shape[2], k.shape[2], causal, align, window, q.device)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ok)
+    else:
+        s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        s = (softcap * torch.tanh(s / softcap)).masked_fill(~ok, -math.inf)
+        out = (torch.softmax(s, -1).to(q.dtype).float() @ v.float()).to(q.dtype)
+    return out.nan_to_num(0.0)  # rows that see no key: 0, as the kernel and the reference
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 4]),
+    sq=st.one_of(st.just(1), st.integers(1, 16), st.integers(1, 600)),
+    sk=st.one_of(st.integers(1, 300), st.integers(1, 3000)),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 700), st.integers(-1, 700))),
+    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, group=4, sq=1, sk=2999, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=(511, 0), softcap=None, seed=1)  # decode, window, split
+@example(b=2, hkv=1, group=1, sq=300, sk=1000, d=64, dtype="bfloat16", causal=True,
+         align="bottom_right", window=None, softcap=30.0, seed=2)  # chunked prefill, softcap
+@example(b=1, hkv=1, group=1, sq=500, sk=100, d=64, dtype="float16", causal=True,
+         align="bottom_right", window=(10, 0), softcap=None, seed=3)  # rows that see no key
+def test_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, causal, align, window,
+                                   softcap, seed):
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dt)
+               for h, s in ((hkv * group, sq), (hkv, sk), (hkv, sk)))
+    if softcap is not None:  # logits of a few units, so the cap bites
+        q = (q.float() * 3).to(dt)
+    masks = {"mask_align": align, "window": window, "softcap": softcap}
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
+                                       **masks)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention(q, k, v, causal=causal, return_lse=True, out=out, **masks)
+    torch.cuda.synchronize()
+    assert res is out and torch.isfinite(out).all(), "NaN or unwritten elements"
+    err = max_abs(out, ref)
+    err_torch = max_abs(_torch_baseline(q, k, v, causal, align, window, softcap), ref)
+    allowed = _allowed(err_torch, ref, dt, q, k, v)
+    assert err <= allowed, f"max err {err:.3g} vs torch's {err_torch:.3g} (allowed {allowed:.3g})"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is seen"
+    if finite.any():
+        assert max_abs(lse[finite], ref_lse[finite]) < 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+def test_window_kernel_walks_only_the_window():
+    """A 256-key causal window over 8192 keys: the window kernel's output equals the reference,
+    and it matches plain causal attention run on just the keys of each query's window."""
+    q, k, v = (torch.randn(1, 2, 8192, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    out = attention(q, k, v, causal=True, window=(255, 0))
+    i = 5000
+    part = attention(q[:, :, i:i + 1], k[:, :, i - 255:i + 1], v[:, :, i - 255:i + 1])
+    torch.testing.assert_close(out[:, :, i:i + 1], part, atol=2e-3, rtol=0)
+
+
+def test_mask_arguments_are_refused_clearly():
+    q = torch.randn(1, 1, 8, 64, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="window"):
+        attention(q, q, q, window=(1,))
+    with pytest.raises(ValueError, match="right of the diagonal"):
+        attention(q, q, q, causal=True, window=(4, 4))
+    with pytest.raises(ValueError, match="softcap"):
+        attention(q, q, q, softcap=-1.0)
+    with pytest.raises(ValueError, match="mask_align"):
+        attention(q, q, q, causal=True, mask_align="bottom")
+    with pytest.raises(ValueError, match="softcap"):
+        attention(q, q, q, softcap=5.0, precision="fp8")

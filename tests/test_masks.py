@@ -1,0 +1,202 @@
+"""Masks as data (bottom-right alignment, sliding windows, soft-capping), on the CPU: the
+kernel's walk over key blocks (which it skips, which it masks) replayed in Python against the
+float64 reference's visibility; argument checks; specs, names, the ABI and compiled kernels."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashcore import reference
+from flashcore.build.abi import attention_params
+from flashcore.errors import SpecError
+from flashcore.kernels.common.block_info import (
+    UNBOUNDED,
+    KeyBounds,
+    key_range,
+    masked_steps,
+    token_keys,
+)
+from flashcore.ops.masks import NO_MASK, Masking, masking
+from flashcore.spec import AttentionSpec, TileConfig
+from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
+
+
+def walked_keys(sq, sk, tm, tn, bounds, q_group=1, splits=1, groups=1):
+    """{row: keys} that the kernel's walk (attention_fwd.walk_keys) leaves visible to each row:
+    keys of unmasked blocks all count, keys of masked blocks only where ``token_keys`` allows."""
+    rows = sq * q_group if q_group > 1 else sq
+    seen = {r: [] for r in range(rows)}
+    steps = masked_steps(tm, tn, bounds)
+    for mb in range(-(-rows // tm)):
+        for s in range(splits):
+            for g in range(groups):
+                lo, hi, lo_unmasked = key_range(mb, tm, tn, sk, bounds, q_group, s, splits, g,
+                                                groups)
+                masked = [n for n in (hi - 1 - i for i in range(steps)) if n >= lo]
+                lowest = max(lo, lo_unmasked) if bounds.windowed else lo
+                plain = list(range(hi - 1 - steps, lowest - 1, -1))
+                if bounds.windowed:
+                    masked += list(range(min(hi - 1 - steps, lowest - 1), lo - 1, -1))
+                for r in range(mb * tm, min((mb + 1) * tm, rows)):
+                    token = r if q_group == 1 else 0
+                    t_lo, t_hi = token_keys(bounds, token, sk)
+                    for n in plain:
+                        seen[r] += range(n * tn, min((n + 1) * tn, sk))
+                    for n in masked:
+                        seen[r] += [j for j in range(n * tn, min((n + 1) * tn, sk))
+                                    if t_lo <= j < t_hi]
+    return seen
+
+
+def visible(sq, sk, causal, align, window):
+    """{row: keys} from the float64 reference's own mask (its output on identity values)."""
+    q = torch.zeros(1, 1, sq, 16, dtype=torch.float64)
+    k = torch.zeros(1, 1, sk, 16, dtype=torch.float64)
+    _, lse = reference.attention(q, k, torch.zeros_like(k), causal=causal, return_lse=True,
+                                 mask_align=align, window=window)
+    # with all scores 0, lse = log(number of visible keys); the keys themselves follow from
+    # the same rule the reference applies
+    shift = sk - sq if align == "bottom_right" else 0
+    out = {}
+    for i in range(sq):
+        keys = [j for j in range(sk)
+                if (not causal or j <= i + shift)
+                and (window is None or window[1] < 0 or j <= i + shift + window[1])
+                and (window is None or window[0] < 0 or j >= i + shift - window[0])]
+        count = math.exp(lse[0, 0, i].item()) if lse[0, 0, i] > -math.inf else 0
+        assert round(count) == len(keys)
+        out[i] = keys
+    return out
+
+
+def bounds_of(sq, sk, causal, align, window, q_group=1):
+    tokens = sq
+    offset = sk - tokens if align == "bottom_right" else 0
+    left = right = UNBOUNDED
+    if window is not None:
+        left, right = (UNBOUNDED if w < 0 else w for w in window)
+    shifted = align == "bottom_right" or window is not None
+    return KeyBounds(causal, shifted, window is not None, offset, left, right)
+
+
+windows = st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(sq=st.integers(1, 200), sk=st.integers(1, 400), causal=st.booleans(),
+       align=st.sampled_from(["top_left", "bottom_right"]), window=windows,
+       tile=st.sampled_from([(64, 64), (128, 64), (64, 128), (16, 32), (32, 64), (128, 32)]),
+       splits=st.integers(1, 5), groups=st.sampled_from([1, 2]))
+def test_kernel_walk_sees_exactly_the_reference_keys(sq, sk, causal, align, window, tile, splits,
+                                                     groups):
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    b = bounds_of(sq, sk, causal, align, window)
+    got = walked_keys(sq, sk, *tile, b, splits=splits, groups=groups)
+    want = visible(sq, sk, causal, align, window)
+    for r in range(sq):
+        assert sorted(got[r]) == want[r], (r, got[r][:8], want[r][:8])
+
+
+@settings(max_examples=100, deadline=None)
+@given(sk=st.integers(1, 700), q_group=st.sampled_from([2, 4, 8, 32]), causal=st.booleans(),
+       align=st.sampled_from(["top_left", "bottom_right"]), window=windows,
+       tile=st.sampled_from([(16, 64), (32, 64), (64, 64)]), splits=st.integers(1, 8))
+def test_packed_gqa_rows_walk_their_tokens_keys(sk, q_group, causal, align, window, tile, splits):
+    """Decode with the query heads of a K/V head packed into rows: every row is token 0."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    b = bounds_of(1, sk, causal, align, window)
+    got = walked_keys(1, sk, *tile, b, q_group=q_group, splits=splits)
+    want = visible(1, sk, causal, align, window)[0]
+    for r in range(q_group):
+        assert sorted(got[r]) == want
+
+
+def test_a_window_skips_the_blocks_outside_it():
+    b = KeyBounds(True, True, True, 0, 255, 0)  # causal, window of 256 keys
+    lo, hi, lo_unmasked = key_range(60, 64, 64, 8192, b, 1, 0, 1, 0, 1)
+    assert (lo, hi) == (56, 61) and lo_unmasked == 57  # 5 blocks of 64, not 61
+    assert masked_steps(64, 64, b) == 2
+
+
+def test_reference_softcap_and_bottom_right():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 64, generator=g, dtype=torch.float64) * 4 for n in (5, 9, 9))
+    out = reference.attention(q, k, v, softcap=3.0)
+    s = q @ k.transpose(-1, -2) / 8
+    want = torch.softmax(3.0 * torch.tanh(s / 3.0), -1) @ v
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    br = reference.attention(q, k, v, causal=True, mask_align="bottom_right")
+    allowed = torch.ones(5, 9, dtype=torch.bool).tril(diagonal=4)  # torch's causal_lower_right
+    want = torch.softmax(s.masked_fill(~allowed, -math.inf), -1) @ v
+    torch.testing.assert_close(br, want, rtol=1e-12, atol=1e-12)
+
+
+def test_masking_arguments_are_checked_and_normalised():
+    assert masking(False, "top_left", None, None) == NO_MASK
+    assert masking(True, "top_left", (-1, 0), None) == Masking()  # plain causal
+    assert masking(False, "top_left", (-1, -1), 0) == NO_MASK  # no limit, softcap 0 = off
+    assert masking(False, "bottom_right", None, None) == NO_MASK  # nothing to align
+    m = masking(True, "bottom_right", (128, 0), 30)
+    assert m.spec_fields() == ("bottom_right", True, True)
+    assert m.scalars(0.125) == ((128,), (0,), (0.125 / 30,), (30 / 0.125,))
+    for bad, what in [((True, "middle", None, None), "mask_align"),
+                      ((False, "top_left", (1, 2, 3), None), "window"),
+                      ((False, "top_left", (-2, 0), None), "window"),
+                      ((True, "top_left", (4, 4), None), "right of the diagonal"),
+                      ((False, "top_left", None, -1.0), "softcap"),
+                      ((False, "top_left", None, math.inf), "softcap")]:
+        with pytest.raises(ValueError, match=what):
+            masking(*bad)
+    with pytest.raises(TypeError, match="softcap"):
+        masking(False, "top_left", None, "5")
+
+
+def test_spec_fields_name_validate_and_shape_the_abi():
+    base = AttentionSpec(arch="sm_89", causal=True)
+    s = base.replace(mask_align="bottom_right", window=True, softcap=True)
+    assert s.name.endswith("_causal_br_window_softcap")
+    assert AttentionSpec.from_json(s.to_json()) == s
+    names = [p.name for p in attention_params(s)]
+    assert names[-4:] == ["window_left", "window_right", "softcap_in", "softcap_out"]
+    assert [p.name for p in attention_params(base)][-1] == "num_splits"
+    with pytest.raises(SpecError, match="mask_align"):
+        AttentionSpec(mask_align="bottom_right")  # neither causal nor a window
+    with pytest.raises(SpecError, match="mask_align"):
+        AttentionSpec(causal=True, mask_align="diagonal")
+    with pytest.raises(SpecError, match="softcap"):
+        AttentionSpec(arch="sm_89", precision="fp8", softcap=True)
+
+
+MASK_SPECS = [
+    AttentionSpec(arch="sm_89", head_dim=128, causal=True, mask_align="bottom_right",
+                  config=TileConfig((64, 64)), return_lse=True),
+    AttentionSpec(arch="sm_89", head_dim=64, causal=True, window=True, softcap=True,
+                  config=TileConfig((64, 64))),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=128, window=True,
+                  mask_align="bottom_right", split_kv=True, config=TileConfig((16, 64), warps=1)),
+]
+
+
+@pytest.fixture(scope="module")
+def mask_artifacts(tmp_path_factory):
+    return compiled_in_fresh_cache(MASK_SPECS, tmp_path_factory)
+
+
+@pytest.mark.parametrize("spec", MASK_SPECS, ids=lambda s: s.name)
+def test_mask_kernels_compile_with_their_abi_and_no_spills(mask_artifacts, spec):
+    art = mask_artifacts[spec]
+    assert len(art.params) == len(attention_params(spec))  # checked against the PTX .entry
+    assert_no_spills_in_loops(art, spec.name)
+    body = art.ptx[art.ptx.index(".entry"):]
+    # soft-capping: a full-precision tanh (no tanh.approx: its 2^-11 error times the cap
+    # moves logits), so one more exp2 per score than the softmax's
+    assert "tanh.approx" not in body
+    if spec.softcap:
+        assert body.count("ex2.approx") >= 2 * spec.tile_m * spec.tile_n // spec.threads
