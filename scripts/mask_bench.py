@@ -14,20 +14,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from flashcore.ops import attention
+from flashcore.tuning.peers import _fa4
 from flashcore.tuning.timing import n_sets, time_kernel
-
-
-def fa4():
-    try:
-        from flash_attn.cute.interface import flash_attn_func
-    except Exception:  # noqa: BLE001 (FA4 absent or broken: no peer)
-        return None
-
-    def run(q, k, v, **kw):
-        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **kw)
-        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
-
-    return run
 
 
 def inputs(b, hq, hkv, sq, sk, d):
@@ -56,7 +44,7 @@ def row(name, impls, sets, flops):
 
 
 def main() -> None:
-    f4 = fa4()
+    f4 = _fa4()
     print(torch.cuda.get_device_name(), "| ratio = time / first row's time (< 1: faster)\n")
     # sliding window 4096 over 32768 tokens (Mistral-style), causal, GQA 32/8, D 128
     s, w = 32768, 4096
@@ -67,7 +55,7 @@ def main() -> None:
         "flashcore full causal": lambda q, k, v: attention(q, k, v, causal=True),
         "flashcore full (no mask)": lambda q, k, v: attention(q, k, v),
         "FA4 window": None if f4 is None else
-        (lambda q, k, v: f4(q, k, v, causal=True, window_size=(w - 1, 0))),
+        (lambda q, k, v: f4(q, k, v, True, window_size=(w - 1, 0))),
         "SDPA flash full causal": _forced(SDPBackend.FLASH_ATTENTION, causal=True),
     }, sets, win_flops)
     del sets
@@ -78,7 +66,7 @@ def main() -> None:
     row(f"chunked prefill 2,32,{sq}x{sk},128 bottom-right", {
         "flashcore": lambda q, k, v: attention(q, k, v, causal=True, mask_align="bottom_right"),
         "SDPA causal_lower_right": _lower_right(),
-        "FA4 causal": None if f4 is None else (lambda q, k, v: f4(q, k, v, causal=True)),
+        "FA4 causal": None if f4 is None else (lambda q, k, v: f4(q, k, v, True)),
     }, sets, flops)
     del sets
     # soft-capped logits (Gemma 2: cap 50), causal prefill 4,16,4096,128
@@ -88,7 +76,7 @@ def main() -> None:
         "flashcore softcap": lambda q, k, v: attention(q, k, v, causal=True, softcap=50.0),
         "flashcore no cap": lambda q, k, v: attention(q, k, v, causal=True),
         "FA4 softcap": None if f4 is None else
-        (lambda q, k, v: f4(q, k, v, causal=True, softcap=50.0)),
+        (lambda q, k, v: f4(q, k, v, True, softcap=50.0)),
     }, sets, flops)
     # decode with a window (1 token, 32/8 heads, 32768 cached keys, window 4096)
     sets = inputs(8, 32, 8, 1, 32768, 128)

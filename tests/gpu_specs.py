@@ -17,6 +17,7 @@ from pathlib import Path
 from flashcore.build.catalog import catalog_specs
 from flashcore.errors import SpecError
 from flashcore.spec import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
+from flashcore.spec.attention import MASK_ALIGNS
 from flashcore.tuned.table import BUCKETS, lookup, table_arch, winner_specs
 from flashcore.tuning.search import all_candidates
 from tests.gpu_utils import FP8_SPLIT_CONFIGS, SPLIT_CONFIGS, STAGE_CONFIGS
@@ -83,10 +84,9 @@ def decode_specs(arch: str) -> list:
 
 
 # (causal, mask_align, window, softcap) of the masks-as-data kernels tests/test_gpu_masks.py runs
-MASK_VARIANTS = [(c, a, w, sc) for c in (False, True) for a in ("top_left", "bottom_right")
-                 for w in (False, True) for sc in (False, True)
-                 if (c or w or a == "top_left") and (c or w or sc) and not (
-                     c and a == "top_left" and not w and not sc)]
+# (bottom-right without causal or a window is no spec: _specs leaves it out)
+MASK_VARIANTS = [(c, a, w, sc) for c, a, w, sc in itertools.product(
+    (False, True), MASK_ALIGNS, (False, True), (False, True)) if a != "top_left" or w or sc]
 
 
 def mask_specs(arch: str) -> list:

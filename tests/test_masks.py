@@ -144,7 +144,7 @@ def test_masking_arguments_are_checked_and_normalised():
     assert masking(False, "top_left", (-1, -1), 0) == NO_MASK  # no limit, softcap 0 = off
     assert masking(False, "bottom_right", None, None) == NO_MASK  # nothing to align
     m = masking(True, "bottom_right", (128, 0), 30)
-    assert m.spec_fields() == ("bottom_right", True, True)
+    assert m.spec_fields == ("bottom_right", True, True)
     assert m.scalars(0.125) == ((128,), (0,), (0.125 / 30,), (30 / 0.125,))
     for bad, what in [((True, "middle", None, None), "mask_align"),
                       ((False, "top_left", (1, 2, 3), None), "window"),

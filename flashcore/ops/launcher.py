@@ -78,7 +78,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
     if mask is not NO_MASK:
         scalars += mask.scalars(softmax_scale)
-    masks = mask.spec_fields()
+    masks = mask.spec_fields
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,
                              False, masks)

@@ -26,8 +26,10 @@ class Masking:
     window: tuple[int, int] | None = None
     softcap: float | None = None
 
+    @functools.cached_property
     def spec_fields(self) -> tuple[str, bool, bool]:
-        """(mask_align, window, softcap) of the AttentionSpec."""
+        """(mask_align, window, softcap) of the AttentionSpec (part of every call's kernel key:
+        worked out once per Masking)."""
         return self.align, self.window is not None, self.softcap is not None
 
     def scalars(self, softmax_scale: float) -> tuple:

@@ -32,10 +32,11 @@ def _fa4() -> Impl | None:
     except Exception:
         return None
 
-    def run(q, k, v, causal):
-        # FA4 takes (batch, seq, heads, dim), and K/V heads may be fewer (GQA)
+    def run(q, k, v, causal, **kw):
+        # FA4 takes (batch, seq, heads, dim), and K/V heads may be fewer (GQA); ``kw`` are its
+        # other options (window_size, softcap, ...)
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                              causal=causal)
+                              causal=causal, **kw)
         out = out[0] if isinstance(out, tuple) else out
         return out.transpose(1, 2)
 

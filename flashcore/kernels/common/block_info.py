@@ -65,12 +65,11 @@ def key_blocks_seen(m_block, tile_m: int, tile_n: int, seqlen_k, bounds: KeyBoun
     if bounds.shifted:
         first = m_block * tile_m // q_group
         last = ((m_block + 1) * tile_m - 1) // q_group
-        _, hi_key = token_keys(bounds, last, seqlen_k, minimum, maximum)
+        last_lo, hi_key = token_keys(bounds, last, seqlen_k, minimum, maximum)
         lo_key, _ = token_keys(bounds, first, seqlen_k, minimum, maximum)
         lo = minimum(lo_key // tile_n, n)
         hi = maximum(minimum(ceil_div(maximum(hi_key, 0), tile_n), n), lo)
         if bounds.windowed:  # every row sees all of block b once b * tile_n >= last's lo key
-            last_lo, _ = token_keys(bounds, last, seqlen_k, minimum, maximum)
             return lo, hi, maximum(minimum(ceil_div(last_lo, tile_n), hi), lo)
         return lo, hi, lo
     if bounds.causal:

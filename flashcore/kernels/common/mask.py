@@ -17,14 +17,13 @@ def mask_scores(S: cute.Tensor, coords: cute.Tensor, seqlen_k, bounds: KeyBounds
     token) every row is token 0."""
     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
         lo, limit = 0, seqlen_k
-        if cutlass.const_expr(bounds.shifted):
-            row = coords[r, 0][0]
-            token = row if q_group == 1 else 0
-            lo, limit = token_keys(bounds, token, seqlen_k, cutlass.min, cutlass.max)
-        elif cutlass.const_expr(bounds.causal):
+        if cutlass.const_expr(bounds.causal or bounds.shifted):
             row = coords[r, 0][0]
             token = row if q_group == 1 else 0  # a select: no division in the loop
-            limit = cutlass.min(token + 1, seqlen_k)
+            if cutlass.const_expr(bounds.shifted):
+                lo, limit = token_keys(bounds, token, seqlen_k, cutlass.min, cutlass.max)
+            else:  # top-left causal: the fixed diagonal
+                limit = cutlass.min(token + 1, seqlen_k)
         for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
             key = coords[0, c][1]
             if cute.elem_less(limit, key + 1):
