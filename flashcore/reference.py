@@ -83,6 +83,54 @@ def attention(
     return out, lse
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
+    """``attention`` of a packed batch (``flashcore.ops.attention_varlen``'s convention): q
+    (total_q, H, D), k and v (total_k, Hkv, D), sequence b in rows cu[b] .. cu[b + 1]. Returns
+    float64 out (total_q, H, D) and, with ``return_lse``, lse (H, total_q)."""
+    return_lse = kw.get("return_lse", False)
+    cq, ck = (c.tolist() for c in (cu_seqlens_q, cu_seqlens_k))
+    outs, lses = [], []
+    def seq(t, cu, b):
+        return t[cu[b]:cu[b + 1]].transpose(0, 1).unsqueeze(0)  # (1, H, S, D)
+
+    for b in range(len(cq) - 1):
+        r = attention(seq(q, cq, b), seq(k, ck, b), seq(v, ck, b), **kw)
+        o, lse = r if return_lse else (r, None)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(None if lse is None else lse[0])
+    dev = outs[0].device if outs else torch.device(kw.get("device") or "cpu")
+    out = (torch.cat(outs) if outs else torch.zeros(q.shape, dtype=torch.float64, device=dev))
+    if not return_lse:
+        return out
+    lse = torch.cat(lses, dim=1) if lses else torch.zeros((q.shape[1], 0), dtype=torch.float64)
+    return out, lse
+
+
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, seqlen: int, b: int):
+    """Sequence ``b``'s first ``seqlen`` keys of a paged cache (pages, page_size, Hkv, D), as
+    (1, Hkv, seqlen, D)."""
+    page_size = cache.shape[1]
+    keys = torch.arange(seqlen)
+    pages = block_table[b].cpu().long()[keys // page_size]
+    return cache[pages.to(cache.device), (keys % page_size).to(cache.device)].transpose(0, 1)[None]
+
+
+def attention_paged(q, k_cache, v_cache, block_table, seqlens_k, **kw):
+    """``attention`` against a paged KV cache (``flashcore.ops.attention_paged``'s convention)
+    for a dense q (B, H, S_q, D): sequence b attends to its ``seqlens_k[b]`` keys."""
+    return_lse = kw.get("return_lse", False)
+    outs, lses = [], []
+    for b, n in enumerate(seqlens_k.tolist()):
+        k = gather_pages(k_cache, block_table, n, b)
+        v = gather_pages(v_cache, block_table, n, b)
+        r = attention(q[b:b + 1], k, v, **kw)
+        o, lse = r if return_lse else (r, None)
+        outs.append(o)
+        lses.append(lse)
+    out = torch.cat(outs)
+    return (out, torch.cat(lses)) if return_lse else out
+
+
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:

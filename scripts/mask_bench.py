@@ -15,7 +15,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from flashcore.ops import attention
 from flashcore.tuning.peers import _fa4
-from flashcore.tuning.timing import n_sets, time_kernel
+from flashcore.tuning.timing import n_sets, report
 
 
 def inputs(b, hq, hkv, sq, sk, d):
@@ -26,23 +26,6 @@ def inputs(b, hq, hkv, sq, sk, d):
              torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16)) for _ in range(n)]
 
 
-def row(name, impls, sets, flops):
-    cells = []
-    base = None
-    for label, fn in impls.items():
-        if fn is None:
-            cells.append(f"{label} n/a")
-            continue
-        try:
-            us = time_kernel(fn, sets)
-        except Exception as e:  # noqa: BLE001 (a peer that cannot run this case)
-            cells.append(f"{label} failed ({type(e).__name__})")
-            continue
-        base = base or us
-        cells.append(f"{label} {us:9.1f} us {flops / us / 1e6:5.0f} TF/s x{us / base:5.2f}")
-    print(f"{name}\n    " + "\n    ".join(cells), flush=True)
-
-
 def main() -> None:
     f4 = _fa4()
     print(torch.cuda.get_device_name(), "| ratio = time / first row's time (< 1: faster)\n")
@@ -50,7 +33,7 @@ def main() -> None:
     s, w = 32768, 4096
     sets = inputs(1, 32, 8, s, s, 128)
     win_flops = 4 * 32 * 128 * sum(min(i + 1, w) for i in range(0, s, 64)) * 64
-    row(f"window {w} over 1,32/8,{s},128 causal", {
+    report(f"window {w} over 1,32/8,{s},128 causal", {
         "flashcore window": lambda q, k, v: attention(q, k, v, causal=True, window=(w - 1, 0)),
         "flashcore full causal": lambda q, k, v: attention(q, k, v, causal=True),
         "flashcore full (no mask)": lambda q, k, v: attention(q, k, v),
@@ -63,7 +46,7 @@ def main() -> None:
     sq, sk = 2048, 16384
     sets = inputs(2, 32, 32, sq, sk, 128)
     flops = 4 * 2 * 32 * 128 * sum(sk - sq + i + 1 for i in range(sq))
-    row(f"chunked prefill 2,32,{sq}x{sk},128 bottom-right", {
+    report(f"chunked prefill 2,32,{sq}x{sk},128 bottom-right", {
         "flashcore": lambda q, k, v: attention(q, k, v, causal=True, mask_align="bottom_right"),
         "SDPA causal_lower_right": _lower_right(),
         "FA4 causal": None if f4 is None else (lambda q, k, v: f4(q, k, v, True)),
@@ -72,7 +55,7 @@ def main() -> None:
     # soft-capped logits (Gemma 2: cap 50), causal prefill 4,16,4096,128
     sets = inputs(4, 16, 16, 4096, 4096, 128)
     flops = 4 * 4 * 16 * 128 * 4096 * 4097 // 2
-    row("softcap 50, 4,16,4096,128 causal", {
+    report("softcap 50, 4,16,4096,128 causal", {
         "flashcore softcap": lambda q, k, v: attention(q, k, v, causal=True, softcap=50.0),
         "flashcore no cap": lambda q, k, v: attention(q, k, v, causal=True),
         "FA4 softcap": None if f4 is None else
@@ -81,7 +64,7 @@ def main() -> None:
     # decode with a window (1 token, 32/8 heads, 32768 cached keys, window 4096)
     sets = inputs(8, 32, 8, 1, 32768, 128)
     bytes_moved = 8 * 8 * 2 * min(w, 32768) * 128 * 2
-    row(f"decode 8,32/8,1x32768,128 window {w} (TF/s column: TB/s x1e-3)", {
+    report(f"decode 8,32/8,1x32768,128 window {w} (TF/s column: TB/s x1e-3)", {
         "flashcore window": lambda q, k, v: attention(q, k, v, causal=True,
                                                       mask_align="bottom_right",
                                                       window=(w - 1, 0)),

@@ -2,11 +2,12 @@
 scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks its result against
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
-    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks]
+    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|serving]
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -15,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from flashcore import reference
-from flashcore.ops import attention
+from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
 
@@ -28,6 +29,9 @@ def qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16, seed=0):
 
 def check(name, out, q, k, v, causal, tol=2e-2, **masks):
     ref = reference.attention(q, k, v, causal=causal, device=q.device, **masks)
+    if out.numel() == 0:
+        print(f"ok  {name}: empty", flush=True)
+        return True
     err = (out.double() - ref).abs().max().item()
     ok = torch.isfinite(out).all().item() and err < tol * max(1.0, ref.abs().max().item())
     print(f"{'ok ' if ok else 'BAD'} {name}: max err {err:.2e}", flush=True)
@@ -75,6 +79,55 @@ def mask_cases():
                     causal, **masks)
 
 
+def varlen_cases():
+    # packed batches: empty and one-token sequences, queries without keys, chunked-prefill
+    # lengths; bottom-right causal, and a two-sided window with soft-capping ((64, 64) kernels)
+    tile = {"tile": (64, 64)}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lq, lk = [0, 1, 77, 130, 5], [3, 1, 200, 130, 0]
+    cq, ck = ([0, *torch.tensor(x).cumsum(0).tolist()] for x in (lq, lk))
+    q = torch.randn(cq[-1], 4, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(ck[-1], 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+            for _ in range(2))
+    cu = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cq, ck)]
+    for causal, masks in ((True, {"mask_align": "bottom_right"}),
+                          (False, {"window": (20, 10), "softcap": 10.0})):
+        out, _ = attention_varlen(q, k, v, *cu, max(lq), max(lk), causal=causal,
+                                  return_lse=True, **masks, **tile)
+        ok = True
+        for b in range(len(lq)):
+            rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            ok &= check(f"varlen seq {b} ({lq[b]}x{lk[b]}) causal={causal} {masks}",
+                        *(t[r].transpose(0, 1)[None] for t, r in ((out, rq), (q, rq), (k, rk),
+                                                                  (v, rk))), causal, **masks)
+        yield ok
+
+
+def paged_cases():
+    # a paged cache with shuffled pages: decode split over CTAs with packed GQA rows (tuned
+    # kernels), prefill ((64, 64) kernels); page sizes that divide no tile, an empty sequence
+    tile = {"tile": (64, 64)}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for page, sq, lens, extra in ((16, 1, [300, 1, 0, 129], {}), (24, 1, [517], {"num_splits": 3}),
+                                  (128, 70, [200, 70], tile), (8, 33, [100, 40], tile)):
+        n = max(1, -(-max(lens) // page))
+        pages = len(lens) * n + 1
+        table = torch.randperm(pages, device="cuda", generator=g)[:len(lens) * n]
+        table = table.view(len(lens), n).to(torch.int32)
+        kc, vc = (torch.randn(pages, page, 2, 64, device="cuda", generator=g, dtype=torch.float16)
+                  for _ in range(2))
+        q = torch.randn(len(lens), 8, sq, 64, device="cuda", generator=g, dtype=torch.float16)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        out, _ = attention_paged(q, kc, vc, table, seqlens, causal=True, return_lse=True,
+                                 mask_align="bottom_right", **extra)
+        ok = True
+        for b, length in enumerate(lens):
+            kb, vb = (reference.gather_pages(c, table, length, b) for c in (kc, vc))
+            ok &= check(f"paged page {page} sq={sq} len {length}", out[b:b + 1], q[b:b + 1], kb,
+                        vb, True, mask_align="bottom_right")
+        yield ok
+
+
 def all_cases():
     arch = arch_of(torch.cuda.current_device())
     for causal in (False, True):
@@ -110,7 +163,8 @@ def main() -> int:
              "splits-unequal": lambda: split_cases(False),
              "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
                                                     (1, 32, 8, 1, 2049, 128))),
-             "masks": mask_cases}[mode]
+             "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
+             "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)

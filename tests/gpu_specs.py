@@ -105,6 +105,26 @@ def mask_specs(arch: str) -> list:
     return specs
 
 
+def serving_specs(arch: str) -> list:
+    """The varlen and paged kernels of tests/test_gpu_serving.py (the explicit (64, 64) tile,
+    tuned decode kernels for paged decode) and of scripts/serving_bench.py (tuned, fp16)."""
+    tile = [TileConfig((64, 64))]
+    masks = {"causal": [False, True], "mask_align": list(MASK_ALIGNS), "head_dim": HEAD_DIMS,
+             "dtype": DTYPES}
+    specs = _specs(arch, tile, varlen=True, return_lse=True, window=[False, True],
+                   softcap=[False, True], **masks)
+    specs += _specs(arch, tile, paged_kv=True, return_lse=True, split_kv=[False, True], **masks)
+    specs += _specs(arch, tile, paged_kv=True, varlen=True, return_lse=True, **masks)
+    for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+        specs += _specs(arch, [_tuned(arch, "decode", d, causal)], paged_kv=True,
+                        return_lse=[False, True], split_kv=[False, True], causal=causal,
+                        mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES)
+        for bucket, _, _ in BUCKETS[1:]:
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal)], varlen=True, causal=causal,
+                            mask_align=list(MASK_ALIGNS), head_dim=d)
+    return specs
+
+
 def fp8_specs(arch: str) -> list:
     if arch not in FP8_ARCHS:
         return []
@@ -130,7 +150,8 @@ def fp8_specs(arch: str) -> list:
 
 
 def gpu_test_specs(arch: str, buckets=None) -> list:
-    specs = prefill_specs(arch) + decode_specs(arch) + mask_specs(arch) + fp8_specs(arch)
+    specs = (prefill_specs(arch) + decode_specs(arch) + mask_specs(arch) + fp8_specs(arch)
+             + serving_specs(arch))
     specs += [s for s in winner_specs(table_arch(arch), build_arch=arch).values()]
     if buckets != []:  # the autotuner's candidates
         precisions = ("fp16", "fp8") if arch in FP8_ARCHS else ("fp16",)
@@ -147,6 +168,10 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
     return fits
 
 
+GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
+          "fp8": fp8_specs, "serving": serving_specs}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
@@ -155,12 +180,15 @@ def main() -> None:
     ap.add_argument("--buckets", nargs="*", default=None,
                     help="autotune candidates of these buckets only (default: all; none: "
                     "`--buckets` alone)")
+    ap.add_argument("--only", nargs="+", choices=sorted(GROUPS), default=None,
+                    help="only the kernels of these test groups")
     a = ap.parse_args()
     from flashcore.build.cache import KernelCache
     from flashcore.build.catalog import write_catalog
     from flashcore.build.compiler import compile_many
 
-    specs = gpu_test_specs(a.arch, a.buckets)
+    specs = (list(dict.fromkeys(s for g in a.only for s in GROUPS[g](a.arch))) if a.only
+             else gpu_test_specs(a.arch, a.buckets))
     print(f"{len(specs)} kernels to build for {a.arch}", flush=True)
     arts = compile_many(specs, jobs=a.jobs, cache=KernelCache(Path(a.out)),
                         progress=lambda s: print("built", s.name, flush=True))

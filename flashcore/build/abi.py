@@ -67,6 +67,12 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     number of key shares (split-KV across CTAs; 1 otherwise); with a window its left and right
     sizes (``flashcore.kernels.common.block_info.UNBOUNDED`` for a side without one), with
     soft-capping scale / cap and cap / scale.
+
+    Serving layouts: with ``varlen`` Q and O (and K and V unless paged) are packed batches viewed
+    as (1, heads, total rows, head_dim), then come the int32 offsets ``cu_seqlens_q`` (and
+    ``cu_seqlens_k``), batch + 1 each; the grid's z is the batch. With ``paged_kv`` K and V are
+    the cache's pages viewed as (pages, heads, page_size, head_dim), then the int32 block table
+    (batch, max_pages) and ``seqlens_k`` (batch).
     """
     params = [TensorParam("q", 3, 3), TensorParam("k", 3, 3),
               TensorParam("vt" if spec.precision == "fp8" else "v", 3, 3), TensorParam("o", 3, 3)]
@@ -83,6 +89,12 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
         params += [ScalarParam("window_left", "<i"), ScalarParam("window_right", "<i")]
     if getattr(spec, "softcap", False):  # S -> out * tanh(S * in): in = scale / cap
         params += [ScalarParam("softcap_in", "<f"), ScalarParam("softcap_out", "<f")]
+    if getattr(spec, "varlen", False):  # int32 (batch + 1) offsets of each sequence's rows
+        params.append(TensorParam("cu_seqlens_q", 1, 0))
+        if not spec.paged_kv:
+            params.append(TensorParam("cu_seqlens_k", 1, 0))
+    if getattr(spec, "paged_kv", False):  # int32 (batch, max_pages) and (batch,)
+        params += [TensorParam("block_table", 2, 1), TensorParam("seqlens_k", 1, 0)]
     return tuple(params)
 
 
@@ -134,6 +146,7 @@ def params_for(spec) -> tuple[TensorParam | ScalarParam, ...]:
 
 
 MAX_GRID_X = 2**31 - 1
+MAX_GRID_Z = 65535
 
 
 def attention_grid(rows: int, heads: int, batch: int, tile_m: int,
@@ -144,6 +157,15 @@ def attention_grid(rows: int, heads: int, batch: int, tile_m: int,
         raise ValueError(f"{batch} batches x {heads} heads x {rows} rows is {x} CTAs, over "
                          f"the grid's {MAX_GRID_X}")
     return (x, num_splits, 1)
+
+
+def varlen_grid(max_rows: int, heads: int, batch: int, tile_m: int) -> tuple[int, int, int]:
+    """Packed batches: x walks (head, query tile) up to the longest sequence, z the batch."""
+    x = (max_rows + tile_m - 1) // tile_m * heads
+    if x > MAX_GRID_X or batch > MAX_GRID_Z:
+        raise ValueError(f"{batch} sequences of up to {max_rows} rows x {heads} heads do not fit "
+                         f"the grid (x {MAX_GRID_X}, z {MAX_GRID_Z})")
+    return (x, 1, batch)
 
 
 def combine_grid(rows: int, heads: int, batch: int, rows_per_cta: int) -> tuple[int, int, int]:

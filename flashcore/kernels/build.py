@@ -51,6 +51,25 @@ def _fakes():
     return bhsd, rows, per_head
 
 
+def _serving_args(spec: AttentionSpec) -> tuple:
+    """cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k: int32, None where unused."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    def vector():
+        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
+
+    cu_q = vector() if spec.varlen else None
+    cu_k = vector() if spec.varlen and not spec.paged_kv else None
+    table = seqlens_k = None
+    if spec.paged_kv:
+        table = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), cute.sym_int32()),
+                                 (cute.sym_int64(), 1), assumed_align=4)
+        seqlens_k = vector()
+    return cu_q, cu_k, table, seqlens_k
+
+
 def _attention_args(spec: AttentionSpec) -> tuple:
     import cutlass
 
@@ -72,7 +91,7 @@ def _attention_args(spec: AttentionSpec) -> tuple:
     softcap = (cutlass.Float32(1.0), cutlass.Float32(1.0)) if spec.softcap else (None, None)
     return (bhsd(q_dtype, d), bhsd(kv_dtype, d), bhsd(kv_dtype, d, transposed=fp8), o, lse,
             qd, kd, vd, cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), *window,
-            *softcap)
+            *softcap, *_serving_args(spec))
 
 
 def _combine_args(spec: CombineSpec) -> tuple:

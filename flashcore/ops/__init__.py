@@ -1,5 +1,6 @@
 """User-facing ops."""
 
 from .attention import attention
+from .serving import attention_paged, attention_varlen
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_paged", "attention_varlen"]

@@ -4,11 +4,12 @@ from ``flashcore.ops.plan``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..build.abi import LOG2_E, attention_grid, combine_grid
+from ..build.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..spec import AttentionSpec, CombineSpec, TileConfig
@@ -16,22 +17,41 @@ from . import plan
 from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking
 
+
+@dataclass(frozen=True)
+class Serving:
+    """A serving layout's part of one launch (``flashcore.ops.serving``): a packed batch
+    (``varlen``) and/or a paged K/V cache, the int32 tables' kernel arguments in ABI order, the
+    batch size and the longest query and key sequences (the grid, the split plan)."""
+
+    varlen: bool
+    paged: bool
+    tables: tuple
+    batch: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+DENSE = Serving(False, False, (), 0, 0, 0)
 _kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
 
 
 def loaded_kernel(device: int, *fields) -> Any:
     """The loaded attention kernel of ``AttentionSpec(arch, *fields)`` (dtype, head_dim, config,
-    causal, return_lse, precision, kv_fp8, split_kv, (mask_align, window, softcap)) on CUDA
-    device index ``device``, built once (the key is a plain tuple: every call looks it up)."""
+    causal, return_lse, precision, kv_fp8, split_kv, (mask_align, window, softcap), varlen,
+    paged_kv) on CUDA device index ``device``, built once (the key is a plain tuple: every call
+    looks it up)."""
     key = (device, *fields)
     k = _kernels.get(key)
     if k is None:
-        dtype, head_dim, config, causal, return_lse, precision, kv_fp8, split_kv, masks = fields
+        (dtype, head_dim, config, causal, return_lse, precision, kv_fp8, split_kv, masks,
+         varlen, paged) = fields
         align, window, softcap = masks
         k = _kernels[key] = kernel_for(AttentionSpec(
             arch=arch_of(device), dtype=dtype, head_dim=head_dim, config=config, causal=causal,
             return_lse=return_lse, precision=precision, kv_fp8=kv_fp8, split_kv=split_kv,
-            mask_align=align, window=window, softcap=softcap), device)
+            mask_align=align, window=window, softcap=softcap, varlen=varlen, paged_kv=paged),
+            device)
     return k
 
 
@@ -48,17 +68,22 @@ def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> 
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
                      causal: bool, softmax_scale: float, num_splits: int | None, *,
                      kv_fp8: bool = False, precision: str = "fp16",
-                     mask: Masking = NO_MASK) -> None:
+                     mask: Masking = NO_MASK, serving: Serving = DENSE) -> None:
     """Plan and launch one attention (and, split over CTAs, its combine) into ``out``/``lse``.
 
     ``qkv_args``: the kernel arguments of q, k and v (Vᵀ for fp8 operands); ``descales``: the
     float32 descale tensors the spec takes, in ABI order ((B, H, S) per token, (B, H) per
-    head)."""
+    head). ``q``, ``k``, ``out`` and ``lse`` are the 4-d (3-d) views the kernel reads: a packed
+    batch as batch 1, a paged cache as (pages, heads, page_size, head_dim)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
+    if serving.paged:
+        Sk = serving.max_seqlen_k
     dev = q.get_device()
     q_group = 1
-    if plan.packs_heads(Sq, H, Hkv):  # query heads of each K/V head as the rows of one tile
+    if serving.varlen:  # a packed batch: one CTA per (head, query tile) of each sequence
+        num_splits = 1
+    elif plan.packs_heads(Sq, H, Hkv):  # query heads of each K/V head as the rows of one tile
         q_group = H // Hkv
         qkv_args = (tensor_arg(plan.packed(q, Hkv)), *qkv_args[1:])
         if precision == "fp8":  # the query descales are packed like the queries
@@ -78,18 +103,21 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
     if mask is not NO_MASK:
         scalars += mask.scalars(softmax_scale)
+    scalars += serving.tables
     masks = mask.spec_fields
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,
-                             False, masks)
+                             False, masks, serving.varlen, serving.paged)
         lse_args = () if lse is None else (rows_arg(lse),)
-        launch(kern, attention_grid(Sq, H, B, config.tile_m),
-               (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
+        grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
+                if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
+        launch(kern, grid, (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
         return
     # split-KV across CTAs: fp32 partials of each share, then the combine kernel
     o_part = torch.empty((splits * B, H, Sq, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits * B, H, Sq), dtype=torch.float32, device=q.device)
-    kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True, masks)
+    kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True, masks,
+                         False, serving.paged)
     launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
            (*qkv_args, tensor_arg(o_part), rows_arg(lse_part), *descale_args, *scalars), dev)
     comb = combine_kernel(dev, dtype, D, lse is not None)

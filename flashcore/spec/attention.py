@@ -47,6 +47,9 @@ class AttentionSpec(SpecData):
     ``mask_align``, ``window`` and ``softcap`` are the masks as data: where the causal diagonal
     sits, a sliding window (key blocks outside it are skipped) and logit soft-capping; the
     window's sizes and the cap are run-time arguments, so one kernel serves every value.
+    ``varlen`` and ``paged_kv`` are the serving layouts: a packed batch of sequences of different
+    lengths (cumulative offsets, FlashAttention's ``varlen`` convention), and K/V read from a
+    paged cache through a block table (vLLM's); lengths and tables are run-time arguments.
     """
 
     arch: str = field(default="sm_89", metadata={"help": "target architecture", "choices": ARCHS})
@@ -68,6 +71,11 @@ class AttentionSpec(SpecData):
         "help": "sliding-window attention (the window's sizes are run-time arguments)"})
     softcap: bool = field(default=False, metadata={
         "help": "soft-cap logits, cap * tanh(s / cap) (the cap is a run-time argument)"})
+    varlen: bool = field(default=False, metadata={
+        "help": "packed variable-length batch: Q/O (and K/V unless paged) as (total, heads, d) "
+                "with cumulative sequence offsets"})
+    paged_kv: bool = field(default=False, metadata={
+        "help": "K/V in a paged cache (pages, page_size, heads, d) read through a block table"})
     family: str = field(default="", metadata={"help": "kernel family (default: the arch's)"})
     op: str = field(default="attention_fwd", metadata={"cli": False})
 
@@ -97,7 +105,8 @@ class AttentionSpec(SpecData):
             raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
-        for name in ("causal", "return_lse", "kv_fp8", "split_kv", "window", "softcap"):
+        for name in ("causal", "return_lse", "kv_fp8", "split_kv", "window", "softcap",
+                     "varlen", "paged_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if (self.precision == "fp8" or self.kv_fp8) and self.arch not in FP8_ARCHS:
@@ -116,6 +125,14 @@ class AttentionSpec(SpecData):
                       "(its query descales fold into the exp2 scale); use precision='fp16'")
         if self.precision == "fp8" and self.kv_fp8:
             raise bad("kv_fp8=True is for 16-bit operands; precision='fp8' already reads e4m3 K/V")
+        if (self.varlen or self.paged_kv) and self.precision == "fp8":
+            raise bad("varlen/paged_kv read 16-bit operands; precision='fp8' is for dense tensors")
+        if (self.varlen or self.paged_kv) and self.kv_fp8:
+            raise bad("an e4m3 KV cache (kv_fp8=True) is read from dense (batch, heads, seq, d) "
+                      "tensors only; varlen/paged_kv with kv_fp8 are not built yet")
+        if self.varlen and self.split_kv:
+            raise bad("varlen=True is the prefill layout and splits no keys across CTAs; "
+                      "decode a paged cache (paged_kv=True) for split-KV")
         fam = family(self.family)
         if self.arch not in fam.archs:
             raise bad(f"family {fam.name!r} does not run on {self.arch}; it runs on {fam.archs}")
@@ -186,6 +203,7 @@ class AttentionSpec(SpecData):
                  (self.precision, self.precision != "fp16"), ("kvfp8", self.kv_fp8),
                  ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
+                 ("varlen", self.varlen), ("paged", self.paged_kv),
                  (self.family, self.family != "mma_sync")]
         return "_".join(parts + [tag for tag, on in flags if on])
 

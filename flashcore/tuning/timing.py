@@ -63,3 +63,22 @@ def time_eager(call: Callable[..., object], sets: Sequence[tuple], reps: int = 2
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)
     return statistics.median(times)
+
+
+def report(name: str, impls: dict, sets: Sequence[tuple], work: float,
+           unit: str = "TF/s") -> None:
+    """Print one case: each implementation's ``time_kernel`` (None: not installed; one that
+    raises: its error), ``work / µs / 1e6`` in ``unit`` and its time over the first one's."""
+    cells, base = [], None
+    for label, fn in impls.items():
+        if fn is None:
+            cells.append(f"{label:34s} n/a")
+            continue
+        try:
+            us = time_kernel(fn, sets)
+        except Exception as e:  # noqa: BLE001 (a peer that cannot run this case)
+            cells.append(f"{label:34s} failed ({type(e).__name__}: {str(e)[:80]})")
+            continue
+        base = base or us
+        cells.append(f"{label:34s} {us:9.1f} us {work / us / 1e6:7.2f} {unit} x{us / base:5.2f}")
+    print(f"{name}\n    " + "\n    ".join(cells), flush=True)

@@ -74,3 +74,28 @@ def load_block(tiled_copy, src, dst, coords, n_block, slot, seqlen, ragged: cutl
                   coords[None, None, None, n_block], seqlen)
     else:
         cute.copy(tiled_copy, src[None, None, None, n_block], dst[None, None, None, slot])
+
+
+
+@cute.jit
+def load_gathered(tiled_copy, thr_copy, row_of, dst, coords, n_block, slot, seqlen,
+                  tile: cutlass.Constexpr, ragged: cutlass.Constexpr):
+    """``load_block`` for a ``tile`` (rows, cols) whose rows are scattered (a paged cache):
+    ``row_of(key)`` is key ``key``'s (cols,) row in global memory. Each thread's row ``m`` is
+    copied from a view whose rows all sit at that row's address (row stride 0), partitioned like
+    the whole tile, so its chunks keep the tile's columns and 16-byte copies."""
+    for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+        key = coords[0, m, 0, n_block][0]
+        if cutlass.const_expr(ragged):
+            if key < seqlen:
+                _copy_row(tiled_copy, thr_copy, row_of(key), dst, m, slot, tile)
+            else:
+                dst[None, m, None, slot].fill(0)
+        else:
+            _copy_row(tiled_copy, thr_copy, row_of(key), dst, m, slot, tile)
+
+
+@cute.jit
+def _copy_row(tiled_copy, thr_copy, row, dst, m, slot, tile: cutlass.Constexpr):
+    view = cute.make_tensor(row.iterator, cute.make_layout(tile, stride=(0, 1)))
+    cute.copy(tiled_copy, thr_copy.partition_S(view)[None, m, None], dst[None, m, None, slot])

@@ -38,6 +38,7 @@ from .cta import Cta, kv_head_of, tile_coords
 from .epilogue import merge_groups, store_output, store_partials
 from .layouts import KernelLayouts
 from .pipeline import prologue
+from .sequences import Sequences
 
 
 class AttentionForward:
@@ -46,6 +47,9 @@ class AttentionForward:
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
         self.smem_size = 0
+        # whether some CTA may have no key block to walk (a plain top-left kernel always has one)
+        self.may_walk_no_block = (spec.split_kv or spec.shifted_mask or spec.varlen
+                                  or spec.paged_kv)
 
     @cute.jit
     def host(
@@ -65,15 +69,21 @@ class AttentionForward:
         window_right: cutlass.Int32 | None = None,
         softcap_in: cutlass.Float32 | None = None,
         softcap_out: cutlass.Float32 | None = None,
+        cu_seqlens_q: cute.Tensor | None = None,
+        cu_seqlens_k: cute.Tensor | None = None,
+        block_table: cute.Tensor | None = None,
+        seqlens_k: cute.Tensor | None = None,
     ):
         """The launch; flashcore keeps only the kernel's cubin and its runtime repeats this
         geometry (``flashcore.build.abi.attention_grid``)."""
         lay = KernelLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         m_blocks = cute.ceil_div(mQ.shape[2], self.spec.tile_m)
+        batches = 1 if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         self.kernel(mQ, mK, mV, mO, mLSE, mQd, mKd, mVd, scale_log2, q_group, num_splits,
-                    window_left, window_right, softcap_in, softcap_out).launch(
-            grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
+                    window_left, window_right, softcap_in, softcap_out, cu_seqlens_q,
+                    cu_seqlens_k, block_table, seqlens_k).launch(
+            grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, batches),
             block=[self.spec.threads, 1, 1], smem=self.smem_size,
         )
 
@@ -84,13 +94,16 @@ class AttentionForward:
         mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
         num_splits: cutlass.Int32, window_left: cutlass.Int32 | None,
         window_right: cutlass.Int32 | None, softcap_in: cutlass.Float32 | None,
-        softcap_out: cutlass.Float32 | None,
+        softcap_out: cutlass.Float32 | None, cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None, block_table: cute.Tensor | None,
+        seqlens_k: cute.Tensor | None,
     ):
         self.wait_for_inputs()
         lay = KernelLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
+        seqs = Sequences(self.spec, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
         cta = Cta(lay, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits, window_left,
-                  window_right)
+                  window_right, seqs)
         cta.softcap = (softcap_in, softcap_out)
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
                                 exact_max=lay.fp8)
@@ -98,10 +111,15 @@ class AttentionForward:
         if cutlass.const_expr(lay.fp8):
             self.fold_query_descales(cta, softmax, mQ, mQd, scale_log2)
             # O = (P8 · v8) * v_descale / P_SCALE; loaded early to hide its latency
-            _, head, batch, _ = tile_coords(mQ, self.spec.tile_m, self.spec.causal, self.spec.split_kv)
+            _, head, batch, _ = tile_coords(mQ, self.spec)
             o_scale = mVd[batch, kv_head_of(head, mQ, mK)] * (1.0 / P_SCALE)
         prologue(cta)
         self.walk_keys(cta, softmax)
+        if cutlass.const_expr(self.may_walk_no_block):
+            # a CTA that walked no key block (an empty share, a tile outside its window or past
+            # its sequence's keys) never waited for its Q copy: it must land before the
+            # epilogue reuses Q's buffer, and before the CTA exits
+            cute.arch.cp_async_wait_group(0)
         softmax.finish()
         if cutlass.const_expr(self.spec.kv_splits > 1):
             merge_groups(cta, softmax, storage)
@@ -137,7 +155,7 @@ class AttentionForward:
     @cute.jit
     def fold_query_descales(self, cta: Cta, softmax: OnlineSoftmax, mQ, mQd, scale_log2):
         """FP8: each row's exp2 scale carries its query's descale."""
-        _, head, batch, _ = tile_coords(mQ, self.spec.tile_m, self.spec.causal, self.spec.split_kv)
+        _, head, batch, _ = tile_coords(mQ, self.spec)
         rows, row_scale = cta.row_coords(), softmax.row_scale
         for r in cutlass.range_constexpr(len(rows)):
             row = cta.m_block * self.spec.tile_m + rows[r]

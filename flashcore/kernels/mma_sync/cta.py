@@ -17,24 +17,34 @@ from ..common.fragments import mn_view
 from ..common.mma import SmemOperand
 from ..common.sreg import fresh_ctaid
 from .layouts import KernelLayouts
+from .sequences import Sequences
 
 
 @cute.jit
-def tile_coords(mQ: cute.Tensor, tile_m: cutlass.Constexpr, causal: cutlass.Constexpr,
-                split_kv: cutlass.Constexpr):
+def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr):
     """(query tile, head, batch, key share) of this CTA. Cheap enough to compute again where
     needed (from a fresh read of the block index, which the compiler cannot merge with the
-    first) instead of keeping it live through the key loop (registers)."""
-    lin, split = fresh_ctaid("x"), 0
-    if cutlass.const_expr(split_kv):
+    first) instead of keeping it live through the key loop (registers). A packed batch
+    (``varlen``) has its batch in the grid's z and as many query tiles per head as its longest
+    sequence (the grid's x over the heads)."""
+    lin, split, batch = fresh_ctaid("x"), 0, 0
+    if cutlass.const_expr(spec.split_kv):
         split = fresh_ctaid("y")
-    m_blocks = cute.ceil_div(mQ.shape[2], tile_m)
     heads = mQ.shape[1]
+    m_blocks = 0
+    if cutlass.const_expr(spec.varlen):
+        m_blocks = cute.arch.grid_dim()[0] // heads
+        batch = fresh_ctaid("z")
+    else:
+        m_blocks = cute.ceil_div(mQ.shape[2], spec.tile_m)
     m_block = lin % m_blocks
-    if cutlass.const_expr(causal):
+    if cutlass.const_expr(spec.causal):
         m_block = m_blocks - 1 - m_block
     bh = lin // m_blocks
-    return m_block, bh % heads, bh // heads, split
+    head = bh % heads
+    if cutlass.const_expr(not spec.varlen):
+        batch = bh // heads
+    return m_block, head, batch, split
 
 
 def kv_head_of(head, mQ: cute.Tensor, mK: cute.Tensor):
@@ -46,7 +56,7 @@ class Cta:
     """Trace-time view of one CTA (or, with kv_splits > 1, of one of its warp groups)."""
 
     def __init__(self, lay: KernelLayouts, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits,
-                 window_left=None, window_right=None):
+                 window_left, window_right, seqs: Sequences):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
@@ -54,7 +64,7 @@ class Cta:
         self.group, self.tidx = 0, cta_tidx  # kv_splits groups of `warps` warps
         if cutlass.const_expr(c.kv_splits > 1):
             self.group, self.tidx = cta_tidx // c.group_threads, cta_tidx % c.group_threads
-        self.m_block, head, batch, split = tile_coords(mQ, tm, spec.causal, spec.split_kv)
+        self.m_block, head, batch, split = tile_coords(mQ, spec)
         if cutlass.const_expr(not spec.split_kv):
             num_splits = 1  # one CTA per query tile: its key range is known at compile time
         self.kv_head = kv_head_of(head, mQ, mK)
@@ -62,16 +72,23 @@ class Cta:
         # (an FP8 KV cache; FP8 operands scale V per head, in the epilogue)
         self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
         self.gVd = mVd[batch, self.kv_head, None] if lay.kv_fp8 else None
-        self.seqlen_q, self.seqlen_k, self.q_group = mQ.shape[2], mK.shape[2], q_group
+        self.seqs = seqs
+        self.seqlen_q, self.seqlen_k = seqs.query_len(mQ, batch), seqs.key_len(mK, batch)
+        self.q_group = q_group
         self.key_share(split, num_splits, window_left, window_right)
 
         # ---- global tiles and their coordinates (for predicates and masks) --------------------
-        gQ = cute.local_tile(mQ[batch, head, None, None], (tm, d), (self.m_block, 0))
-        gK = cute.local_tile(mK[batch, self.kv_head, None, None], (tn, d), (None, 0))
-        if cutlass.const_expr(lay.fp8):  # Vᵀ, padded with zero keys: never ragged
-            gV = cute.local_tile(mV[batch, self.kv_head, None, None], (d, tn), (0, None))
+        gQ = cute.local_tile(seqs.query_rows(mQ, batch, head), (tm, d), (self.m_block, 0))
+        if cutlass.const_expr(spec.paged_kv):  # gathered a row at a time (pipeline.issue_k)
+            self.k_row = lambda key: seqs.paged_row(mK, batch, self.kv_head, key)
+            self.v_row = lambda key: seqs.paged_row(mV, batch, self.kv_head, key)
         else:
-            gV = cute.local_tile(mV[batch, self.kv_head, None, None], (tn, d), (None, 0))
+            gK = cute.local_tile(seqs.key_rows(mK, batch, self.kv_head), (tn, d), (None, 0))
+            if cutlass.const_expr(lay.fp8):  # Vᵀ, padded with zero keys: never ragged
+                gV = cute.local_tile(mV[batch, self.kv_head, None, None], (d, tn), (0, None))
+            else:
+                gV = cute.local_tile(seqs.key_rows(mV, batch, self.kv_head), (tn, d),
+                                     (None, 0))
         cQ = cute.local_tile(cute.make_identity_tensor((self.seqlen_q, d)), (tm, d),
                              (self.m_block, 0))
         cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d), (None, 0))
@@ -105,11 +122,20 @@ class Cta:
         self.tQgQ, self.tQsQ, self.tQcQ = (q_copy.partition_S(gQ), q_copy.partition_D(self.sQ),
                                            q_copy.partition_S(cQ))
         k_copy, v_copy = lay.g2s_k.get_slice(self.tidx), lay.g2s_v.get_slice(self.tidx)
-        self.tKgK, self.tKsK = k_copy.partition_S(gK), k_copy.partition_D(self.sK_ring)
-        self.tVgV, self.tVsV = v_copy.partition_S(gV), v_copy.partition_D(self.sV_ring)
+        self.k_copy = k_copy
+        if cutlass.const_expr(spec.paged_kv):
+            self.tKsK = k_copy.partition_D(self.sK_ring)
+            self.tVsV = v_copy.partition_D(self.sV_ring)
+        else:
+            self.tKgK, self.tKsK = k_copy.partition_S(gK), k_copy.partition_D(self.sK_ring)
+            self.tVgV, self.tVsV = v_copy.partition_S(gV), v_copy.partition_D(self.sV_ring)
         self.tKVcKV = k_copy.partition_S(cKV)
 
-        # ---- MMA operands and the output accumulator -----------------------------------------
+        self.mma_operands(sK, sVt)
+
+    def mma_operands(self, sK, sVt):
+        """The MMA operands (Q, K and Vᵀ from shared memory) and the output accumulator."""
+        lay = self.lay
         mma = lay.tiled_mma
         self.thr_mma = mma.get_slice(self.tidx)
         ld_a, ld_v = lay.ldmatrix_ops()
@@ -121,7 +147,8 @@ class Cta:
         self.vt = SmemOperand(mma, cute.make_tiled_copy_B, ld_v, lay.op_dtype, sVt,
                               frag.make_fragment_B(frag.partition_B(sVt[None, None, 0])),
                               self.tidx)
-        self.acc_O = cute.make_rmem_tensor(frag.partition_shape_C((tm, d)), cutlass.Float32)
+        shape = frag.partition_shape_C((self.config.tile_m, self.spec.head_dim))
+        self.acc_O = cute.make_rmem_tensor(shape, cutlass.Float32)
         self.acc_O.fill(0.0)
 
     def key_share(self, split, num_splits, window_left, window_right):
@@ -132,6 +159,10 @@ class Cta:
         self.n_lo, self.n_hi, self.n_lo_unmasked = key_range(
             self.m_block, c.tile_m, c.tile_n, self.seqlen_k, self.bounds, self.q_group, split,
             num_splits, self.group, c.kv_splits, cutlass.min, cutlass.max)
+        if cutlass.const_expr(self.spec.varlen):
+            # a tile past its sequence's end (the grid covers the longest) walks no keys
+            live = cutlass.min(cutlass.max(self.seqlen_q - self.m_block * c.tile_m, 0), 1)
+            self.n_hi = self.n_lo + (self.n_hi - self.n_lo) * live
 
     def key_bounds(self, window_left, window_right) -> KeyBounds:
         """The keys each token sees (``block_info``): bottom-right alignment puts the last

@@ -84,10 +84,10 @@ def store_lse(cta: Cta, softmax: OnlineSoftmax, lse_rows: cute.Tensor, m_block):
 def store_output(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
     """The final output, in the output dtype, through shared memory to 16-byte stores."""
     lay, c, d = cta.lay, cta.config, cta.spec.head_dim
-    m_block, head, batch, _ = tile_coords(mQ, c.tile_m, cta.spec.causal, cta.spec.split_kv)
+    m_block, head, batch, _ = tile_coords(mQ, cta.spec)
     normalise(cta, softmax, o_scale)
     if cutlass.const_expr(mLSE is not None):
-        store_lse(cta, softmax, mLSE[batch, head, None], m_block)
+        store_lse(cta, softmax, cta.seqs.query_rows(mLSE, batch, head), m_block)
 
     rO = cute.make_rmem_tensor(cta.acc_O.layout, lay.out_dtype)
     rO.store(cta.acc_O.load().to(lay.out_dtype))
@@ -98,7 +98,7 @@ def store_output(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
     cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cta.sO))
     group_sync(cta, 0)
 
-    gO = cute.local_tile(mO[batch, head, None, None], (c.tile_m, d), (m_block, 0))
+    gO = cute.local_tile(cta.seqs.query_rows(mO, batch, head), (c.tile_m, d), (m_block, 0))
     cO = cute.local_tile(cute.make_identity_tensor((cta.seqlen_q, d)), (c.tile_m, d),
                          (m_block, 0))
     r2g = lay.r2g_o.get_slice(cta.tidx)
@@ -115,7 +115,7 @@ def store_partials(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
     """This CTA's share of the keys: normalised fp32 output rows and their LSE, at batch index
     split · batch_size + batch of the workspace."""
     c, d = cta.config, cta.spec.head_dim
-    m_block, head, batch, split = tile_coords(mQ, c.tile_m, cta.spec.causal, cta.spec.split_kv)
+    m_block, head, batch, split = tile_coords(mQ, cta.spec)
     at = split * mQ.shape[0] + batch
     normalise(cta, softmax, o_scale)
     store_lse(cta, softmax, mLSE[at, head, None], m_block)

@@ -1,0 +1,63 @@
+"""Where one batch entry's query rows and keys live, for the three layouts a spec may name.
+
+* dense: (batch, heads, seq, head_dim) tensors; every sequence has the tensor's length.
+* ``varlen``: a packed batch viewed as (1, heads, total rows, head_dim); sequence ``b`` holds rows
+  ``cu_seqlens[b] .. cu_seqlens[b + 1]`` (FlashAttention's convention). Q and O always; K and V
+  too unless paged.
+* ``paged_kv``: K and V are pages viewed as (pages, heads, page_size, head_dim); key ``j`` of
+  sequence ``b`` is row ``j % page_size`` of page ``block_table[b, j // page_size]`` and the
+  sequence has ``seqlens_k[b]`` keys (vLLM's convention). Rows of a key block may come from
+  different pages (page_size < tile_n), so each is gathered on its own (``copies.load_gathered``).
+
+Trace-time Python: the lengths and offsets it returns are run-time values read from the tables.
+"""
+
+
+import cutlass.cute as cute
+
+
+class Sequences:
+    """The serving tables of one kernel (None where the spec does not use them)."""
+
+    def __init__(self, spec, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k):
+        self.varlen, self.paged = spec.varlen, spec.paged_kv
+        self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
+        self.block_table, self.seqlens_k = block_table, seqlens_k
+
+    def query_len(self, mQ: cute.Tensor, batch):
+        """How many query rows sequence ``batch`` has."""
+        if self.varlen:
+            return self.cu_q[batch + 1] - self.cu_q[batch]
+        return mQ.shape[2]
+
+    def key_len(self, mK: cute.Tensor, batch):
+        """How many keys sequence ``batch`` has."""
+        if self.paged:
+            return self.seqlens_k[batch]
+        if self.varlen:
+            return self.cu_k[batch + 1] - self.cu_k[batch]
+        return mK.shape[2]
+
+    def query_rows(self, t: cute.Tensor, batch, head):
+        """The rows of (batch, head) of Q-shaped ``t`` (Q, O, or the LSE) as a (seq, ...)
+        tensor."""
+        if cute.rank(t) == 4:
+            rows, origin = t[0 if self.varlen else batch, head, None, None], (0, 0)
+        else:
+            rows, origin = t[0 if self.varlen else batch, head, None], (0,)
+        if self.varlen:
+            return cute.domain_offset((self.cu_q[batch], *origin[1:]), rows)
+        return rows
+
+    def key_rows(self, t: cute.Tensor, batch, kv_head):
+        """The rows of (batch, kv_head) of K-shaped ``t`` as a (seq, head_dim) tensor (not for
+        a paged cache: see ``paged_row``)."""
+        if self.varlen:
+            return cute.domain_offset((self.cu_k[batch], 0), t[0, kv_head, None, None])
+        return t[batch, kv_head, None, None]
+
+    def paged_row(self, t: cute.Tensor, batch, kv_head, key):
+        """Key ``key`` of (batch, kv_head) in paged ``t``: its (head_dim,) row."""
+        page_size = t.shape[2]
+        page = self.block_table[batch, key // page_size]
+        return t[page, kv_head, key % page_size, None]

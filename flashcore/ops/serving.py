@@ -1,0 +1,333 @@
+"""Serving layouts: ``attention_varlen`` (a packed batch of sequences of different lengths, the
+convention of ``flash_attn_varlen_func``) and ``attention_paged`` (K/V in a paged cache read
+through a block table, the convention of vLLM and FlashInfer).
+
+What is checked, and what is trusted:
+
+* Always, on the host (no GPU work): shapes, dtypes, devices, int32 tables, head counts, and
+  the sizes of the tables against each other.
+* With ``check_lengths=True`` (the default), one small reduction on the GPU and one read of its
+  result (a synchronisation): offsets that start at 0 and never decrease, that end inside the
+  packed tensors, sequences no longer than ``max_seqlen_q`` / ``max_seqlen_k`` (rows past
+  ``max_seqlen_q`` would never be computed), key lengths within the block table, and block-table
+  entries that the lengths reach inside ``[0, pages)``. Inside a CUDA graph capture this check
+  cannot run (it reads device values) and is skipped: the tables are trusted, as they are with
+  ``check_lengths=False``, and a wrong one reads the wrong memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..runtime.device import arch_of
+from ..spec import HEAD_DIMS
+from .eager import resolve_config
+from .inputs import DTYPE_NAMES, prepared
+from .launcher import Serving, launch_attention
+from .masks import NO_MASK, masking
+from .plan import MAX_SPLITS
+from .validate import check_grad
+
+_INT32_MAX = 2**31 - 1
+
+
+def _fail(op: str, what: str) -> ValueError:
+    return ValueError(f"{op}: {what}")
+
+
+def _check_tensor(op: str, name: str, t, dims: int, dtypes, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise _fail(op, f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected one of {tuple(dtypes)}")
+    if not t.is_cuda:
+        raise _fail(op, f"{name} is on {t.device}; flashcore runs on CUDA tensors")
+    if device is not None and t.device != device:
+        raise _fail(op, f"{name} is on {t.device}, q on {device}")
+
+
+def _check_heads(op: str, q_heads: int, kv_heads: int, head_dim: int, kv_dim: int) -> None:
+    if head_dim not in HEAD_DIMS:
+        raise _fail(op, f"head_dim {head_dim} is not supported; supported are {HEAD_DIMS}")
+    if kv_dim != head_dim:
+        raise _fail(op, f"q has head_dim {head_dim}, k/v {kv_dim}")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise _fail(op, f"q has {q_heads} heads and k/v {kv_heads}: the query heads must be a "
+                        "whole multiple of the key/value heads (grouped-query attention)")
+
+
+def _check_max(op: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32_MAX:
+        raise _fail(op, f"{name} must be an int in 0..2**31-1, got {value!r}")
+    return value
+
+
+def _int32_vector(op: str, name: str, t, device, length: int | None = None) -> torch.Tensor:
+    _check_tensor(op, name, t, 1, (torch.int32,), device)
+    if length is not None and t.shape[0] != length:
+        raise _fail(op, f"{name} has {t.shape[0]} entries, expected {length}")
+    return t.contiguous()
+
+
+def _pack_view(t: torch.Tensor) -> torch.Tensor:
+    """(total, heads, d) -> the kernel's (1, heads, total, d) view of the same memory."""
+    total, heads, d = t.shape
+    st = t.stride()
+    return t.as_strided((1, heads, total, d), (max(t.numel(), 1), st[1], st[0], st[2]))
+
+
+def _cu_seqlens_faults(name: str, cu: torch.Tensor, total: int, max_len: int) -> list:
+    """Device-side tests of one offsets vector: (message, bad?) pairs (read back together)."""
+    lens = cu[1:] - cu[:-1]
+    return [(f"{name}[0] must be 0", cu[0] != 0),
+            (f"{name} must not decrease", (lens < 0).any()),
+            (f"{name}[-1] is past the packed tensor's {total} rows", cu[-1] > total),
+            (f"a sequence in {name} is longer than its max_seqlen ({max_len})",
+             (lens > max_len).any())]
+
+
+def _checking(check_lengths: bool) -> bool:
+    """Whether to run the device-side checks: asked for, and not inside a graph capture (which
+    cannot read device values back; its small kernels would also join the graph)."""
+    return bool(check_lengths) and not torch.cuda.is_current_stream_capturing()
+
+
+def _raise_faults(op: str, faults: list) -> None:
+    flags = torch.stack([torch.as_tensor(bad).reshape(()) for _, bad in faults]).tolist()
+    for (message, _), bad in zip(faults, flags):
+        if bad:
+            raise _fail(op, message + " (check_lengths=False skips these checks)")
+
+
+def _masking(causal, mask_align, window, softcap):
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention: causal must be a bool, got {causal!r}")
+    if mask_align == "top_left" and window is None and softcap is None:
+        return NO_MASK
+    return masking(causal, mask_align,
+                   tuple(window) if isinstance(window, (list, tuple)) else window, softcap)
+
+
+def _scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
+    return float(softmax_scale)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    mask_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    tile: tuple[int, int] | None = None,
+    config=None,
+    out: torch.Tensor | None = None,
+    check_lengths: bool = True,
+    allow_no_grad: bool = False,
+):
+    """Attention over a packed batch: sequence ``b`` is rows ``cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1]`` of q (total_q, heads, head_dim) and rows ``cu_seqlens_k[b] ..
+    cu_seqlens_k[b + 1]`` of k and v (total_k, heads_kv, head_dim); int32 offsets, batch + 1 of
+    each. Zero-length sequences are legal (their rows are 0, LSE -inf). Masks and GQA as in
+    ``flashcore.ops.attention``; FlashAttention's varlen causal mask is
+    ``mask_align="bottom_right"``. Returns out (total_q, heads, head_dim) and, with
+    ``return_lse``, the float32 LSE (heads, total_q). See the module for what is checked."""
+    op = "attention_varlen"
+    _check_tensor(op, "q", q, 3, tuple(DTYPE_NAMES))
+    for name, t in (("k", k), ("v", v)):
+        _check_tensor(op, name, t, 3, (q.dtype,), q.device)
+    if k.shape != v.shape:
+        raise _fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    _check_heads(op, q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+    cu_q = _int32_vector(op, "cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = _int32_vector(op, "cu_seqlens_k", cu_seqlens_k, q.device, cu_q.shape[0])
+    if cu_q.shape[0] < 1:
+        raise _fail(op, "cu_seqlens_q needs batch + 1 >= 1 entries")
+    max_q = _check_max(op, "max_seqlen_q", max_seqlen_q)
+    max_k = _check_max(op, "max_seqlen_k", max_seqlen_k)
+    if max(q.shape[0], k.shape[0]) > _INT32_MAX:
+        raise _fail(op, "a packed tensor has over 2**31 - 1 rows")
+    if not allow_no_grad:
+        check_grad(q, k, v)
+    mask = _masking(causal, mask_align, window, softcap)
+    scale = _scale(softmax_scale, q.shape[2])
+    total_q, heads, d = q.shape
+    if out is None:
+        out = q.new_empty(q.shape)
+    elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+          or out.device != q.device):
+        raise _fail(op, f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else None
+    batch = cu_q.shape[0] - 1
+    if _checking(check_lengths):
+        _raise_faults(op, _cu_seqlens_faults("cu_seqlens_q", cu_q, total_q, max_q)
+                      + _cu_seqlens_faults("cu_seqlens_k", cu_k, k.shape[0], max_k))
+    if batch == 0 or total_q == 0 or max_q == 0:
+        return _empty(out, lse)
+    cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
+                         head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16")
+    # prepared() may copy: the copies stay referenced until the launch has been issued
+    q4, q_arg = prepared(_pack_view(q))
+    k4, k_arg = prepared(_pack_view(k))
+    v4, v_arg = prepared(_pack_view(v))
+    target = out if _aligned(out) else q.new_empty(q.shape)
+    lse3 = None if lse is None else lse.view(1, heads, total_q)
+    serving = Serving(True, False, (_vector_arg(cu_q), _vector_arg(cu_k)), batch, max_q, max_k)
+    launch_attention(q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg), (), cfg, causal,
+                     scale, None, mask=mask, serving=serving)
+    del q4, k4, v4  # (any copies) live until the launch is issued
+    if target is not out:
+        out.copy_(target)
+    return (out, lse) if return_lse else out
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    mask_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    tile: tuple[int, int] | None = None,
+    config=None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    check_lengths: bool = True,
+    allow_no_grad: bool = False,
+):
+    """Attention against a paged KV cache: k_cache and v_cache are (pages, page_size, heads_kv,
+    head_dim); key ``j`` of sequence ``b`` is row ``j % page_size`` of page
+    ``block_table[b, j // page_size]``; sequence ``b`` has ``seqlens_k[b]`` keys (int32 tables,
+    block_table (batch, max_pages)). Any page size. q is (batch, heads, seq_q, head_dim) (decode:
+    seq_q = 1; chunked prefill: the chunk), or packed (total_q, heads, head_dim) with
+    ``cu_seqlens_q`` and ``max_seqlen_q`` as in ``attention_varlen``. Decode splits the keys
+    over CTAs like ``flashcore.ops.attention``. Returns out shaped like q, and with
+    ``return_lse`` the LSE ((batch, heads, seq_q), or (heads, total_q) packed)."""
+    op = "attention_paged"
+    packed = cu_seqlens_q is not None
+    _check_tensor(op, "q", q, 3 if packed else 4, tuple(DTYPE_NAMES))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _check_tensor(op, name, t, 4, (q.dtype,), q.device)
+    if k_cache.shape != v_cache.shape:
+        raise _fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
+                        "differ in shape")
+    pages, page_size, kv_heads, d = k_cache.shape
+    heads = q.shape[-2] if packed else q.shape[1]
+    _check_heads(op, heads, kv_heads, q.shape[-1], d)
+    if page_size == 0 or pages == 0:
+        raise _fail(op, f"the cache has no room: shape {tuple(k_cache.shape)}")
+    _check_tensor(op, "block_table", block_table, 2, (torch.int32,), q.device)
+    batch, max_pages = block_table.shape
+    if block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
+    lens = _int32_vector(op, "seqlens_k", seqlens_k, q.device, batch)
+    if packed:
+        cu_q = _int32_vector(op, "cu_seqlens_q", cu_seqlens_q, q.device, batch + 1)
+        max_q = _check_max(op, "max_seqlen_q", max_seqlen_q)
+    else:
+        if max_seqlen_q is not None:
+            raise _fail(op, "max_seqlen_q goes with cu_seqlens_q (a packed q)")
+        if q.shape[0] != batch:
+            raise _fail(op, f"q has batch {q.shape[0]}, block_table {batch}")
+        max_q = q.shape[2]
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise _fail(op, f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
+    if not allow_no_grad:
+        check_grad(q, k_cache, v_cache)
+    mask = _masking(causal, mask_align, window, softcap)
+    scale = _scale(softmax_scale, d)
+    max_k = max_pages * page_size
+    if _checking(check_lengths):
+        reach = (lens.clamp(min=0) + page_size - 1) // page_size  # pages each sequence uses
+        used = torch.arange(max_pages, device=q.device)[None, :] < reach[:, None]
+        faults = [("seqlens_k must be >= 0", (lens < 0).any()),
+                  (f"seqlens_k is over the block table's {max_pages} pages x {page_size}",
+                   (lens > max_k).any()),
+                  (f"a block_table entry a sequence uses is outside 0..{pages - 1}",
+                   (used & ((block_table < 0) | (block_table >= pages))).any())]
+        if packed:
+            faults += _cu_seqlens_faults("cu_seqlens_q", cu_q, q.shape[0], max_q)
+        _raise_faults(op, faults)
+    if out is None:
+        out = q.new_empty(q.shape)
+    elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+          or out.device != q.device):
+        raise _fail(op, f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    lse_shape = (heads, q.shape[0]) if packed else tuple(q.shape[:3])
+    lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse else None
+    if batch == 0 or q.numel() == 0 or max_q == 0:
+        return _empty(out, lse)
+    cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
+                         head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16")
+    # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes
+    k4, k_arg = prepared(k_cache.permute(0, 2, 1, 3))
+    v4, v_arg = prepared(v_cache.permute(0, 2, 1, 3))
+    tables = (_table_arg(block_table), _vector_arg(lens))
+    target = out if _aligned(out) else q.new_empty(q.shape)
+    if packed:
+        q4, q_arg = prepared(_pack_view(q))
+        o4, lse_v = _pack_view(target), None if lse is None else lse.view(1, heads, q.shape[0])
+        tables = (_vector_arg(cu_q), *tables)
+        if num_splits not in (None, 1):
+            raise _fail(op, "a packed q runs unsplit (num_splits None or 1)")
+    else:
+        q4, q_arg = prepared(q)
+        o4, lse_v = target, lse
+    serving = Serving(packed, True, tables, batch, max_q, max_k)
+    launch_attention(q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), (), cfg, causal, scale,
+                     num_splits, mask=mask, serving=serving)
+    del q4, k4, v4  # (any copies) live until the launch is issued
+    if target is not out:
+        out.copy_(target)
+    return (out, lse) if return_lse else out
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """Whether the kernel can store into ``t`` directly (16-byte rows and base)."""
+    align = 16 // t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+            and all(s % align == 0 for s in t.stride()[:-1]))
+
+
+def _vector_arg(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.shape[0])
+
+
+def _table_arg(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.shape[0], t.shape[1], t.stride(0))
+
+
+def _empty(out: torch.Tensor, lse: torch.Tensor | None):
+    out.zero_()
+    if lse is None:
+        return out
+    lse.fill_(-math.inf)
+    return out, lse
+
+
+__all__ = ["attention_paged", "attention_varlen"]

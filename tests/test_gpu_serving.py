@@ -1,0 +1,261 @@
+"""GPU tests of the serving layouts against the float64 reference: packed variable-length
+batches (``attention_varlen``) and a paged KV cache (``attention_paged``: decode with GQA and
+split-KV, prefill and packed chunked prefill), with random length lists (0 and 1 included),
+shuffled physical pages, page sizes 16 to 256 (and odd ones), windows and soft-capping.
+
+Each sequence's error is held to the prefill tests' bound (``test_gpu_attention._allowed``)
+with torch's own error on that sequence (SDPA with the same boolean mask). Outputs and LSE are
+poisoned first; a NaN never passes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from flashcore import reference
+from flashcore.ops import attention, attention_paged, attention_varlen
+from flashcore.spec import TileConfig
+from tests.gpu_utils import max_abs, requires_cuda
+from tests.test_gpu_attention import _allowed
+from tests.test_gpu_masks import _torch_baseline
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+TILE = TileConfig((64, 64))  # the varlen / prefill kernels these tests build
+LENGTH = st.one_of(st.sampled_from([0, 1]), st.integers(0, 200), st.integers(0, 1200))
+
+
+def _masks(causal, window, softcap):
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    return {"mask_align": "bottom_right", "window": window, "softcap": softcap}
+
+
+def _check_sequence(out, lse, q, k, v, causal, masks, dt, what):
+    """One sequence's (1, H, S, D) output and (1, H, S) LSE against the reference."""
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
+                                       **masks)
+    assert torch.isfinite(out).all(), f"{what}: NaN or unwritten elements"
+    if out.numel() == 0:
+        return
+    if k.shape[2] == 0:  # no key: zeros and -inf, as for any row that sees none
+        assert not out.any() and torch.isneginf(lse).all(), f"{what}: rows without keys"
+        return
+    err = max_abs(out, ref)
+    err_torch = max_abs(_torch_baseline(q, k, v, causal, masks["mask_align"], masks["window"],
+                                        masks["softcap"]), ref)
+    allowed = _allowed(err_torch, ref, dt, q, k, v)
+    assert err <= allowed, f"{what}: max err {err:.3g}, torch {err_torch:.3g}, allowed {allowed:.3g}"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}: -inf LSE exactly where no key"
+    if finite.any():
+        assert max_abs(lse[finite], ref_lse[finite]) < 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+def _cu(lens, device="cuda"):
+    return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    lens=st.lists(st.tuples(LENGTH, LENGTH), min_size=1, max_size=5),
+    self_attention=st.booleans(),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 4]),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
+    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(lens=[(0, 5), (1, 1), (300, 1200), (0, 0), (77, 77)], self_attention=False, hkv=2,
+         group=4, d=128, dtype="float16", causal=True, window=None, softcap=None, seed=1)
+@example(lens=[(129, 129)], self_attention=True, hkv=1, group=1, d=64, dtype="bfloat16",
+         causal=True, window=(40, 0), softcap=30.0, seed=2)
+def test_varlen_matches_the_reference(lens, self_attention, hkv, group, d, dtype, causal, window,
+                                      softcap, seed):
+    lq = [a for a, _ in lens]
+    lk = lq if self_attention else [b for _, b in lens]
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(lq), hkv * group, d, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(sum(lk), hkv, d, device="cuda", generator=gen).to(dt) for _ in range(2))
+    masks = _masks(causal, window, softcap)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention_varlen(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+                                return_lse=True, out=out, config=TILE, **masks)
+    torch.cuda.synchronize()
+    assert res is out and lse.shape == (hkv * group, sum(lq))
+    cq, ck = _cu(lq).tolist(), _cu(lk).tolist()
+    def seq(t, cu, b):
+        return t[cu[b]:cu[b + 1]].transpose(0, 1)[None]
+
+    for b in range(len(lens)):
+        _check_sequence(seq(out, cq, b), lse[None, :, cq[b]:cq[b + 1]], seq(q, cq, b),
+                        seq(k, ck, b), seq(v, ck, b), causal, masks, dt, f"sequence {b} of {lens}")
+
+
+def _paged_cache(lens, page_size, hkv, d, dt, gen):
+    """K/V caches whose pages are shuffled and shared by no two sequences, the block table
+    (padded with -1 past each sequence's pages) and the dense K/V of each sequence."""
+    need = [max(1, -(-n // page_size)) for n in lens]
+    max_pages = max(need)
+    pages = sum(need) + 3
+    order = torch.randperm(pages, device="cuda", generator=gen)
+    table = torch.full((len(lens), max_pages), -1, dtype=torch.int32, device="cuda")
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[at:at + n].to(torch.int32)
+        at += n
+    k_cache, v_cache = (torch.randn(pages, page_size, hkv, d, device="cuda", generator=gen).to(dt)
+                        for _ in range(2))
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    dense = [(reference.gather_pages(k_cache, table, n, b), reference.gather_pages(v_cache, table, n, b))
+             for b, n in enumerate(lens)]
+    return k_cache, v_cache, table, seqlens, dense
+
+
+PAGE_SIZES = st.sampled_from([16, 32, 64, 128, 256, 8, 24, 1])
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    lens=st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600), st.integers(0, 5000)),
+                  min_size=1, max_size=4),
+    sq=st.one_of(st.just(1), st.integers(1, 200)),
+    page_size=PAGE_SIZES,
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 4]),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    num_splits=st.sampled_from([None, 1, 3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(lens=[4999, 0, 1, 700], sq=1, page_size=16, hkv=2, group=4, d=128, dtype="float16",
+         causal=False, num_splits=None, seed=1)  # decode, GQA packed, split, empty sequence
+@example(lens=[1000, 300], sq=128, page_size=256, hkv=1, group=1, d=64, dtype="bfloat16",
+         causal=True, num_splits=None, seed=2)  # chunked prefill against the cache
+@example(lens=[333], sq=1, page_size=24, hkv=1, group=1, d=64, dtype="float16", causal=True,
+         num_splits=3, seed=3)  # a page size that divides no tile
+def test_paged_matches_the_reference(lens, sq, page_size, hkv, group, d, dtype, causal,
+                                     num_splits, seed):
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k_cache, v_cache, table, seqlens, dense = _paged_cache(lens, page_size, hkv, d, dt, gen)
+    q = torch.randn(len(lens), hkv * group, sq, d, device="cuda", generator=gen).to(dt)
+    masks = _masks(causal, None, None)
+    out = torch.full_like(q, float("nan"))
+    config = TILE if sq > 16 else None  # decode: the tuned kernels (split-KV, packed GQA)
+    res, lse = attention_paged(q, k_cache, v_cache, table, seqlens, causal=causal,
+                               return_lse=True, out=out, config=config, num_splits=num_splits,
+                               mask_align="bottom_right")
+    torch.cuda.synchronize()
+    assert res is out
+    for b, (k, v) in enumerate(dense):
+        _check_sequence(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, causal, masks, dt,
+                        f"sequence {b} of {lens}, page {page_size}")
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 1500)), min_size=1, max_size=4),
+    page_size=PAGE_SIZES,
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_packed_chunks_against_a_paged_cache(lens, page_size, d, dtype, seed):
+    """Chunked prefill as vLLM runs it: each sequence's new chunk packed in q, attending
+    (causal, bottom-right) to its whole history in the paged cache."""
+    lens = [(min(a, b), b) for a, b in lens]  # a chunk is part of the keys
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    lk = [b for _, b in lens]
+    lq = [a for a, _ in lens]
+    k_cache, v_cache, table, seqlens, dense = _paged_cache(lk, page_size, 2, d, dt, gen)
+    q = torch.randn(sum(lq), 4, d, device="cuda", generator=gen).to(dt)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention_paged(q, k_cache, v_cache, table, seqlens, causal=True,
+                               return_lse=True, out=out, config=TILE, cu_seqlens_q=_cu(lq),
+                               max_seqlen_q=max(lq), mask_align="bottom_right")
+    torch.cuda.synchronize()
+    assert res is out
+    cq = _cu(lq).tolist()
+    for b, (k, v) in enumerate(dense):
+        rows = slice(cq[b], cq[b + 1])
+        _check_sequence(out[rows].transpose(0, 1)[None], lse[None, :, rows],
+                        q[rows].transpose(0, 1)[None], k, v, True, _masks(True, None, None), dt,
+                        f"sequence {b} of {lens}")
+
+
+def test_paged_decode_equals_contiguous_decode():
+    """The same keys, paged (page 16, shuffled) or contiguous: equal outputs to rounding."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lens = [3000, 17, 4096]
+    k_cache, v_cache, table, seqlens, dense = _paged_cache(lens, 16, 2, 128, torch.float16, gen)
+    q = torch.randn(3, 8, 1, 128, device="cuda", generator=gen, dtype=torch.float16)
+    paged = attention_paged(q, k_cache, v_cache, table, seqlens)
+    for b, (k, v) in enumerate(dense):
+        torch.testing.assert_close(paged[b:b + 1], attention(q[b:b + 1], k, v), atol=2e-3, rtol=0)
+
+
+def test_bad_tables_are_refused_on_the_host():
+    q = torch.randn(5, 2, 64, device="cuda", dtype=torch.float16)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="must not decrease"):
+        attention_varlen(q, q, q, torch.tensor([0, 4, 3], dtype=torch.int32, device="cuda"), cu,
+                         4, 4)
+    with pytest.raises(ValueError, match="longer than its max_seqlen"):
+        attention_varlen(q, q, q, cu, cu, 2, 3)
+    with pytest.raises(ValueError, match="past the packed tensor"):
+        attention_varlen(q, q, q, cu, torch.tensor([0, 3, 6], dtype=torch.int32,
+                                                   device="cuda"), 3, 3)
+    with pytest.raises(TypeError, match="cu_seqlens_q"):
+        attention_varlen(q, q, q, cu.long(), cu, 3, 3)
+    k_cache = torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.float16)
+    qd = torch.randn(2, 2, 1, 64, device="cuda", dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 7]], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="outside 0..3"):
+        attention_paged(qd, k_cache, k_cache, table, torch.tensor([20, 20], dtype=torch.int32,
+                                                                   device="cuda"))
+    # the entry past what the lengths reach is never read: not an error
+    out = attention_paged(qd, k_cache, k_cache, table, torch.tensor([20, 16], dtype=torch.int32,
+                                                                     device="cuda"))
+    assert torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="over the block table"):
+        attention_paged(qd, k_cache, k_cache, table, torch.tensor([33, 1], dtype=torch.int32,
+                                                                   device="cuda"))
+    with pytest.raises(ValueError, match="num_splits"):
+        attention_paged(qd, k_cache, k_cache, table, torch.tensor([1, 1], dtype=torch.int32,
+                                                                   device="cuda"), num_splits=0)
+    with pytest.raises(ValueError, match="batch"):
+        attention_paged(qd[:1], k_cache, k_cache, table, torch.tensor([1, 1], dtype=torch.int32,
+                                                                       device="cuda"))
+
+
+def test_empty_batches_and_keyless_sequences():
+    q = torch.randn(3, 2, 64, device="cuda", dtype=torch.float16)
+    k = torch.randn(0, 2, 64, device="cuda", dtype=torch.float16)
+    cu_q = torch.tensor([0, 3], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 0], dtype=torch.int32, device="cuda")
+    out, lse = attention_varlen(q, k, k, cu_q, cu_k, 3, 0, return_lse=True, config=TILE)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    none = torch.tensor([0], dtype=torch.int32, device="cuda")
+    assert attention_varlen(q[:0], k, k, none, none, 0, 0).shape == (0, 2, 64)
+    # a sequence of queries with no keys next to one with keys: 0 and -inf only where none
+    k = torch.randn(4, 2, 64, device="cuda", dtype=torch.float16)
+    cu_q = torch.tensor([0, 1, 3], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 0, 4], dtype=torch.int32, device="cuda")
+    out, lse = attention_varlen(q, k, k, cu_q, cu_k, 2, 4, return_lse=True, config=TILE)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[:, 0]).all()
+    assert torch.isfinite(lse[:, 1:]).all() and out[1:].abs().sum() > 0
+    assert not math.isnan(out.sum().item())

@@ -1,0 +1,120 @@
+"""Serving layouts without a GPU: the spec fields and their ABI, the float64 references of a
+packed batch and of a paged cache (against the dense reference), and real compiles of the
+varlen and paged kernels (ABI against the PTX, 16-byte gathers, no spills)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flashcore import reference
+from flashcore.build.abi import attention_params, varlen_grid
+from flashcore.errors import SpecError
+from flashcore.spec import AttentionSpec, TileConfig
+from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
+
+
+def test_spec_fields_name_validate_and_shape_the_abi():
+    base = AttentionSpec(arch="sm_89", causal=True, mask_align="bottom_right")
+    varlen = base.replace(varlen=True)
+    paged = base.replace(paged_kv=True, split_kv=True)
+    both = base.replace(varlen=True, paged_kv=True)
+    assert varlen.name.endswith("_br_varlen") and paged.name.endswith("_split_br_paged")
+    for s in (varlen, paged, both):
+        assert AttentionSpec.from_json(s.to_json()) == s
+    tail = {s: [p.name for p in attention_params(s)][-4:] for s in (varlen, paged, both)}
+    assert tail[varlen][-2:] == ["cu_seqlens_q", "cu_seqlens_k"]
+    assert tail[paged][-2:] == ["block_table", "seqlens_k"]
+    assert tail[both][-3:] == ["cu_seqlens_q", "block_table", "seqlens_k"]
+    for bad, what in (({"varlen": True, "split_kv": True}, "split"),
+                      ({"paged_kv": True, "kv_fp8": True}, "kv_fp8"),
+                      ({"varlen": True, "kv_fp8": True}, "kv_fp8"),
+                      ({"varlen": True, "precision": "fp8"}, "fp8"),
+                      ({"paged_kv": "yes"}, "bool")):
+        with pytest.raises(SpecError, match=what):
+            AttentionSpec(arch="sm_89", **bad)
+
+
+def test_varlen_grid_covers_the_longest_sequence_per_head():
+    assert varlen_grid(300, 8, 5, 128) == (3 * 8, 1, 5)
+    with pytest.raises(ValueError, match="grid"):
+        varlen_grid(64, 1, 70000, 64)
+
+
+def _packed(batch: torch.Tensor) -> torch.Tensor:
+    """(B, H, S, D) -> (B * S, H, D), sequences one after another."""
+    return batch.transpose(1, 2).reshape(-1, batch.shape[1], batch.shape[3])
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), s=st.integers(1, 9), causal=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_varlen_reference_of_equal_lengths_is_the_dense_batch(b, s, causal, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    cu = torch.arange(b + 1, dtype=torch.int32) * s
+    out, lse = reference.attention_varlen(_packed(q), _packed(k), _packed(v), cu, cu,
+                                          causal=causal, return_lse=True)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True)
+    torch.testing.assert_close(out, _packed(ref))
+    torch.testing.assert_close(lse, ref_lse.transpose(0, 1).reshape(4, -1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lens=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+       page_size=st.sampled_from([1, 3, 16]), causal=st.booleans(),
+       seed=st.integers(0, 2**31 - 1))
+def test_paged_reference_reads_the_pages_the_table_names(lens, page_size, causal, seed):
+    """Sequences laid into shuffled pages: the paged reference equals the dense reference of
+    each sequence's own keys."""
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, d = len(lens), 2, 8
+    max_pages = max(1, -(-max(lens) // page_size))
+    pages = b * max_pages + 2
+    order = torch.randperm(pages, generator=g)
+    table = order[:b * max_pages].reshape(b, max_pages).to(torch.int32)
+    k_cache, v_cache = (torch.randn(pages, page_size, hkv, d, generator=g, dtype=torch.float64)
+                        for _ in range(2))
+    q = torch.randn(b, 4, 1, d, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    out = reference.attention_paged(q, k_cache, v_cache, table, seqlens, causal=causal,
+                                    mask_align="bottom_right")
+    for i, n in enumerate(lens):
+        keys = [int(table[i, j // page_size]) * page_size + j % page_size for j in range(n)]
+        k = k_cache.reshape(-1, hkv, d)[keys].transpose(0, 1)[None]
+        v = v_cache.reshape(-1, hkv, d)[keys].transpose(0, 1)[None]
+        ref = reference.attention(q[i:i + 1], k, v, causal=causal, mask_align="bottom_right")
+        torch.testing.assert_close(out[i:i + 1], ref)
+
+
+SERVING_SPECS = [
+    AttentionSpec(arch="sm_89", head_dim=128, causal=True, mask_align="bottom_right",
+                  return_lse=True, varlen=True, config=TileConfig((64, 64))),
+    AttentionSpec(arch="sm_89", dtype="bfloat16", head_dim=128, split_kv=True, paged_kv=True,
+                  config=TileConfig((16, 64), warps=1, stages=2)),
+    AttentionSpec(arch="sm_90", head_dim=64, causal=True, mask_align="bottom_right",
+                  varlen=True, paged_kv=True, window=True, config=TileConfig((64, 64))),
+]
+
+
+@pytest.fixture(scope="module")
+def serving_artifacts(tmp_path_factory):
+    return compiled_in_fresh_cache(SERVING_SPECS, tmp_path_factory)
+
+
+@pytest.mark.parametrize("spec", SERVING_SPECS, ids=lambda s: s.name)
+def test_serving_kernels_compile_with_their_abi_and_no_spills(serving_artifacts, spec):
+    art = serving_artifacts[spec]
+    assert len(art.params) == len(attention_params(spec))  # checked against the PTX .entry
+    assert_no_spills_in_loops(art, spec.name)
+    body = art.ptx[art.ptx.index(".entry"):]
+    sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, (\d+)(?:, \d+)?;", body))
+    assert sizes == {"16"}, f"K/V and Q rows move in 16-byte copies, got sizes {sizes}"
+    if spec.varlen:  # batch from the grid's z, tiles per head from its x
+        assert "%ctaid.z" in body and "%nctaid.x" in body
+    if spec.paged_kv:  # one block-table entry per gathered row: a 32-bit global load
+        assert re.search(r"ld\.global(\.[a-z]+)*\.[bsu]32", body)
