@@ -118,3 +118,41 @@ def test_serving_kernels_compile_with_their_abi_and_no_spills(serving_artifacts,
         assert "%ctaid.z" in body and "%nctaid.x" in body
     if spec.paged_kv:  # one block-table entry per gathered row: a 32-bit global load
         assert re.search(r"ld\.global(\.[a-z]+)*\.[bsu]32", body)
+
+
+def test_registered_ops_trace_with_the_shapes_they_return():
+    """Under tracing (fake tensors here, torch.compile on a GPU) the serving functions go
+    through ``torch.ops.flashcore.attention_varlen`` / ``attention_paged``, whose fake
+    implementations give the outputs' shapes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from flashcore.ops import attention_paged, attention_varlen
+
+    def i32(*shape):
+        return torch.empty(shape, dtype=torch.int32, device="cuda")
+
+    with FakeTensorMode():
+        q = torch.empty(10, 8, 64, device="cuda", dtype=torch.float16)
+        k = torch.empty(12, 2, 64, device="cuda", dtype=torch.float16)
+        out, lse = attention_varlen(q, k, k, i32(4), i32(4), 5, 6, causal=True, return_lse=True,
+                                    mask_align="bottom_right", window=(3, 0))
+        assert out.shape == q.shape and lse.shape == (8, 10) and lse.dtype == torch.float32
+        cache = torch.empty(20, 16, 2, 64, device="cuda", dtype=torch.float16)
+        qd = torch.empty(3, 8, 1, 64, device="cuda", dtype=torch.float16)
+        out, lse = attention_paged(qd, cache, cache, i32(3, 4), i32(3), return_lse=True)
+        assert out.shape == qd.shape and lse.shape == (3, 8, 1)
+        out, lse = attention_paged(q, cache, cache, i32(3, 4), i32(3), return_lse=True,
+                                   cu_seqlens_q=i32(4), max_seqlen_q=5)
+        assert out.shape == q.shape and lse.shape == (8, 10)
+        assert attention_varlen(q, k, k, i32(4), i32(4), 5, 6).shape == q.shape
+
+    def f(q, k, cu, cache, table, lens):
+        return (attention_varlen(q, k, k, cu, cu, 5, 6, tile=(64, 64)),
+                attention_paged(q, cache, cache, table, lens, cu_seqlens_q=cu, max_seqlen_q=5))
+
+    args = (torch.empty(10, 8, 64, dtype=torch.float16), torch.empty(12, 2, 64, dtype=torch.float16),
+            torch.zeros(4, dtype=torch.int32), torch.empty(20, 16, 2, 64, dtype=torch.float16),
+            torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32))
+    code = make_fx(f, tracing_mode="fake")(*args).code
+    assert "flashcore.attention_varlen" in code and "flashcore.attention_paged" in code

@@ -1,5 +1,6 @@
 """``flashcore.ops.attention``: validate, plan, launch the kernels on torch's current stream.
 
+``attention_varlen`` and ``attention_paged`` are the serving layouts (``flashcore.ops.serving``).
 Eager calls run the kernels directly (the cheapest path; host time matters at small shapes).
 Under ``torch.compile`` / ``torch.export``, or on tensor subclasses (fake tensors while
 tracing), the call goes through the registered op ``torch.ops.flashcore.attention``
@@ -12,7 +13,8 @@ import torch
 
 from ..spec import TileConfig
 from .eager import run
-from .library import attention_op
+from .library import attention_op, attention_paged_op, attention_varlen_op
+from .serving import run_paged, run_varlen
 from .validate import check_grad
 
 
@@ -74,7 +76,7 @@ def attention(
     ``torch.no_grad()`` they do not) unless ``allow_no_grad=True``, which returns a result that
     carries no gradient.
     """
-    if type(q) is not torch.Tensor or torch.compiler.is_compiling():  # tracing: the registered op
+    if _tracing(q):  # tracing (torch.compile, export, fake tensors): the registered op
         return attention_op(q, k, v, tile=tile, causal=causal, softmax_scale=softmax_scale,
                             return_lse=return_lse, config=config, warps=warps, stages=stages,
                             kv_splits=kv_splits, num_splits=num_splits, out=out,
@@ -85,3 +87,94 @@ def attention(
     return run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align, window,
                softcap)
+
+
+def _tracing(q) -> bool:
+    return type(q) is not torch.Tensor or torch.compiler.is_compiling()
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    mask_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    tile: tuple[int, int] | None = None,
+    config: TileConfig | None = None,
+    out: torch.Tensor | None = None,
+    check_lengths: bool = True,
+    allow_no_grad: bool = False,
+):
+    """Attention over a packed batch: sequence ``b`` is rows ``cu_seqlens_q[b] ..
+    cu_seqlens_q[b + 1]`` of q (total_q, heads, head_dim) and rows ``cu_seqlens_k[b] ..
+    cu_seqlens_k[b + 1]`` of k and v (total_k, heads_kv, head_dim); int32 offsets, batch + 1 of
+    each. Zero-length sequences are legal (their rows are 0, LSE -inf). Masks and GQA as in
+    ``attention``; FlashAttention's varlen causal mask is ``mask_align="bottom_right"``. Returns
+    out (total_q, heads, head_dim) and, with ``return_lse``, the float32 LSE (heads, total_q).
+    ``check_lengths``: see ``flashcore.ops.serving`` (what is checked, what is trusted)."""
+    if _tracing(q):
+        return attention_varlen_op(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+            softmax_scale=softmax_scale, return_lse=return_lse, mask_align=mask_align,
+            window=window, softcap=softcap, tile=tile, config=config, out=out,
+            check_lengths=check_lengths)
+    if not allow_no_grad:
+        check_grad(q, k, v)
+    return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                      softmax_scale, return_lse, mask_align=mask_align, window=window,
+                      softcap=softcap, tile=tile, config=config, out=out,
+                      check_lengths=check_lengths)
+
+
+def attention_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    *,
+    cu_seqlens_q: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    mask_align: str = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    tile: tuple[int, int] | None = None,
+    config: TileConfig | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    check_lengths: bool = True,
+    allow_no_grad: bool = False,
+):
+    """Attention against a paged KV cache: k_cache and v_cache are (pages, page_size, heads_kv,
+    head_dim); key ``j`` of sequence ``b`` is row ``j % page_size`` of page
+    ``block_table[b, j // page_size]``; sequence ``b`` has ``seqlens_k[b]`` keys (int32 tables,
+    block_table (batch, max_pages)). Any page size. q is (batch, heads, seq_q, head_dim) (decode:
+    seq_q = 1; chunked prefill: the chunk), or packed (total_q, heads, head_dim) with
+    ``cu_seqlens_q`` and ``max_seqlen_q`` as in ``attention_varlen``. Decode splits the keys
+    over CTAs like ``attention``. Returns out shaped like q, and with ``return_lse`` the LSE
+    ((batch, heads, seq_q), or (heads, total_q) packed)."""
+    if _tracing(q):
+        return attention_paged_op(
+            q, k_cache, v_cache, block_table, seqlens_k, causal=causal,
+            softmax_scale=softmax_scale, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q, mask_align=mask_align, window=window, softcap=softcap,
+            tile=tile, config=config, num_splits=num_splits, out=out,
+            check_lengths=check_lengths)
+    if not allow_no_grad:
+        check_grad(q, k_cache, v_cache)
+    return run_paged(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
+                     return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                     mask_align=mask_align, window=window, softcap=softcap, tile=tile,
+                     config=config, num_splits=num_splits, out=out, check_lengths=check_lengths)

@@ -4,6 +4,8 @@
     torch.ops.flashcore.attention(q, k, v, causal=..., ...) -> (out, lse)
     torch.ops.flashcore.attention_fp8(q8, k8, vt8, q_descale, k_descale, v_descale, ...)
     torch.ops.flashcore.quantize_fp8(x, transpose=..., granularity=...) -> (x8, descale)
+    torch.ops.flashcore.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) -> (out, lse)
+    torch.ops.flashcore.attention_paged(q, k_cache, v_cache, block_table, seqlens_k, ...)
 
 Each returns a fixed structure (``lse`` is an empty tensor unless asked for). Their fake
 implementations give the shapes, dtypes and strides the real ones return. Eager calls of
@@ -22,6 +24,7 @@ from ..spec import TileConfig
 from .eager import run, run_fp8
 from .inputs import E4M3
 from .quantize import padded_keys, run_quantize
+from .serving import run_paged, run_varlen
 
 _NO_GRAD = ("flashcore.ops.attention has no backward yet; run it under torch.no_grad() or "
             "detach its inputs")
@@ -103,6 +106,67 @@ def _(x, transpose=False, granularity="head"):
     return x8, x.new_empty(shape, dtype=torch.float32)
 
 
+def _knobs_config(tile, warps, stages, kv_splits) -> TileConfig | None:
+    if tile is None:
+        return None
+    return TileConfig(tuple(tile), warps=warps, stages=stages or 1, kv_splits=kv_splits or 1)
+
+
+@torch.library.custom_op("flashcore::attention_varlen", mutates_args=())
+def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                      cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                      causal: bool = False, softmax_scale: float | None = None,
+                      return_lse: bool = False, mask_align: str = "top_left",
+                      window: list[int] | None = None, softcap: float | None = None,
+                      tile: list[int] | None = None, warps: int | None = None,
+                      stages: int | None = None, kv_splits: int | None = None,
+                      check_lengths: bool = True) -> tuple[Tensor, Tensor]:
+    res = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                     softmax_scale, return_lse, mask_align=mask_align,
+                     window=None if window is None else tuple(window), softcap=softcap,
+                     config=_knobs_config(tile, warps, stages, kv_splits),
+                     check_lengths=check_lengths)
+    return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
+
+
+@_attention_varlen.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+      softmax_scale=None, return_lse=False, mask_align="top_left", window=None, softcap=None,
+      tile=None, warps=None, stages=None, kv_splits=None, check_lengths=True):
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
+    return q.new_empty(q.shape), _lse_or_empty(q, lse)
+
+
+@torch.library.custom_op("flashcore::attention_paged", mutates_args=())
+def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                     seqlens_k: Tensor, causal: bool = False, softmax_scale: float | None = None,
+                     return_lse: bool = False, cu_seqlens_q: Tensor | None = None,
+                     max_seqlen_q: int | None = None, mask_align: str = "top_left",
+                     window: list[int] | None = None, softcap: float | None = None,
+                     tile: list[int] | None = None, warps: int | None = None,
+                     stages: int | None = None, kv_splits: int | None = None,
+                     num_splits: int | None = None,
+                     check_lengths: bool = True) -> tuple[Tensor, Tensor]:
+    res = run_paged(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
+                    return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+                    mask_align=mask_align, window=None if window is None else tuple(window),
+                    softcap=softcap, config=_knobs_config(tile, warps, stages, kv_splits),
+                    num_splits=num_splits, check_lengths=check_lengths)
+    return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
+
+
+@_attention_paged.register_fake
+def _(q, k_cache, v_cache, block_table, seqlens_k, causal=False, softmax_scale=None,
+      return_lse=False, cu_seqlens_q=None, max_seqlen_q=None, mask_align="top_left",
+      window=None, softcap=None, tile=None, warps=None, stages=None, kv_splits=None,
+      num_splits=None, check_lengths=True):
+    lse = None
+    if return_lse:
+        shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+        lse = q.new_empty(shape, dtype=torch.float32)
+    return q.new_empty(q.shape), _lse_or_empty(q, lse)
+
+
 def _no_backward(ctx, *grads):
     raise RuntimeError(_NO_GRAD)
 
@@ -111,8 +175,16 @@ def _save_nothing(ctx, inputs, output):
     pass
 
 
-for _op in (_attention, _attention_fp8):
+for _op in (_attention, _attention_fp8, _attention_varlen, _attention_paged):
     _op.register_autograd(_no_backward, setup_context=_save_nothing)
+
+
+def _traced(res, lse, out, return_lse):
+    """A registered op's (out, lse) as the public function returns them (into ``out``)."""
+    if out is not None:
+        out.copy_(res)
+        res = out
+    return (res, lse) if return_lse else res
 
 
 def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, warps, stages,
@@ -126,10 +198,7 @@ def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, wa
         precision=precision, k_descale=k_descale, v_descale=v_descale, mask_align=mask_align,
         window=None if window is None else list(window),
         softcap=None if softcap is None else float(softcap))
-    if out is not None:
-        out.copy_(res)
-        res = out
-    return (res, lse) if return_lse else res
+    return _traced(res, lse, out, return_lse)
 
 
 def attention_fp8_op(q8, k8, vt8, q_descale, k_descale, v_descale, *, causal, softmax_scale,
@@ -139,11 +208,36 @@ def attention_fp8_op(q8, k8, vt8, q_descale, k_descale, v_descale, *, causal, so
         q8, k8, vt8, q_descale, k_descale, v_descale, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype, tile=tile,
         warps=warps, stages=stages, kv_splits=kv_splits, num_splits=num_splits)
-    if out is not None:
-        out.copy_(res)
-        res = out
-    return (res, lse) if return_lse else res
+    return _traced(res, lse, out, return_lse)
 
 
 def quantize_fp8_op(x, *, transpose, granularity):
     return torch.ops.flashcore.quantize_fp8(x, transpose=transpose, granularity=granularity)
+
+
+def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                        causal, softmax_scale, return_lse, mask_align, window, softcap, tile,
+                        config, out, check_lengths):
+    """``flashcore.ops.attention_varlen`` through the registered op (tracing)."""
+    tile, warps, stages, kv_splits = _config_knobs(config, tile, None, None, None)
+    res, lse = torch.ops.flashcore.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, return_lse=return_lse, mask_align=mask_align,
+        window=None if window is None else list(window),
+        softcap=None if softcap is None else float(softcap), tile=tile, warps=warps,
+        stages=stages, kv_splits=kv_splits, check_lengths=check_lengths)
+    return _traced(res, lse, out, return_lse)
+
+
+def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, softmax_scale,
+                       return_lse, cu_seqlens_q, max_seqlen_q, mask_align, window, softcap,
+                       tile, config, num_splits, out, check_lengths):
+    """``flashcore.ops.attention_paged`` through the registered op (tracing)."""
+    tile, warps, stages, kv_splits = _config_knobs(config, tile, None, None, None)
+    res, lse = torch.ops.flashcore.attention_paged(
+        q, k_cache, v_cache, block_table, seqlens_k, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
+        mask_align=mask_align, window=None if window is None else list(window),
+        softcap=None if softcap is None else float(softcap), tile=tile, warps=warps,
+        stages=stages, kv_splits=kv_splits, num_splits=num_splits, check_lengths=check_lengths)
+    return _traced(res, lse, out, return_lse)

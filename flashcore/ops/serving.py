@@ -1,6 +1,7 @@
-"""Serving layouts: ``attention_varlen`` (a packed batch of sequences of different lengths, the
-convention of ``flash_attn_varlen_func``) and ``attention_paged`` (K/V in a paged cache read
-through a block table, the convention of vLLM and FlashInfer).
+"""The eager implementations of the serving layouts (``flashcore.ops.attention_varlen``: a packed
+batch of sequences of different lengths, the convention of ``flash_attn_varlen_func``;
+``flashcore.ops.attention_paged``: K/V in a paged cache read through a block table, the
+convention of vLLM and FlashInfer): check, plan, launch.
 
 What is checked, and what is trusted:
 
@@ -28,7 +29,6 @@ from .inputs import DTYPE_NAMES, prepared
 from .launcher import Serving, launch_attention
 from .masks import NO_MASK, masking
 from .plan import MAX_SPLITS
-from .validate import check_grad
 
 _INT32_MAX = 2**31 - 1
 
@@ -120,7 +120,7 @@ def _scale(softmax_scale, head_dim: int) -> float:
     return float(softmax_scale)
 
 
-def attention_varlen(
+def run_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -139,15 +139,8 @@ def attention_varlen(
     config=None,
     out: torch.Tensor | None = None,
     check_lengths: bool = True,
-    allow_no_grad: bool = False,
 ):
-    """Attention over a packed batch: sequence ``b`` is rows ``cu_seqlens_q[b] ..
-    cu_seqlens_q[b + 1]`` of q (total_q, heads, head_dim) and rows ``cu_seqlens_k[b] ..
-    cu_seqlens_k[b + 1]`` of k and v (total_k, heads_kv, head_dim); int32 offsets, batch + 1 of
-    each. Zero-length sequences are legal (their rows are 0, LSE -inf). Masks and GQA as in
-    ``flashcore.ops.attention``; FlashAttention's varlen causal mask is
-    ``mask_align="bottom_right"``. Returns out (total_q, heads, head_dim) and, with
-    ``return_lse``, the float32 LSE (heads, total_q). See the module for what is checked."""
+    """``flashcore.ops.attention_varlen``, eager: check, plan, launch."""
     op = "attention_varlen"
     _check_tensor(op, "q", q, 3, tuple(DTYPE_NAMES))
     for name, t in (("k", k), ("v", v)):
@@ -163,8 +156,6 @@ def attention_varlen(
     max_k = _check_max(op, "max_seqlen_k", max_seqlen_k)
     if max(q.shape[0], k.shape[0]) > _INT32_MAX:
         raise _fail(op, "a packed tensor has over 2**31 - 1 rows")
-    if not allow_no_grad:
-        check_grad(q, k, v)
     mask = _masking(causal, mask_align, window, softcap)
     scale = _scale(softmax_scale, q.shape[2])
     total_q, heads, d = q.shape
@@ -197,7 +188,7 @@ def attention_varlen(
     return (out, lse) if return_lse else out
 
 
-def attention_paged(
+def run_paged(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -217,16 +208,8 @@ def attention_paged(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     check_lengths: bool = True,
-    allow_no_grad: bool = False,
 ):
-    """Attention against a paged KV cache: k_cache and v_cache are (pages, page_size, heads_kv,
-    head_dim); key ``j`` of sequence ``b`` is row ``j % page_size`` of page
-    ``block_table[b, j // page_size]``; sequence ``b`` has ``seqlens_k[b]`` keys (int32 tables,
-    block_table (batch, max_pages)). Any page size. q is (batch, heads, seq_q, head_dim) (decode:
-    seq_q = 1; chunked prefill: the chunk), or packed (total_q, heads, head_dim) with
-    ``cu_seqlens_q`` and ``max_seqlen_q`` as in ``attention_varlen``. Decode splits the keys
-    over CTAs like ``flashcore.ops.attention``. Returns out shaped like q, and with
-    ``return_lse`` the LSE ((batch, heads, seq_q), or (heads, total_q) packed)."""
+    """``flashcore.ops.attention_paged``, eager: check, plan, launch."""
     op = "attention_paged"
     packed = cu_seqlens_q is not None
     _check_tensor(op, "q", q, 3 if packed else 4, tuple(DTYPE_NAMES))
@@ -257,8 +240,6 @@ def attention_paged(
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
                                    or not 1 <= num_splits <= MAX_SPLITS):
         raise _fail(op, f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
-    if not allow_no_grad:
-        check_grad(q, k_cache, v_cache)
     mask = _masking(causal, mask_align, window, softcap)
     scale = _scale(softmax_scale, d)
     max_k = max_pages * page_size
@@ -330,4 +311,4 @@ def _empty(out: torch.Tensor, lse: torch.Tensor | None):
     return out, lse
 
 
-__all__ = ["attention_paged", "attention_varlen"]
+__all__ = ["run_paged", "run_varlen"]
