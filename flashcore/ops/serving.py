@@ -90,6 +90,19 @@ def _cu_seqlens_faults(name: str, cu: torch.Tensor, total: int, max_len: int) ->
              (lens > max_len).any())]
 
 
+def _table_faults(lens: torch.Tensor, table: torch.Tensor, pages: int, page_size: int) -> list:
+    """Device-side tests of a paged cache's key lengths and block table, as
+    ``_cu_seqlens_faults``: only the entries a sequence's length reaches are read."""
+    max_pages = table.shape[1]
+    reach = (lens.clamp(min=0) + page_size - 1) // page_size  # pages each sequence uses
+    used = torch.arange(max_pages, device=table.device)[None, :] < reach[:, None]
+    return [("seqlens_k must be >= 0", (lens < 0).any()),
+            (f"seqlens_k is over the block table's {max_pages} pages x {page_size}",
+             (lens > max_pages * page_size).any()),
+            (f"a block_table entry a sequence uses is outside 0..{pages - 1}",
+             (used & ((table < 0) | (table >= pages))).any())]
+
+
 def _checking(check_lengths: bool) -> bool:
     """Whether to run the device-side checks: asked for, and not inside a graph capture (which
     cannot read device values back; its small kernels would also join the graph)."""
@@ -244,13 +257,7 @@ def run_paged(
     scale = _scale(softmax_scale, d)
     max_k = max_pages * page_size
     if _checking(check_lengths):
-        reach = (lens.clamp(min=0) + page_size - 1) // page_size  # pages each sequence uses
-        used = torch.arange(max_pages, device=q.device)[None, :] < reach[:, None]
-        faults = [("seqlens_k must be >= 0", (lens < 0).any()),
-                  (f"seqlens_k is over the block table's {max_pages} pages x {page_size}",
-                   (lens > max_k).any()),
-                  (f"a block_table entry a sequence uses is outside 0..{pages - 1}",
-                   (used & ((block_table < 0) | (block_table >= pages))).any())]
+        faults = _table_faults(lens, block_table, pages, page_size)
         if packed:
             faults += _cu_seqlens_faults("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _raise_faults(op, faults)
