@@ -14,15 +14,17 @@ from ..spec import HEAD_DIMS, TileConfig
 from . import plan
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 from .launcher import launch_attention
-from .masks import NO_MASK, Masking, masking
+from .masks import NO_MASK, Masking, call_masking
 from .quantize import padded_keys, run_quantize
 from .validate import (
     check_extents,
     check_fp8_descale,
     check_fp8_operand,
     check_kv_descales,
+    check_num_splits,
     check_out,
     check_qkv,
+    softmax_scale_of,
 )
 
 _warned: set[int] = set()  # devices told that FP8 is emulated there
@@ -59,20 +61,9 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
         softcap=None):
     """The eager implementation (the registered op's too): validate, plan, launch."""
     check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"attention: causal must be a bool, got {causal!r}")
-    mask = NO_MASK
-    if mask_align != "top_left" or window is not None or softcap is not None:
-        mask = masking(causal, mask_align,
-                       tuple(window) if isinstance(window, (list, tuple)) else window, softcap)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.shape[3])
-    elif not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= plan.MAX_SPLITS):
-        raise ValueError(f"attention: num_splits must be an int in 1..{plan.MAX_SPLITS}, "
-                         f"got {num_splits!r}")
+    mask = call_masking(causal, mask_align, window, softcap)
+    softmax_scale = softmax_scale_of(softmax_scale, q.shape[3])
+    check_num_splits("attention", num_splits)
     dev = q.get_device()
     if precision not in ("fp16", "fp8"):
         raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")

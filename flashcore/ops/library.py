@@ -66,6 +66,12 @@ def _(q, k, v, causal=False, softmax_scale=None, return_lse=False, tile=None, wa
     return q.new_empty(q.shape), _lse_or_empty(q, lse)
 
 
+def _knobs_config(tile, warps, stages, kv_splits) -> TileConfig | None:
+    if tile is None:
+        return None
+    return TileConfig(tuple(tile), warps=warps, stages=stages or 1, kv_splits=kv_splits or 1)
+
+
 @torch.library.custom_op("flashcore::attention_fp8", mutates_args=())
 def _attention_fp8(q8: Tensor, k8: Tensor, vt8: Tensor, q_descale: Tensor, k_descale: Tensor,
                    v_descale: Tensor, causal: bool = False, softmax_scale: float | None = None,
@@ -73,8 +79,7 @@ def _attention_fp8(q8: Tensor, k8: Tensor, vt8: Tensor, q_descale: Tensor, k_des
                    tile: list[int] | None = None, warps: int | None = None,
                    stages: int | None = None, kv_splits: int | None = None,
                    num_splits: int | None = None) -> tuple[Tensor, Tensor]:
-    config = None if tile is None else TileConfig(tuple(tile), warps=warps,
-                                                   stages=stages or 1, kv_splits=kv_splits or 1)
+    config = _knobs_config(tile, warps, stages, kv_splits)
     res = run_fp8(q8, k8, vt8, q_descale, k_descale, v_descale, causal=causal,
                       softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype,
                       config=config, num_splits=num_splits, out=None)
@@ -104,12 +109,6 @@ def _(x, transpose=False, granularity="head"):
         x8 = x.new_empty((B, H, S, D), dtype=E4M3)
     shape = (B, H, S) if granularity == "token" else (B, H)
     return x8, x.new_empty(shape, dtype=torch.float32)
-
-
-def _knobs_config(tile, warps, stages, kv_splits) -> TileConfig | None:
-    if tile is None:
-        return None
-    return TileConfig(tuple(tile), warps=warps, stages=stages or 1, kv_splits=kv_splits or 1)
 
 
 @torch.library.custom_op("flashcore::attention_varlen", mutates_args=())

@@ -73,3 +73,14 @@ def masking(causal: bool, align: str, window, softcap) -> Masking:
     if align != "top_left" and not causal and window is None:
         align = "top_left"  # nothing to align: the same kernel as no mask
     return Masking(align, window, softcap)
+
+
+def call_masking(causal, align: str, window, softcap) -> Masking:
+    """The Masking of one call's arguments (``causal`` checked too): NO_MASK without masks,
+    else ``masking`` of them (a window given as a list is taken as a tuple)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"attention: causal must be a bool, got {causal!r}")
+    if align == "top_left" and window is None and softcap is None:
+        return NO_MASK
+    return masking(causal, align, tuple(window) if isinstance(window, (list, tuple)) else window,
+                   softcap)

@@ -27,8 +27,8 @@ from ..spec import HEAD_DIMS
 from .eager import resolve_config
 from .inputs import DTYPE_NAMES, prepared
 from .launcher import Serving, launch_attention
-from .masks import NO_MASK, masking
-from .plan import MAX_SPLITS
+from .masks import call_masking
+from .validate import check_num_splits, softmax_scale_of
 
 _INT32_MAX = 2**31 - 1
 
@@ -116,23 +116,6 @@ def _raise_faults(op: str, faults: list) -> None:
             raise _fail(op, message + " (check_lengths=False skips these checks)")
 
 
-def _masking(causal, mask_align, window, softcap):
-    if not isinstance(causal, bool):
-        raise TypeError(f"attention: causal must be a bool, got {causal!r}")
-    if mask_align == "top_left" and window is None and softcap is None:
-        return NO_MASK
-    return masking(causal, mask_align,
-                   tuple(window) if isinstance(window, (list, tuple)) else window, softcap)
-
-
-def _scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
-        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
-    return float(softmax_scale)
-
-
 def run_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -169,8 +152,8 @@ def run_varlen(
     max_k = _check_max(op, "max_seqlen_k", max_seqlen_k)
     if max(q.shape[0], k.shape[0]) > _INT32_MAX:
         raise _fail(op, "a packed tensor has over 2**31 - 1 rows")
-    mask = _masking(causal, mask_align, window, softcap)
-    scale = _scale(softmax_scale, q.shape[2])
+    mask = call_masking(causal, mask_align, window, softcap)
+    scale = softmax_scale_of(softmax_scale, q.shape[2])
     total_q, heads, d = q.shape
     if out is None:
         out = q.new_empty(q.shape)
@@ -250,11 +233,9 @@ def run_paged(
         if q.shape[0] != batch:
             raise _fail(op, f"q has batch {q.shape[0]}, block_table {batch}")
         max_q = q.shape[2]
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or not 1 <= num_splits <= MAX_SPLITS):
-        raise _fail(op, f"num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
-    mask = _masking(causal, mask_align, window, softcap)
-    scale = _scale(softmax_scale, d)
+    check_num_splits(op, num_splits)
+    mask = call_masking(causal, mask_align, window, softcap)
+    scale = softmax_scale_of(softmax_scale, d)
     max_k = max_pages * page_size
     if _checking(check_lengths):
         faults = _table_faults(lens, block_table, pages, page_size)

@@ -4,10 +4,13 @@ errors are worked out only when that pass fails."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..spec import HEAD_DIMS
 from .inputs import DTYPE_NAMES, E4M3
+from .plan import MAX_SPLITS
 
 _INT32_MAX = 2**31 - 1
 
@@ -114,6 +117,22 @@ def check_fp8_descale(name: str, t: torch.Tensor, shape: tuple, device) -> torch
         raise ValueError(f"attention_fp8: {name} must be float32 of shape {shape} on {device}, "
                          f"got {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
     return t.contiguous()
+
+
+def softmax_scale_of(softmax_scale, head_dim: int) -> float:
+    """The softmax scale of a call: 1 / sqrt(head_dim) unless given (a finite number)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not (isinstance(softmax_scale, (int, float)) and math.isfinite(softmax_scale)):
+        raise ValueError(f"attention: softmax_scale must be a finite number, got {softmax_scale!r}")
+    return softmax_scale
+
+
+def check_num_splits(op: str, num_splits) -> None:
+    """``num_splits``: None (planned) or an int in 1..MAX_SPLITS."""
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= MAX_SPLITS):
+        raise ValueError(f"{op}: num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
 
 
 def check_grad(q, k, v) -> None:
