@@ -105,7 +105,8 @@ def varlen_cases():
 
 def paged_cases():
     # a paged cache with shuffled pages: decode split over CTAs with packed GQA rows (tuned
-    # kernels), prefill ((64, 64) kernels); page sizes that divide no tile, an empty sequence
+    # kernels), prefill ((64, 64) kernels); pages copied whole (16: four a block; 128: a block
+    # inside one) and gathered (24 and 8 fit no copy pass), an empty sequence
     tile = {"tile": (64, 64)}
     g = torch.Generator(device="cuda").manual_seed(1)
     for page, sq, lens, extra in ((16, 1, [300, 1, 0, 129], {}), (24, 1, [517], {"num_splits": 3}),
@@ -126,6 +127,27 @@ def paged_cases():
             ok &= check(f"paged page {page} sq={sq} len {length}", out[b:b + 1], q[b:b + 1], kb,
                         vb, True, mask_align="bottom_right")
         yield ok
+    # chunked prefill: each sequence's new tokens packed, against its pages (copied whole)
+    lq, lens, page = [5, 0, 64, 1], [70, 0, 64, 300], 16
+    n = -(-max(lens) // page)
+    table = torch.randperm(4 * n, device="cuda", generator=g).view(4, n).to(torch.int32)
+    kc, vc = (torch.randn(4 * n, page, 2, 64, device="cuda", generator=g, dtype=torch.float16)
+              for _ in range(2))
+    cq = [0, *torch.tensor(lq).cumsum(0).tolist()]
+    q = torch.randn(cq[-1], 8, 64, device="cuda", generator=g, dtype=torch.float16)
+    out, _ = attention_paged(q, kc, vc, table, torch.tensor(lens, dtype=torch.int32,
+                                                           device="cuda"),
+                             causal=True, return_lse=True, mask_align="bottom_right",
+                             cu_seqlens_q=torch.tensor(cq, dtype=torch.int32, device="cuda"),
+                             max_seqlen_q=max(lq), **tile)
+    ok = True
+    for b, length in enumerate(lens):
+        kb, vb = (reference.gather_pages(c, table, length, b) for c in (kc, vc))
+        rows = slice(cq[b], cq[b + 1])
+        ok &= check(f"packed chunk {lq[b]} of {length}, page {page}",
+                    out[rows].transpose(0, 1)[None], q[rows].transpose(0, 1)[None], kb, vb, True,
+                    mask_align="bottom_right")
+    yield ok
 
 
 def all_cases():

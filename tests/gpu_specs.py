@@ -105,24 +105,44 @@ def mask_specs(arch: str) -> list:
     return specs
 
 
+PAGE_SIZES = (16, 128)  # the whole-page sizes of tests/test_gpu_serving.py's Hypothesis tests
+
+
 def serving_specs(arch: str) -> list:
     """The varlen and paged kernels of tests/test_gpu_serving.py (the explicit (64, 64) tile,
-    tuned decode kernels for paged decode) and of scripts/serving_bench.py (tuned, fp16)."""
+    tuned decode kernels for paged decode; masks bottom-right, LSE) and of
+    scripts/serving_bench.py (tuned, fp16, d128, no LSE), each paged one for any page size
+    (gathered) and for the page sizes the tests draw (copied whole)."""
     tile = [TileConfig((64, 64))]
-    masks = {"causal": [False, True], "mask_align": list(MASK_ALIGNS), "head_dim": HEAD_DIMS,
-             "dtype": DTYPES}
+    pages = [0, *PAGE_SIZES]
+    both = {"causal": [False, True], "head_dim": HEAD_DIMS, "dtype": DTYPES,
+            "mask_align": list(MASK_ALIGNS)}
     specs = _specs(arch, tile, varlen=True, return_lse=True, window=[False, True],
-                   softcap=[False, True], **masks)
-    specs += _specs(arch, tile, paged_kv=True, return_lse=True, split_kv=[False, True], **masks)
-    specs += _specs(arch, tile, paged_kv=True, varlen=True, return_lse=True, **masks)
+                   softcap=[False, True], **both)
+    specs += _specs(arch, tile, paged_kv=True, return_lse=True, split_kv=[False, True],
+                    page_size=pages, **both)
+    specs += _specs(arch, tile, paged_kv=True, varlen=True, return_lse=True, causal=True,
+                    mask_align="bottom_right", head_dim=HEAD_DIMS, dtype=DTYPES, page_size=pages)
     for d, causal in itertools.product(HEAD_DIMS, (False, True)):
         specs += _specs(arch, [_tuned(arch, "decode", d, causal)], paged_kv=True,
-                        return_lse=[False, True], split_kv=[False, True], causal=causal,
-                        mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES)
-        for bucket, _, _ in BUCKETS[1:]:
-            specs += _specs(arch, [_tuned(arch, bucket, d, causal)], varlen=True, causal=causal,
-                            mask_align=list(MASK_ALIGNS), head_dim=d)
-    return specs
+                        return_lse=True, split_kv=[False, True], causal=causal,
+                        mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES, page_size=pages)
+    # the tests' diagonals are bottom-right: top-left only where there is none
+    specs = [s for s in specs if s.mask_align == "bottom_right" or not (s.causal or s.window)]
+    # test_every_page_size_kind: fp16, d128, not causal, every page size it draws
+    decode128 = [_tuned(arch, "decode", 128, False)]
+    for config, split in ((tile, [False]), (decode128, [False, True])):
+        specs += _specs(arch, config, paged_kv=True, return_lse=True, split_kv=split,
+                        head_dim=128, page_size=[0, 4, 8, 32, 64, 192, 256])
+    # the benchmark: paged decode (pages 16 and 128), contiguous decode, varlen prefill
+    specs += _specs(arch, decode128, paged_kv=[False, True], split_kv=[False, True],
+                    head_dim=128, page_size=pages)
+    for bucket, _, _ in BUCKETS[1:]:
+        specs += _specs(arch, [_tuned(arch, bucket, 128, True)], varlen=True, causal=True,
+                        mask_align="bottom_right", head_dim=128)
+    specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)  # split decode
+              for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
+    return list(dict.fromkeys(specs))
 
 
 def fp8_specs(arch: str) -> list:

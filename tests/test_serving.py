@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.build.abi import attention_params, varlen_grid
 from flashcore.errors import SpecError
-from flashcore.spec import AttentionSpec, TileConfig
+from flashcore.spec import AttentionSpec, TileConfig, family
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 
@@ -34,9 +34,22 @@ def test_spec_fields_name_validate_and_shape_the_abi():
                       ({"paged_kv": True, "kv_fp8": True}, "kv_fp8"),
                       ({"varlen": True, "kv_fp8": True}, "kv_fp8"),
                       ({"varlen": True, "precision": "fp8"}, "fp8"),
-                      ({"paged_kv": "yes"}, "bool")):
+                      ({"paged_kv": "yes"}, "bool"),
+                      ({"page_size": 16}, "needs paged_kv"),
+                      ({"paged_kv": True, "page_size": -16}, "needs paged_kv"),
+                      ({"paged_kv": True, "page_size": 16.0}, "int"),
+                      # four warps copy 16 rows a pass: a page of 8 splits a pass
+                      ({"paged_kv": True, "page_size": 8}, "rows per copy pass"),
+                      ({"paged_kv": True, "page_size": 48}, "divide or be a multiple of tile_n")):
         with pytest.raises(SpecError, match=what):
             AttentionSpec(arch="sm_89", **bad)
+    whole = AttentionSpec(arch="sm_89", paged_kv=True, page_size=16)
+    assert whole.name.endswith("_paged16") and AttentionSpec.from_json(whole.to_json()) == whole
+    one_warp = TileConfig((16, 64), warps=1)  # 4 rows a pass: pages of 4 and 8 copy whole too
+    for ps, ok in ((4, True), (8, True), (2, False), (16, True), (64, True), (192, True),
+                   (96, False), (24, False)):
+        fam = family("mma_sync")
+        assert fam.copies_whole_pages(whole.replace(config=one_warp, page_size=0), ps) == ok, ps
 
 
 def test_varlen_grid_covers_the_longest_sequence_per_head():
@@ -96,6 +109,8 @@ SERVING_SPECS = [
                   return_lse=True, varlen=True, config=TileConfig((64, 64))),
     AttentionSpec(arch="sm_89", dtype="bfloat16", head_dim=128, split_kv=True, paged_kv=True,
                   config=TileConfig((16, 64), warps=1, stages=2)),
+    AttentionSpec(arch="sm_89", dtype="bfloat16", head_dim=128, split_kv=True, paged_kv=True,
+                  page_size=16, config=TileConfig((16, 64), warps=1, stages=2)),
     AttentionSpec(arch="sm_90", head_dim=64, causal=True, mask_align="bottom_right",
                   varlen=True, paged_kv=True, window=True, config=TileConfig((64, 64))),
 ]
@@ -116,8 +131,24 @@ def test_serving_kernels_compile_with_their_abi_and_no_spills(serving_artifacts,
     assert sizes == {"16"}, f"K/V and Q rows move in 16-byte copies, got sizes {sizes}"
     if spec.varlen:  # batch from the grid's z, tiles per head from its x
         assert "%ctaid.z" in body and "%nctaid.x" in body
-    if spec.paged_kv:  # one block-table entry per gathered row: a 32-bit global load
-        assert re.search(r"ld\.global(\.[a-z]+)*\.[bsu]32", body)
+    if spec.paged_kv:  # block-table entries: 32-bit global loads
+        assert _table_reads(art) > 0
+
+
+def _table_reads(art) -> int:
+    body = art.ptx[art.ptx.index(".entry"):]
+    return len(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.[bsu]32", body))
+
+
+def test_whole_pages_read_the_table_once_a_page(serving_artifacts):
+    """A page size compiled in copies a 64-key block as four 16-key pages: a quarter of the
+    gathering kernel's table reads (one a row) or fewer, and no run-time division."""
+    gather, whole = SERVING_SPECS[1], SERVING_SPECS[2]
+    assert whole == gather.replace(page_size=16)
+    reads = {s.page_size: _table_reads(serving_artifacts[s]) for s in (gather, whole)}
+    assert 0 < 4 * reads[16] <= reads[0], reads
+    divisions = {s.page_size: serving_artifacts[s].ptx.count("div.s32") for s in (gather, whole)}
+    assert divisions[16] * 4 < divisions[0], divisions
 
 
 def test_registered_ops_trace_with_the_shapes_they_return():

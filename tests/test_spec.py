@@ -197,9 +197,9 @@ def test_hash_is_sha256_of_canonical_json():
 def test_hash_pinned():
     # The cache is keyed by these; if this fails, a spec change alters every cache key. Update
     # the value only on purpose (old caches then miss, which is safe). Last: TileConfig, family,
-    # kv_fp8 and split_kv; then mask_align, window, softcap; then varlen, paged_kv.
+    # kv_fp8 and split_kv; then mask_align, window, softcap; then varlen, paged_kv; page_size.
     assert AttentionSpec().name == "fc_attn_fwd_sm89_f16_d64_m64n64_w4_s1"
-    assert AttentionSpec().content_hash == "afacece8c1ea1dbf"
+    assert AttentionSpec().content_hash == "c393f874a23f11b9"
 
 
 @given(st.fixed_dictionaries({k: st.sampled_from(v) for k, v in CHOICES.items()}))

@@ -12,7 +12,7 @@ import torch
 from ..build.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
-from ..spec import AttentionSpec, CombineSpec, TileConfig
+from ..spec import AttentionSpec, CombineSpec, TileConfig, family
 from . import plan
 from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking
@@ -21,37 +21,46 @@ from .masks import NO_MASK, Masking
 @dataclass(frozen=True)
 class Serving:
     """A serving layout's part of one launch (``flashcore.ops.serving``): a packed batch
-    (``varlen``) and/or a paged K/V cache, the int32 tables' kernel arguments in ABI order, the
-    batch size and the longest query and key sequences (the grid, the split plan)."""
+    (``varlen``) and/or a paged K/V cache (``page_size`` keys a page; 0: not paged), the int32
+    tables' kernel arguments in ABI order, the batch size and the longest query and key
+    sequences (the grid, the split plan)."""
 
     varlen: bool
-    paged: bool
+    page_size: int
     tables: tuple
     batch: int
     max_seqlen_q: int
     max_seqlen_k: int
 
+    @property
+    def paged(self) -> bool:
+        return self.page_size > 0
 
-DENSE = Serving(False, False, (), 0, 0, 0)
+
+DENSE = Serving(False, 0, (), 0, 0, 0)
 _kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
 
 
 def loaded_kernel(device: int, *fields) -> Any:
     """The loaded attention kernel of ``AttentionSpec(arch, *fields)`` (dtype, head_dim, config,
     causal, return_lse, precision, kv_fp8, split_kv, (mask_align, window, softcap), varlen,
-    paged_kv) on CUDA device index ``device``, built once (the key is a plain tuple: every call
-    looks it up)."""
+    page_size) on CUDA device index ``device``, built once (the key is a plain tuple: every call
+    looks it up). ``page_size`` > 0 reads a paged cache: the page size is compiled in when the
+    family can copy such pages whole, else the kernel gathers any page size."""
     key = (device, *fields)
     k = _kernels.get(key)
     if k is None:
         (dtype, head_dim, config, causal, return_lse, precision, kv_fp8, split_kv, masks,
-         varlen, paged) = fields
+         varlen, page_size) = fields
         align, window, softcap = masks
-        k = _kernels[key] = kernel_for(AttentionSpec(
+        spec = AttentionSpec(
             arch=arch_of(device), dtype=dtype, head_dim=head_dim, config=config, causal=causal,
             return_lse=return_lse, precision=precision, kv_fp8=kv_fp8, split_kv=split_kv,
-            mask_align=align, window=window, softcap=softcap, varlen=varlen, paged_kv=paged),
-            device)
+            mask_align=align, window=window, softcap=softcap, varlen=varlen,
+            paged_kv=page_size > 0)
+        if page_size and family(spec.family).copies_whole_pages(spec, page_size):
+            spec = spec.replace(page_size=page_size)
+        k = _kernels[key] = kernel_for(spec, device)
     return k
 
 
@@ -107,7 +116,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     masks = mask.spec_fields
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,
-                             False, masks, serving.varlen, serving.paged)
+                             False, masks, serving.varlen, serving.page_size)
         lse_args = () if lse is None else (rows_arg(lse),)
         grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
                 if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
@@ -117,7 +126,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     o_part = torch.empty((splits * B, H, Sq, D), dtype=torch.float32, device=q.device)
     lse_part = torch.empty((splits * B, H, Sq), dtype=torch.float32, device=q.device)
     kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True, masks,
-                         False, serving.paged)
+                         False, serving.page_size)
     launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
            (*qkv_args, tensor_arg(o_part), rows_arg(lse_part), *descale_args, *scalars), dev)
     comb = combine_kernel(dev, dtype, D, lse is not None)

@@ -175,7 +175,7 @@ def run_varlen(
     v4, v_arg = prepared(_pack_view(v))
     target = out if _aligned(out) else q.new_empty(q.shape)
     lse3 = None if lse is None else lse.view(1, heads, total_q)
-    serving = Serving(True, False, (_vector_arg(cu_q), _vector_arg(cu_k)), batch, max_q, max_k)
+    serving = Serving(True, 0, (_vector_arg(cu_q), _vector_arg(cu_k)), batch, max_q, max_k)
     launch_attention(q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg), (), cfg, causal,
                      scale, None, mask=mask, serving=serving)
     del q4, k4, v4  # (any copies) live until the launch is issued
@@ -267,7 +267,7 @@ def run_paged(
     else:
         q4, q_arg = prepared(q)
         o4, lse_v = target, lse
-    serving = Serving(packed, True, tables, batch, max_q, max_k)
+    serving = Serving(packed, page_size, tables, batch, max_q, max_k)
     launch_attention(q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), (), cfg, causal, scale,
                      num_splits, mask=mask, serving=serving)
     del q4, k4, v4  # (any copies) live until the launch is issued

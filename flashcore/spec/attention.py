@@ -49,7 +49,9 @@ class AttentionSpec(SpecData):
     window's sizes and the cap are run-time arguments, so one kernel serves every value.
     ``varlen`` and ``paged_kv`` are the serving layouts: a packed batch of sequences of different
     lengths (cumulative offsets, FlashAttention's ``varlen`` convention), and K/V read from a
-    paged cache through a block table (vLLM's); lengths and tables are run-time arguments.
+    paged cache through a block table (vLLM's); lengths and tables are run-time arguments. A
+    ``page_size`` compiled in lets a key block be copied in whole pages (the family says which
+    sizes it can); 0 serves any page size, gathering the keys one row at a time.
     """
 
     arch: str = field(default="sm_89", metadata={"help": "target architecture", "choices": ARCHS})
@@ -76,6 +78,9 @@ class AttentionSpec(SpecData):
                 "with cumulative sequence offsets"})
     paged_kv: bool = field(default=False, metadata={
         "help": "K/V in a paged cache (pages, page_size, heads, d) read through a block table"})
+    page_size: int = field(default=0, metadata={
+        "help": "a paged cache's page size, compiled in: key blocks are copied a page at a time "
+                "(0: any page size, keys gathered a row at a time)"})
     family: str = field(default="", metadata={"help": "kernel family (default: the arch's)"})
     op: str = field(default="attention_fwd", metadata={"cli": False})
 
@@ -130,6 +135,11 @@ class AttentionSpec(SpecData):
         if (self.varlen or self.paged_kv) and self.kv_fp8:
             raise bad("an e4m3 KV cache (kv_fp8=True) is read from dense (batch, heads, seq, d) "
                       "tensors only; varlen/paged_kv with kv_fp8 are not built yet")
+        if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
+            raise bad(f"page_size must be an int, got {self.page_size!r}")
+        if self.page_size < 0 or (self.page_size and not self.paged_kv):
+            raise bad(f"page_size={self.page_size} needs paged_kv=True and is >= 1 "
+                      "(0 leaves the page size to run time)")
         if self.varlen and self.split_kv:
             raise bad("varlen=True is the prefill layout and splits no keys across CTAs; "
                       "decode a paged cache (paged_kv=True) for split-KV")
@@ -203,7 +213,8 @@ class AttentionSpec(SpecData):
                  (self.precision, self.precision != "fp16"), ("kvfp8", self.kv_fp8),
                  ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
-                 ("varlen", self.varlen), ("paged", self.paged_kv),
+                 ("varlen", self.varlen),
+                 (f"paged{self.page_size or ''}", self.paged_kv),
                  (self.family, self.family != "mma_sync")]
         return "_".join(parts + [tag for tag, on in flags if on])
 

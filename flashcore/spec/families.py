@@ -33,6 +33,8 @@ class KernelFamily(Protocol):
 
     def validate(self, spec: AttentionSpec) -> None: ...
 
+    def copies_whole_pages(self, spec: AttentionSpec, page_size: int) -> bool: ...
+
     def smem_bytes(self, spec: AttentionSpec) -> int: ...
 
 
@@ -86,6 +88,13 @@ class MmaSync:
                     f"a {what} tile of {c.tile} at head_dim={spec.head_dim} is {n} 16-byte "
                     f"copies, which {c.group_threads} threads cannot share evenly"
                 )
+        if spec.page_size and not self.copies_whole_pages(spec, spec.page_size):
+            raise bad(
+                f"page_size={spec.page_size} cannot be copied a page at a time with tile_n="
+                f"{c.tile_n} and {self.copy_rows(spec)} rows per copy pass: it must be a "
+                "multiple of the rows per pass and divide or be a multiple of tile_n "
+                "(page_size=0 serves any page size)"
+            )
         budget = SMEM_PER_BLOCK[spec.arch]
         need = self.smem_bytes(spec)
         if need > budget:
@@ -94,6 +103,22 @@ class MmaSync:
                 f"{budget} bytes (tile {c.tile}, stages={c.stages}, kv_splits={c.kv_splits}); "
                 "use a smaller tile, fewer stages or fewer kv_splits"
             )
+
+    @staticmethod
+    def copy_rows(spec: AttentionSpec) -> int:
+        """Rows of a K/V tile one pass of a warp group's 16-byte copies covers: each row of a
+        swizzle atom (at most 128 bytes) takes a thread per 16 bytes
+        (``kernels/common/copies.g2s_copy``)."""
+        line = min(spec.head_dim * spec.elem_bytes, 128)
+        return spec.config.group_threads * 16 // line
+
+    def copies_whole_pages(self, spec: AttentionSpec, page_size: int) -> bool:
+        """Whether a paged cache of ``page_size`` keys a page can be copied a page at a time:
+        every copy pass of a thread stays in one page (the page a multiple of the rows per
+        pass) and a key block is a whole number of pages or lies inside one."""
+        tn = spec.config.tile_n
+        return (page_size % self.copy_rows(spec) == 0
+                and (tn % page_size == 0 or page_size % tn == 0))
 
     def smem_bytes(self, spec: AttentionSpec) -> int:
         """Dynamic shared memory the kernel allocates (``flashcore/kernels/mma_sync/smem.py``

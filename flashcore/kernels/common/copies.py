@@ -76,6 +76,38 @@ def load_block(tiled_copy, src, dst, coords, n_block, slot, seqlen, ragged: cutl
         cute.copy(tiled_copy, src[None, None, None, n_block], dst[None, None, None, slot])
 
 
+@cute.jit
+def load_paged(tiled_copy, thr_copy, page_of, dst, coords, n_block, slot, seqlen,
+               tile: cutlass.Constexpr, page_size: cutlass.Constexpr, ragged: cutlass.Constexpr):
+    """``load_block`` for a paged source whose page size is known at compile time and whose
+    pages hold whole copy passes (``spec.families.MmaSync.copies_whole_pages``): the ``tile``
+    (rows, cols) block is ``rows // piece`` pieces of ``piece = min(page_size, rows)`` rows, each
+    inside one page, ``page_of(i)`` being the sequence's i-th page as a (page_size, cols) tensor.
+    A piece is partitioned like a tile of its rows, so thread rows keep their places and 16-byte
+    copies; one block-table read per piece. Pages wholly past ``seqlen`` are not looked up (the
+    table may end before them): their rows are zero-filled."""
+    rows, cols = tile
+    piece = min(page_size, rows)
+    pass_rows = cute.size(tiled_copy.tiler_mn[0])
+    assert piece % pass_rows == 0, f"a piece of {piece} rows is not whole copy passes"
+    per_piece = piece // pass_rows  # copy passes (thread rows) per piece
+    for j in cutlass.range_constexpr(rows // piece):
+        first = n_block * rows + j * piece
+        index = first // page_size
+        if cutlass.const_expr(ragged):  # the last page with keys, for pieces past the end
+            index = cutlass.min(index, (seqlen - 1) // page_size)
+        src = thr_copy.partition_S(
+            cute.local_tile(page_of(index), (piece, cols), ((first % page_size) // piece, 0)))
+        for i in cutlass.range_constexpr(per_piece):
+            m = j * per_piece + i
+            if cutlass.const_expr(ragged):
+                if cute.elem_less(coords[0, m, 0, n_block][0], seqlen):
+                    cute.copy(tiled_copy, src[None, i, None], dst[None, m, None, slot])
+                else:
+                    dst[None, m, None, slot].fill(0)
+            else:
+                cute.copy(tiled_copy, src[None, i, None], dst[None, m, None, slot])
+
 
 @cute.jit
 def load_gathered(tiled_copy, thr_copy, row_of, dst, coords, n_block, slot, seqlen,

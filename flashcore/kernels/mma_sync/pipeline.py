@@ -19,7 +19,7 @@ always means "the oldest block in flight has landed".
 import cutlass
 import cutlass.cute as cute
 
-from ..common.copies import load_block, load_gathered, load_rows, load_vector
+from ..common.copies import load_block, load_gathered, load_paged, load_rows, load_vector
 from ..common.fragments import mn_view
 from .cta import Cta
 
@@ -35,7 +35,11 @@ def group_sync(cta: Cta, group):
 
 @cute.jit
 def issue_k(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
-    if cutlass.const_expr(cta.spec.paged_kv):
+    if cutlass.const_expr(cta.spec.paged_kv and cta.spec.page_size):
+        load_paged(cta.lay.g2s_k, cta.k_copy, cta.k_page, cta.tKsK, cta.tKVcKV, n_block, slot,
+                   cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), cta.spec.page_size,
+                   ragged)
+    elif cutlass.const_expr(cta.spec.paged_kv):
         load_gathered(cta.lay.g2s_k, cta.k_copy, cta.k_row, cta.tKsK, cta.tKVcKV, n_block, slot,
                       cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), ragged)
     else:
@@ -45,7 +49,11 @@ def issue_k(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
 
 @cute.jit
 def issue_v(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
-    if cutlass.const_expr(cta.spec.paged_kv):
+    if cutlass.const_expr(cta.spec.paged_kv and cta.spec.page_size):
+        load_paged(cta.lay.g2s_v, cta.k_copy, cta.v_page, cta.tVsV, cta.tKVcKV, n_block, slot,
+                   cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), cta.spec.page_size,
+                   ragged)
+    elif cutlass.const_expr(cta.spec.paged_kv):
         load_gathered(cta.lay.g2s_v, cta.k_copy, cta.v_row, cta.tVsV, cta.tKVcKV, n_block, slot,
                       cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), ragged)
     else:  # fp8 Vᵀ is padded with zero keys: never ragged

@@ -6,8 +6,9 @@
   too unless paged.
 * ``paged_kv``: K and V are pages viewed as (pages, heads, page_size, head_dim); key ``j`` of
   sequence ``b`` is row ``j % page_size`` of page ``block_table[b, j // page_size]`` and the
-  sequence has ``seqlens_k[b]`` keys (vLLM's convention). Rows of a key block may come from
-  different pages (page_size < tile_n), so each is gathered on its own (``copies.load_gathered``).
+  sequence has ``seqlens_k[b]`` keys (vLLM's convention). With the page size compiled in
+  (``spec.page_size``) a key block is copied a page at a time (``copies.load_paged``: one table
+  read per page); otherwise each row is gathered on its own (``copies.load_gathered``).
 
 Trace-time Python: the lengths and offsets it returns are run-time values read from the tables.
 """
@@ -61,3 +62,8 @@ class Sequences:
         page_size = t.shape[2]
         page = self.block_table[batch, key // page_size]
         return t[page, kv_head, key % page_size, None]
+
+    def page(self, t: cute.Tensor, batch, kv_head, index):
+        """Page ``index`` of (batch, kv_head)'s keys in paged ``t``: its (page_size, head_dim)
+        rows."""
+        return t[self.block_table[batch, index], kv_head, None, None]
