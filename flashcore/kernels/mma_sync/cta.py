@@ -79,12 +79,10 @@ class Cta:
 
         # ---- global tiles and their coordinates (for predicates and masks) --------------------
         gQ = cute.local_tile(seqs.query_rows(mQ, batch, head), (tm, d), (self.m_block, 0))
-        if cutlass.const_expr(spec.paged_kv and spec.page_size):  # a page at a time
-            self.k_page = lambda index: seqs.page(mK, batch, self.kv_head, index)
-            self.v_page = lambda index: seqs.page(mV, batch, self.kv_head, index)
-        elif cutlass.const_expr(spec.paged_kv):  # gathered a row at a time (pipeline.issue_k)
-            self.k_row = lambda key: seqs.paged_row(mK, batch, self.kv_head, key)
-            self.v_row = lambda key: seqs.paged_row(mV, batch, self.kv_head, key)
+        if cutlass.const_expr(spec.paged_kv):  # pages, or rows of any page size (issue_paged)
+            rows_of = seqs.page if spec.page_size else seqs.paged_row
+            self.k_paged = lambda i: rows_of(mK, batch, self.kv_head, i)
+            self.v_paged = lambda i: rows_of(mV, batch, self.kv_head, i)
         else:
             gK = cute.local_tile(seqs.key_rows(mK, batch, self.kv_head), (tn, d), (None, 0))
             if cutlass.const_expr(lay.fp8):  # Vᵀ, padded with zero keys: never ragged

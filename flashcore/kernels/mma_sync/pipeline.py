@@ -35,13 +35,8 @@ def group_sync(cta: Cta, group):
 
 @cute.jit
 def issue_k(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
-    if cutlass.const_expr(cta.spec.paged_kv and cta.spec.page_size):
-        load_paged(cta.lay.g2s_k, cta.k_copy, cta.k_page, cta.tKsK, cta.tKVcKV, n_block, slot,
-                   cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), cta.spec.page_size,
-                   ragged)
-    elif cutlass.const_expr(cta.spec.paged_kv):
-        load_gathered(cta.lay.g2s_k, cta.k_copy, cta.k_row, cta.tKsK, cta.tKVcKV, n_block, slot,
-                      cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), ragged)
+    if cutlass.const_expr(cta.spec.paged_kv):
+        issue_paged(cta, cta.lay.g2s_k, cta.k_paged, cta.tKsK, n_block, slot, ragged)
     else:
         load_block(cta.lay.g2s_k, cta.tKgK, cta.tKsK, cta.tKVcKV, n_block, slot, cta.seqlen_k,
                    ragged)
@@ -49,16 +44,24 @@ def issue_k(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
 
 @cute.jit
 def issue_v(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
-    if cutlass.const_expr(cta.spec.paged_kv and cta.spec.page_size):
-        load_paged(cta.lay.g2s_v, cta.k_copy, cta.v_page, cta.tVsV, cta.tKVcKV, n_block, slot,
-                   cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), cta.spec.page_size,
-                   ragged)
-    elif cutlass.const_expr(cta.spec.paged_kv):
-        load_gathered(cta.lay.g2s_v, cta.k_copy, cta.v_row, cta.tVsV, cta.tKVcKV, n_block, slot,
-                      cta.seqlen_k, (cta.config.tile_n, cta.spec.head_dim), ragged)
+    if cutlass.const_expr(cta.spec.paged_kv):
+        issue_paged(cta, cta.lay.g2s_v, cta.v_paged, cta.tVsV, n_block, slot, ragged)
     else:  # fp8 Vᵀ is padded with zero keys: never ragged
         load_block(cta.lay.g2s_v, cta.tVgV, cta.tVsV, cta.tKVcKV, n_block, slot, cta.seqlen_k,
                    ragged and not cta.lay.fp8)
+
+
+@cute.jit
+def issue_paged(cta: Cta, tiled_copy, rows_of, dst, n_block, slot, ragged: cutlass.Constexpr):
+    """A K or V block of a paged cache: a page at a time when the spec compiles the page size
+    in (``rows_of(i)``: the sequence's page i), else a row at a time (key i's row)."""
+    tile = (cta.config.tile_n, cta.spec.head_dim)
+    if cutlass.const_expr(cta.spec.page_size):
+        load_paged(tiled_copy, cta.k_copy, rows_of, dst, cta.tKVcKV, n_block, slot,
+                   cta.seqlen_k, tile, cta.spec.page_size, ragged)
+    else:
+        load_gathered(tiled_copy, cta.k_copy, rows_of, dst, cta.tKVcKV, n_block, slot,
+                      cta.seqlen_k, tile, ragged)
 
 
 @cute.jit
