@@ -2,7 +2,7 @@
 scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks its result against
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
-    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|serving]
+    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|fp8-paged|serving]
 """
 
 from __future__ import annotations
@@ -150,6 +150,33 @@ def paged_cases():
     yield ok
 
 
+def fp8_paged_cases():
+    # an e4m3 paged cache (the FP8 KV decode config): pages copied whole (16, 128) and gathered
+    # (24), decode split over CTAs with packed GQA rows, a ragged prefill chunk, an empty sequence
+    from flashcore.ops.fp8 import quantize_paged_cache
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for page, sq, lens, d in ((16, 1, [300, 1, 0, 129], 128), (128, 1, [517, 33], 64),
+                              (24, 19, [100, 40], 64), (16, 5, [37], 128)):
+        n = max(1, -(-max(lens) // page))
+        pages = len(lens) * n + 1
+        table = torch.randperm(pages, device="cuda", generator=g)[:len(lens) * n]
+        table = table.view(len(lens), n).to(torch.int32)
+        (kc, kd), (vc, vd) = (quantize_paged_cache(torch.randn(
+            pages, page, 2, d, device="cuda", generator=g, dtype=torch.float16)) for _ in range(2))
+        q = torch.randn(len(lens), 8, sq, d, device="cuda", generator=g, dtype=torch.float16)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        out = attention_paged(q, kc, vc, table, seqlens, causal=True, mask_align="bottom_right",
+                              k_descale=kd, v_descale=vd)
+        ok = True
+        for b, length in enumerate(lens):
+            kb, vb = (reference.gather_pages(c.double() * s.double()[..., None], table, length, b)
+                      for c, s in ((kc, kd), (vc, vd)))
+            ok &= check(f"fp8 paged page {page} d{d} sq={sq} len {length}", out[b:b + 1],
+                        q[b:b + 1], kb, vb, True, mask_align="bottom_right")
+        yield ok
+
+
 def all_cases():
     arch = arch_of(torch.cuda.current_device())
     for causal in (False, True):
@@ -186,6 +213,7 @@ def main() -> int:
              "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
                                                     (1, 32, 8, 1, 2049, 128))),
              "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
+             "fp8-paged": fp8_paged_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]
     results = list(cases())
     torch.cuda.synchronize()

@@ -6,7 +6,8 @@
   ``flash_attn_varlen_func``, in torch), SDPA over the padded batch with a mask (the fallback),
   and FlashAttention-4's varlen where it is installed;
 * paged decode: one query token per sequence against a paged cache (pages of 16 and 128,
-  shuffled) against the same decode on a contiguous cache (ours and SDPA flash).
+  shuffled) against the same decode on a contiguous cache (ours and SDPA flash), and the same
+  with an e4m3 cache (per-key scales), paged and contiguous.
 
     python scripts/serving_bench.py [varlen] [paged]
 """
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flashcore.ops import attention, attention_paged, attention_varlen
+from flashcore.ops.fp8 import quantize_fp8, quantize_paged_cache
 from flashcore.tuning.timing import report
 
 
@@ -129,15 +131,27 @@ def paged_decode_case(fa4, gen, b, hq, hkv, s, d) -> None:
         return lambda q, k, v: fa4(q.transpose(1, 2).reshape(b, hq, d), kc, vc,
                                    cu_seqlens_q=cu_q, seqused_k=lens, page_table=table)
 
+    def ours_fp8_paged(cache):
+        (kc, kd), (vc, vd) = (quantize_paged_cache(c) for c in cache[:2])
+        return lambda q, k, v: attention_paged(q, kc, vc, cache[2], lens, k_descale=kd,
+                                               v_descale=vd)
+
+    def ours_fp8_contiguous():
+        (k8, kd), (v8, vd) = (quantize_fp8(t, granularity="token") for t in (k, v))
+        return lambda q, k, v: attention(q, k8, v8, k_descale=kd, v_descale=vd)
+
     caches = {page: _paged(k, v, page, gen) for page in (16, 128)}
     impls = {"flashcore contiguous": attention,
              "flashcore paged, page 16": ours_paged(caches[16]),
              "flashcore paged, page 128": ours_paged(caches[128]),
              "SDPA flash contiguous": _sdpa_flash,
-             "FA4 paged, page 128": None if fa4 is None else fa4_paged(caches[128])}
+             "FA4 paged, page 128": None if fa4 is None else fa4_paged(caches[128]),
+             "flashcore FP8 contiguous": ours_fp8_contiguous(),
+             "flashcore FP8 paged, page 16": ours_fp8_paged(caches[16]),
+             "flashcore FP8 paged, page 128": ours_fp8_paged(caches[128])}
     moved = 2 * b * hkv * s * d * 2
-    report(f"paged decode {b},{hq}/{hkv},1x{s},{d} (column: TB/s)", impls, [(q, k, v)],
-           moved, unit="TB/s")
+    report(f"paged decode {b},{hq}/{hkv},1x{s},{d} (column: TB/s of the fp16 bytes)", impls,
+           [(q, k, v)], moved, unit="TB/s")
 
 
 def _sdpa_flash(q, k, v):

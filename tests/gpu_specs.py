@@ -140,6 +140,16 @@ def serving_specs(arch: str) -> list:
     for bucket, _, _ in BUCKETS[1:]:
         specs += _specs(arch, [_tuned(arch, bucket, 128, True)], varlen=True, causal=True,
                         mask_align="bottom_right", head_dim=128)
+    # an e4m3 paged cache (test_fp8_paged_cache_*: the FP8 KV config, no LSE), decode and
+    # packed chunks; the benchmark's FP8 paged decode (d128, not causal) is among them
+    if arch in FP8_ARCHS:
+        for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+            fp8kv = {"head_dim": d, "causal": causal, "dtype": DTYPES, "paged_kv": True,
+                     "kv_fp8": True, "page_size": pages,
+                     "mask_align": "bottom_right" if causal else "top_left"}
+            config = [_tuned(arch, "decode", d, causal, "fp8kv")]
+            specs += _specs(arch, config, split_kv=[False, True], **fp8kv)
+            specs += _specs(arch, config, varlen=True, **fp8kv)
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)  # split decode
               for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
     return list(dict.fromkeys(specs))

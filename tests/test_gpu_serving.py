@@ -308,3 +308,115 @@ def test_empty_batches_and_keyless_sequences():
     assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isneginf(lse[:, 0]).all()
     assert torch.isfinite(lse[:, 1:]).all() and out[1:].abs().sum() > 0
     assert not math.isnan(out.sum().item())
+
+
+FP8_KV_TOL = 2e-3  # relative L2 against exact attention over the dequantised cache (#11)
+
+
+def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    lens=st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600), st.integers(0, 5000)),
+                  min_size=1, max_size=4),
+    sq=st.one_of(st.just(1), st.integers(1, 40)),
+    packed=st.booleans(),
+    page_size=PAGE_SIZES,
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 4]),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    num_splits=st.sampled_from([None, 1, 3]),
+    log_mag=st.floats(-3, 4),
+    outlier=st.sampled_from([0.0, 100.0, 1e4]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(lens=[4999, 0, 1, 700], sq=1, packed=False, page_size=16, hkv=2, group=4, d=128,
+         dtype="float16", causal=False, num_splits=None, log_mag=0.0, outlier=1e4,
+         seed=1)  # decode: GQA packed into rows, split over CTAs, an empty sequence
+@example(lens=[333, 40], sq=7, packed=True, page_size=24, hkv=1, group=1, d=64,
+         dtype="bfloat16", causal=True, num_splits=None, log_mag=4.0, outlier=0.0,
+         seed=2)  # packed chunks against gathered pages, huge magnitudes
+def test_fp8_paged_cache_matches_the_dequantised_cache(lens, sq, packed, page_size, hkv, group,
+                                                       d, dtype, causal, num_splits, log_mag,
+                                                       outlier, seed):
+    """An e4m3 paged cache (``quantize_paged_cache``: per-key scales, no overflow for any finite
+    magnitude), shuffled pages of every kind, decode and (packed) chunks against it: the
+    result matches exact attention over the dequantised cache, as the dense FP8 KV cache does
+    (test_gpu_decode)."""
+    from flashcore.ops.fp8 import quantize_paged_cache
+
+    dt = DTYPES[dtype]
+    mag = 10.0**log_mag
+    if dt == torch.float16:  # fp16 inputs cannot exceed 65504
+        mag = min(mag, 6e4 / max(outlier, 1.0) / 5)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k16, v16, table, seqlens, _ = _paged_cache(lens, page_size, hkv, d, torch.float32, gen)
+    k16, v16 = (k16 * mag).to(dt), (v16 * mag).to(dt)
+    if outlier and lens[0]:  # one key of the first sequence, far above the rest
+        k16[table[0, 0], 0, 0] *= outlier / 10 if dt == torch.float16 else outlier
+    k8, kd = quantize_paged_cache(k16)
+    v8, vd = quantize_paged_cache(v16)
+    heads = hkv * group
+    scale = 1.0 / (math.sqrt(d) * mag)  # O(1) logits: the property under test is K/V's range
+    lq = [min(sq, n) if packed else sq for n in lens]
+    q = torch.randn(sum(lq) if packed else len(lens) * sq, heads, d, device="cuda",
+                    generator=gen).to(dt)
+    if not packed:
+        q = q.view(len(lens), sq, heads, d).transpose(1, 2)
+    out = torch.full_like(q, float("nan"))
+    kw = {"cu_seqlens_q": _cu(lq), "max_seqlen_q": max(lq)} if packed else {}
+    attention_paged(q, k8, v8, table, seqlens, causal=causal, softmax_scale=scale, out=out,
+                    num_splits=None if packed else num_splits, mask_align="bottom_right",
+                    k_descale=kd, v_descale=vd, **kw)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "NaN/Inf (or unwritten elements) in the output"
+    k_exact = k8.double() * kd.double()[..., None]
+    v_exact = v8.double() * vd.double()[..., None]
+    cq = _cu(lq).tolist()
+    got, want = [], []
+    for b, n in enumerate(lens):
+        qb = (q[cq[b]:cq[b + 1]].transpose(0, 1)[None] if packed else q[b:b + 1])
+        ob = (out[cq[b]:cq[b + 1]].transpose(0, 1)[None] if packed else out[b:b + 1])
+        if n == 0:  # no key: zeros
+            assert not ob.any(), f"sequence {b} has no keys: its rows must be 0"
+            continue
+        got.append(ob.flatten())
+        want.append(reference.attention(
+            qb, reference.gather_pages(k_exact, table, n, b),
+            reference.gather_pages(v_exact, table, n, b), causal=causal, softmax_scale=scale,
+            mask_align="bottom_right", device=q.device).flatten())
+    if got:
+        err = _rel_l2(torch.cat(got), torch.cat(want))
+        # bf16 output rounding alone is up to 2^-9 relative per element
+        assert err <= (FP8_KV_TOL if dt == torch.float16 else 2 * FP8_KV_TOL), f"rel L2 {err:.3g}"
+
+
+def test_fp8_paged_cache_errors():
+    from flashcore.ops.fp8 import quantize_paged_cache
+
+    k16 = torch.randn(4, 16, 2, 64, device="cuda", dtype=torch.float16)
+    k8, kd = quantize_paged_cache(k16)
+    q = torch.randn(2, 4, 1, 64, device="cuda", dtype=torch.float16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device="cuda")
+    lens = torch.tensor([20, 5], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="need k_descale"):
+        attention_paged(q, k8, k8, table, lens)
+    with pytest.raises(ValueError, match=r"v_descale must be float32 of shape \(4, 16, 2\)"):
+        attention_paged(q, k8, k8, table, lens, k_descale=kd, v_descale=kd[:, :, :1])
+    with pytest.raises(ValueError, match="differ"):
+        attention_paged(q, k8, k16, table, lens, k_descale=kd, v_descale=kd)
+    with pytest.raises(ValueError, match="for float8_e4m3fn k and v"):
+        attention_paged(q, k16, k16, table, lens, k_descale=kd, v_descale=kd)
+    # one scale per tensor, broadcast with stride 0: the kernel reads the strides it is given
+    one = kd.amax().expand(kd.shape)
+    k_one = (k16.float() / one[..., None]).to(torch.float8_e4m3fn)
+    out = attention_paged(q, k_one, k_one, table, lens, k_descale=one, v_descale=one)
+    exact = k_one.double() * one.double()[..., None]
+    for b, n in enumerate(lens.tolist()):
+        ref = reference.attention(q[b:b + 1], reference.gather_pages(exact, table, n, b),
+                                  reference.gather_pages(exact, table, n, b), device=q.device)
+        assert _rel_l2(out[b:b + 1], ref) <= FP8_KV_TOL

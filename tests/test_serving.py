@@ -31,7 +31,6 @@ def test_spec_fields_name_validate_and_shape_the_abi():
     assert tail[paged][-2:] == ["block_table", "seqlens_k"]
     assert tail[both][-3:] == ["cu_seqlens_q", "block_table", "seqlens_k"]
     for bad, what in (({"varlen": True, "split_kv": True}, "split"),
-                      ({"paged_kv": True, "kv_fp8": True}, "kv_fp8"),
                       ({"varlen": True, "kv_fp8": True}, "kv_fp8"),
                       ({"varlen": True, "precision": "fp8"}, "fp8"),
                       ({"paged_kv": "yes"}, "bool"),
@@ -43,6 +42,14 @@ def test_spec_fields_name_validate_and_shape_the_abi():
                       ({"paged_kv": True, "page_size": 48}, "divide or be a multiple of tile_n")):
         with pytest.raises(SpecError, match=what):
             AttentionSpec(arch="sm_89", **bad)
+    fp8_cache = AttentionSpec(arch="sm_89", paged_kv=True, kv_fp8=True)
+    assert "_kvfp8" in fp8_cache.name and fp8_cache.name.endswith("_paged")
+    params = {p.name: p for p in attention_params(fp8_cache)}
+    # (pages, heads, page_size) descales with every stride a parameter: any user layout
+    assert (params["k_descale"].dynamic_shapes, params["k_descale"].dynamic_strides) == (3, 3)
+    assert AttentionSpec.from_json(fp8_cache.to_json()) == fp8_cache
+    with pytest.raises(SpecError, match="kv_fp8"):
+        AttentionSpec(arch="sm_80", paged_kv=True, kv_fp8=True)
     whole = AttentionSpec(arch="sm_89", paged_kv=True, page_size=16)
     assert whole.name.endswith("_paged16") and AttentionSpec.from_json(whole.to_json()) == whole
     one_warp = TileConfig((16, 64), warps=1)  # 4 rows a pass: pages of 4 and 8 copy whole too
@@ -50,6 +57,10 @@ def test_spec_fields_name_validate_and_shape_the_abi():
                    (96, False), (24, False)):
         fam = family("mma_sync")
         assert fam.copies_whole_pages(whole.replace(config=one_warp, page_size=0), ps) == ok, ps
+    # an e4m3 cache is copied as bytes: 64-byte rows of d=64 make a pass of one warp 8 rows
+    e4m3_64 = fp8_cache.replace(config=one_warp)
+    for ps, ok in ((4, False), (8, True), (16, True)):
+        assert fam.copies_whole_pages(e4m3_64, ps) == ok, ps
 
 
 def test_varlen_grid_covers_the_longest_sequence_per_head():
@@ -113,6 +124,11 @@ SERVING_SPECS = [
                   page_size=16, config=TileConfig((16, 64), warps=1, stages=2)),
     AttentionSpec(arch="sm_90", head_dim=64, causal=True, mask_align="bottom_right",
                   varlen=True, paged_kv=True, window=True, config=TileConfig((64, 64))),
+    # an e4m3 paged cache (the FP8 KV decode kernel): whole pages, and gathered rows
+    AttentionSpec(arch="sm_89", head_dim=128, split_kv=True, paged_kv=True, kv_fp8=True,
+                  page_size=16, config=TileConfig((16, 32), warps=1)),
+    AttentionSpec(arch="sm_89", head_dim=128, split_kv=True, paged_kv=True, kv_fp8=True,
+                  config=TileConfig((16, 32), warps=1)),
 ]
 
 
@@ -128,7 +144,9 @@ def test_serving_kernels_compile_with_their_abi_and_no_spills(serving_artifacts,
     assert_no_spills_in_loops(art, spec.name)
     body = art.ptx[art.ptx.index(".entry"):]
     sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, (\d+)(?:, \d+)?;", body))
-    assert sizes == {"16"}, f"K/V and Q rows move in 16-byte copies, got sizes {sizes}"
+    # rows in 16-byte copies; an e4m3 cache's per-key descales one float at a time
+    want = {"16", "4"} if spec.kv_fp8 else {"16"}
+    assert sizes == want, f"K/V and Q rows move in 16-byte copies, got sizes {sizes}"
     if spec.varlen:  # batch from the grid's z, tiles per head from its x
         assert "%ctaid.z" in body and "%nctaid.x" in body
     if spec.paged_kv:  # block-table entries: 32-bit global loads
@@ -177,6 +195,11 @@ def test_registered_ops_trace_with_the_shapes_they_return():
                                    cu_seqlens_q=i32(4), max_seqlen_q=5)
         assert out.shape == q.shape and lse.shape == (8, 10)
         assert attention_varlen(q, k, k, i32(4), i32(4), 5, 6).shape == q.shape
+        cache8 = torch.empty(20, 16, 2, 64, device="cuda", dtype=torch.float8_e4m3fn)
+        scales = torch.empty(20, 16, 2, device="cuda")
+        out = attention_paged(qd, cache8, cache8, i32(3, 4), i32(3), k_descale=scales,
+                              v_descale=scales)
+        assert out.shape == qd.shape and out.dtype == qd.dtype
 
     def f(q, k, cu, cache, table, lens):
         return (attention_varlen(q, k, k, cu, cu, 5, 6, tile=(64, 64)),

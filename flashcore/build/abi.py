@@ -72,7 +72,9 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     as (1, heads, total rows, head_dim), then come the int32 offsets ``cu_seqlens_q`` (and
     ``cu_seqlens_k``), batch + 1 each; the grid's z is the batch. With ``paged_kv`` K and V are
     the cache's pages viewed as (pages, heads, page_size, head_dim), then the int32 block table
-    (batch, max_pages) and ``seqlens_k`` (batch).
+    (batch, max_pages) and ``seqlens_k`` (batch); an e4m3 paged cache's per-key descales are
+    viewed the same way, (pages, heads, page_size) with every stride dynamic (the user's
+    (pages, page_size, heads) tensor permuted, or broadcast with stride 0).
     """
     params = [TensorParam("q", 3, 3), TensorParam("k", 3, 3),
               TensorParam("vt" if spec.precision == "fp8" else "v", 3, 3), TensorParam("o", 3, 3)]
@@ -81,6 +83,8 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     if spec.precision == "fp8":
         params += [TensorParam("q_descale", 3, 2), TensorParam("k_descale", 3, 2),
                    TensorParam("v_descale", 2, 1)]
+    elif spec.kv_fp8 and getattr(spec, "paged_kv", False):  # (pages, heads, page_size), any strides
+        params += [TensorParam("k_descale", 3, 3), TensorParam("v_descale", 3, 3)]
     elif spec.kv_fp8:
         params += [TensorParam("k_descale", 3, 2), TensorParam("v_descale", 3, 2)]
     params += [ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"),

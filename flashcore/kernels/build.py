@@ -51,6 +51,17 @@ def _fakes():
     return bhsd, rows, per_head
 
 
+def _page_scales():
+    """(pages, heads, page_size) float32 with every stride dynamic: an e4m3 paged cache's
+    per-key descales as the user's (pages, page_size, heads) tensor permuted."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+    from cutlass.cute.runtime import make_fake_tensor
+
+    return make_fake_tensor(Float32, tuple(cute.sym_int32() for _ in range(3)),
+                            tuple(cute.sym_int64() for _ in range(3)), assumed_align=4)
+
+
 def _serving_args(spec: AttentionSpec) -> tuple:
     """cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k: int32, None where unused."""
     import cutlass
@@ -86,7 +97,7 @@ def _attention_args(spec: AttentionSpec) -> tuple:
     if fp8:
         qd, kd, vd = rows(), rows(), per_head()
     elif spec.kv_fp8:
-        kd, vd = rows(), rows()
+        kd, vd = (_page_scales(), _page_scales()) if spec.paged_kv else (rows(), rows())
     window = (cutlass.Int32(1), cutlass.Int32(1)) if spec.window else (None, None)
     softcap = (cutlass.Float32(1.0), cutlass.Float32(1.0)) if spec.softcap else (None, None)
     return (bhsd(q_dtype, d), bhsd(kv_dtype, d), bhsd(kv_dtype, d, transposed=fp8), o, lse,

@@ -156,6 +156,8 @@ def attention_paged(
     out: torch.Tensor | None = None,
     check_lengths: bool = True,
     allow_no_grad: bool = False,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """Attention against a paged KV cache: k_cache and v_cache are (pages, page_size, heads_kv,
     head_dim); key ``j`` of sequence ``b`` is row ``j % page_size`` of page
@@ -164,17 +166,24 @@ def attention_paged(
     seq_q = 1; chunked prefill: the chunk), or packed (total_q, heads, head_dim) with
     ``cu_seqlens_q`` and ``max_seqlen_q`` as in ``attention_varlen``. Decode splits the keys
     over CTAs like ``attention``. Returns out shaped like q, and with ``return_lse`` the LSE
-    ((batch, heads, seq_q), or (heads, total_q) packed)."""
+    ((batch, heads, seq_q), or (heads, total_q) packed).
+
+    An FP8 cache: k_cache and v_cache in float8_e4m3fn with float32 per-key descales
+    ``k_descale``/``v_descale`` of shape (pages, page_size, heads_kv), any strides (a stride-0
+    broadcast of one scale per tensor or per head is fine); key j of head h is
+    ``k_cache[p, j, h].float() * k_descale[p, j, h]``. ``flashcore.ops.fp8.quantize_paged_cache``
+    makes both from a 16-bit cache. The arithmetic stays in q's dtype (sm_89 and sm_90)."""
     if _tracing(q):
         return attention_paged_op(
             q, k_cache, v_cache, block_table, seqlens_k, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q, mask_align=mask_align, window=window, softcap=softcap,
             tile=tile, config=config, num_splits=num_splits, out=out,
-            check_lengths=check_lengths)
+            check_lengths=check_lengths, k_descale=k_descale, v_descale=v_descale)
     if not allow_no_grad:
         check_grad(q, k_cache, v_cache)
     return run_paged(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
                      return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                      mask_align=mask_align, window=window, softcap=softcap, tile=tile,
-                     config=config, num_splits=num_splits, out=out, check_lengths=check_lengths)
+                     config=config, num_splits=num_splits, out=out, check_lengths=check_lengths,
+                     k_descale=k_descale, v_descale=v_descale)

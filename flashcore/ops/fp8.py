@@ -22,7 +22,8 @@ from .inputs import E4M3
 from .library import attention_fp8_op, quantize_fp8_op
 from .quantize import VT_PAD, key_permutation, padded_keys, run_quantize
 
-__all__ = ["E4M3", "VT_PAD", "attention_fp8", "key_permutation", "padded_keys", "quantize_fp8"]
+__all__ = ["E4M3", "VT_PAD", "attention_fp8", "key_permutation", "padded_keys", "quantize_fp8",
+           "quantize_paged_cache"]
 
 
 def _tracing(t) -> bool:
@@ -41,6 +42,20 @@ def quantize_fp8(
     if _tracing(x):
         return quantize_fp8_op(x, transpose=transpose, granularity=granularity)
     return run_quantize(x, transpose=transpose, granularity=granularity)
+
+
+def quantize_paged_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache8, descale): an e4m3 paged KV cache and its float32 per-key descales, shaped
+    (pages, page_size, heads_kv, head_dim) and (pages, page_size, heads_kv), for
+    ``flashcore.ops.attention_paged``'s ``k_descale``/``v_descale``. Per key and head, like
+    ``quantize_fp8(granularity="token")`` (448 / amax of each row: no overflow for any finite
+    input). Both are permuted views of the (pages, heads_kv, page_size) tensors the quantiser
+    writes; the kernel reads them as they are."""
+    if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
+        raise ValueError("quantize_paged_cache: cache must be a 4-d (pages, page_size, heads_kv,"
+                         f" head_dim) tensor, got {getattr(cache, 'shape', cache)!r}")
+    x8, descale = quantize_fp8(cache.permute(0, 2, 1, 3), granularity="token")
+    return x8.permute(0, 2, 1, 3), descale.permute(0, 2, 1)
 
 
 def attention_fp8(

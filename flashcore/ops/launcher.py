@@ -74,6 +74,16 @@ def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> 
     return k
 
 
+def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
+    """(B, H, S) per token with a unit last stride, (B, H) per head, or a paged cache's
+    (pages, heads, page_size) per key with any strides (``build.abi.attention_params``)."""
+    if paged:
+        return (t.data_ptr(), *t.shape, *t.stride())
+    if t.dim() == 3:
+        return rows_arg(t)
+    return (t.data_ptr(), *t.shape, t.stride(0))
+
+
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
                      causal: bool, softmax_scale: float, num_splits: int | None, *,
                      kv_fp8: bool = False, precision: str = "fp16",
@@ -82,7 +92,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
 
     ``qkv_args``: the kernel arguments of q, k and v (Vᵀ for fp8 operands); ``descales``: the
     float32 descale tensors the spec takes, in ABI order ((B, H, S) per token, (B, H) per
-    head). ``q``, ``k``, ``out`` and ``lse`` are the 4-d (3-d) views the kernel reads: a packed
+    head, (pages, heads, page_size) per key of a paged cache). ``q``, ``k``, ``out`` and ``lse`` are the 4-d (3-d) views the kernel reads: a packed
     batch as batch 1, a paged cache as (pages, heads, page_size, head_dim)."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -100,8 +110,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         out = plan.packed(out, Hkv)
         lse = None if lse is None else plan.packed(lse, Hkv)
         H, Sq = Hkv, q_group
-    descale_args = tuple(rows_arg(t) if t.dim() == 3 else (t.data_ptr(), *t.shape, t.stride(0))
-                         for t in descales) if descales else ()
+    descale_args = tuple(_descale_arg(t, serving.paged) for t in descales)
     dtype = DTYPE_NAMES[out.dtype]
     splits = num_splits
     if splits is None:

@@ -144,13 +144,15 @@ def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
                      window: list[int] | None = None, softcap: float | None = None,
                      tile: list[int] | None = None, warps: int | None = None,
                      stages: int | None = None, kv_splits: int | None = None,
-                     num_splits: int | None = None,
-                     check_lengths: bool = True) -> tuple[Tensor, Tensor]:
+                     num_splits: int | None = None, check_lengths: bool = True,
+                     k_descale: Tensor | None = None,
+                     v_descale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     res = run_paged(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
                     return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                     mask_align=mask_align, window=None if window is None else tuple(window),
                     softcap=softcap, config=_knobs_config(tile, warps, stages, kv_splits),
-                    num_splits=num_splits, check_lengths=check_lengths)
+                    num_splits=num_splits, check_lengths=check_lengths, k_descale=k_descale,
+                    v_descale=v_descale)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
 
@@ -158,7 +160,7 @@ def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
 def _(q, k_cache, v_cache, block_table, seqlens_k, causal=False, softmax_scale=None,
       return_lse=False, cu_seqlens_q=None, max_seqlen_q=None, mask_align="top_left",
       window=None, softcap=None, tile=None, warps=None, stages=None, kv_splits=None,
-      num_splits=None, check_lengths=True):
+      num_splits=None, check_lengths=True, k_descale=None, v_descale=None):
     lse = None
     if return_lse:
         shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
@@ -230,7 +232,8 @@ def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, softmax_scale,
                        return_lse, cu_seqlens_q, max_seqlen_q, mask_align, window, softcap,
-                       tile, config, num_splits, out, check_lengths):
+                       tile, config, num_splits, out, check_lengths, k_descale=None,
+                       v_descale=None):
     """``flashcore.ops.attention_paged`` through the registered op (tracing)."""
     tile, warps, stages, kv_splits = _config_knobs(config, tile, None, None, None)
     res, lse = torch.ops.flashcore.attention_paged(
@@ -238,5 +241,6 @@ def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, s
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         mask_align=mask_align, window=None if window is None else list(window),
         softcap=None if softcap is None else float(softcap), tile=tile, warps=warps,
-        stages=stages, kv_splits=kv_splits, num_splits=num_splits, check_lengths=check_lengths)
+        stages=stages, kv_splits=kv_splits, num_splits=num_splits, check_lengths=check_lengths,
+        k_descale=k_descale, v_descale=v_descale)
     return _traced(res, lse, out, return_lse)

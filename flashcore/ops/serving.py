@@ -25,10 +25,10 @@ import torch
 from ..runtime.device import arch_of
 from ..spec import HEAD_DIMS
 from .eager import resolve_config
-from .inputs import DTYPE_NAMES, prepared
+from .inputs import DTYPE_NAMES, E4M3, prepared
 from .launcher import Serving, launch_attention
 from .masks import call_masking
-from .validate import check_num_splits, softmax_scale_of
+from .validate import check_kv_descales, check_num_splits, softmax_scale_of
 
 _INT32_MAX = 2**31 - 1
 
@@ -204,16 +204,19 @@ def run_paged(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     check_lengths: bool = True,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ):
     """``flashcore.ops.attention_paged``, eager: check, plan, launch."""
     op = "attention_paged"
     packed = cu_seqlens_q is not None
     _check_tensor(op, "q", q, 3 if packed else 4, tuple(DTYPE_NAMES))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(op, name, t, 4, (q.dtype,), q.device)
-    if k_cache.shape != v_cache.shape:
-        raise _fail(op, f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
-                        "differ in shape")
+        _check_tensor(op, name, t, 4, (q.dtype, E4M3), q.device)
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise _fail(op, f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache "
+                        f"{v_cache.dtype} {tuple(v_cache.shape)} differ")
+    kd, vd = check_kv_descales(k_cache, k_descale, v_descale, op, paged=True)
     pages, page_size, kv_heads, d = k_cache.shape
     heads = q.shape[-2] if packed else q.shape[1]
     _check_heads(op, heads, kv_heads, q.shape[-1], d)
@@ -252,10 +255,12 @@ def run_paged(
     if batch == 0 or q.numel() == 0 or max_q == 0:
         return _empty(out, lse)
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
-                         head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16")
+                         head_dim=d, causal=causal, seqlen_q=max_q,
+                         precision="fp16" if kd is None else "fp8kv")
     # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes
     k4, k_arg = prepared(k_cache.permute(0, 2, 1, 3))
     v4, v_arg = prepared(v_cache.permute(0, 2, 1, 3))
+    descales = () if kd is None else (kd.permute(0, 2, 1), vd.permute(0, 2, 1))
     tables = (_table_arg(block_table), _vector_arg(lens))
     target = out if _aligned(out) else q.new_empty(q.shape)
     if packed:
@@ -268,8 +273,8 @@ def run_paged(
         q4, q_arg = prepared(q)
         o4, lse_v = target, lse
     serving = Serving(packed, page_size, tables, batch, max_q, max_k)
-    launch_attention(q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), (), cfg, causal, scale,
-                     num_splits, mask=mask, serving=serving)
+    launch_attention(q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), descales, cfg, causal, scale,
+                     num_splits, kv_fp8=kd is not None, mask=mask, serving=serving)
     del q4, k4, v4  # (any copies) live until the launch is issued
     if target is not out:
         out.copy_(target)

@@ -76,23 +76,29 @@ def _explain(q, k, v) -> None:
         raise ValueError(f"attention: devices differ: q {q.device}, k {k.device}, v {v.device}")
 
 
-def check_kv_descales(k, k_descale, v_descale) -> tuple[torch.Tensor, torch.Tensor]:
-    """An e4m3 KV cache needs float32 per-token descales (B, Hkv, Sk) for k and v; 16-bit k/v
-    take none. Returns them with a unit last stride."""
+def check_kv_descales(k, k_descale, v_descale, op: str = "attention",
+                      paged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 KV cache needs float32 per-token descales for k and v, shaped like k without
+    head_dim: (B, Hkv, Sk), or (pages, page_size, Hkv) for a paged cache; 16-bit k/v take none.
+    Returns them with a unit last stride (dense; a paged cache's are read with any strides)."""
     if k.dtype != E4M3:
         if k_descale is not None or v_descale is not None:
-            raise ValueError("attention: k_descale/v_descale are for float8_e4m3fn k and v")
+            raise ValueError(f"{op}: k_descale/v_descale are for float8_e4m3fn k and v")
         return None, None
     want = tuple(k.shape[:3])
+    how = ("flashcore.ops.fp8.quantize_paged_cache(cache)" if paged else
+           "flashcore.ops.fp8.quantize_fp8(x, granularity='token')")
     for name, t in (("k_descale", k_descale), ("v_descale", v_descale)):
         if t is None:
-            raise ValueError(f"attention: float8_e4m3fn k and v need {name} (float32, shape "
-                             f"{want}: flashcore.ops.fp8.quantize_fp8(x, granularity='token'))")
+            raise ValueError(f"{op}: float8_e4m3fn k and v need {name} (float32, shape "
+                             f"{want}: {how})")
         if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
                 or tuple(t.shape) != want or t.device != k.device):
-            raise ValueError(f"attention: {name} must be float32 of shape {want} on {k.device}, "
+            raise ValueError(f"{op}: {name} must be float32 of shape {want} on {k.device}, "
                              f"got {getattr(t, 'dtype', type(t).__name__)} "
                              f"{tuple(getattr(t, 'shape', ()))}")
+    if paged:
+        return k_descale, v_descale
     return (k_descale if k_descale.stride(2) == 1 else k_descale.contiguous(),
             v_descale if v_descale.stride(2) == 1 else v_descale.contiguous())
 

@@ -40,7 +40,7 @@ class AttentionSpec(SpecData):
 
     ``dtype`` is the query and output dtype. ``precision="fp8"`` multiplies float8_e4m3fn Q, K
     and Vᵀ (m16n8k32) that ``flashcore.ops.fp8.quantize_fp8`` produced. ``kv_fp8`` reads K and
-    V as an e4m3 KV cache with per-token descales and multiplies in ``dtype`` (dequantised in
+    V as an e4m3 KV cache (dense or paged) with per-key descales and multiplies in ``dtype`` (dequantised in
     shared memory). ``split_kv`` writes fp32 partial outputs of one share of the keys per CTA
     (flash-decoding); a combine kernel (``CombineSpec``) merges them. Every kernel serves
     grouped-query attention (K/V with fewer heads than Q) and any batch, head count and length.
@@ -132,9 +132,9 @@ class AttentionSpec(SpecData):
             raise bad("kv_fp8=True is for 16-bit operands; precision='fp8' already reads e4m3 K/V")
         if (self.varlen or self.paged_kv) and self.precision == "fp8":
             raise bad("varlen/paged_kv read 16-bit operands; precision='fp8' is for dense tensors")
-        if (self.varlen or self.paged_kv) and self.kv_fp8:
+        if self.varlen and self.kv_fp8 and not self.paged_kv:
             raise bad("an e4m3 KV cache (kv_fp8=True) is read from dense (batch, heads, seq, d) "
-                      "tensors only; varlen/paged_kv with kv_fp8 are not built yet")
+                      "tensors or a paged cache; packed varlen K/V with kv_fp8 are not built")
         if isinstance(self.page_size, bool) or not isinstance(self.page_size, int):
             raise bad(f"page_size must be an int, got {self.page_size!r}")
         if self.page_size < 0 or (self.page_size and not self.paged_kv):

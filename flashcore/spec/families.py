@@ -108,8 +108,9 @@ class MmaSync:
     def copy_rows(spec: AttentionSpec) -> int:
         """Rows of a K/V tile one pass of a warp group's 16-byte copies covers: each row of a
         swizzle atom (at most 128 bytes) takes a thread per 16 bytes
-        (``kernels/common/copies.g2s_copy``)."""
-        line = min(spec.head_dim * spec.elem_bytes, 128)
+        (``kernels/common/copies.g2s_copy``). An FP8 KV cache is copied as e4m3 bytes."""
+        ring_bytes = E4M3_BYTES if spec.kv_fp8 else spec.elem_bytes
+        line = min(spec.head_dim * ring_bytes, 128)
         return spec.config.group_threads * 16 // line
 
     def copies_whole_pages(self, spec: AttentionSpec, page_size: int) -> bool:

@@ -52,15 +52,16 @@ def load_rows(tiled_copy, src, dst, coords, seqlen):
 
 
 @cute.jit
-def load_vector(atom, src, dst, tidx, threads: cutlass.Constexpr, n: cutlass.Constexpr,
+def load_vector(atom, element_of, dst, tidx, threads: cutlass.Constexpr, n: cutlass.Constexpr,
                 first, limit):
-    """cp.async elements [0, n) of 1-d ``src`` (global index ``first`` + i) into 1-d ``dst``,
-    one element per copy, zero-filling those at or past ``limit``."""
+    """cp.async elements [0, n) into 1-d ``dst``, one element per copy: element i (global index
+    ``first`` + i) from the (1,) tensor ``element_of(i)``; those at or past ``limit`` are
+    zero-filled (and never looked up)."""
     for i in cutlass.range_constexpr((n + threads - 1) // threads):
         e = tidx + i * threads
         if e < n:
             if first + e < limit:
-                cute.copy(atom, cute.local_tile(src, (1,), (e,)), cute.local_tile(dst, (1,), (e,)))
+                cute.copy(atom, element_of(e), cute.local_tile(dst, (1,), (e,)))
             else:
                 dst[e] = 0.0
 

@@ -70,8 +70,13 @@ class Cta:
         self.kv_head = kv_head_of(head, mQ, mK)
         # per-key descales of this K/V head: of K (FP8 operands, or an FP8 KV cache) and of V
         # (an FP8 KV cache; FP8 operands scale V per head, in the epilogue)
-        self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
-        self.gVd = mVd[batch, self.kv_head, None] if lay.kv_fp8 else None
+        if cutlass.const_expr(spec.paged_kv and lay.kv_fp8):  # a page's descales, by page index
+            self.gKd = lambda i: seqs.page(mKd, batch, self.kv_head, i)
+            self.gVd = lambda i: seqs.page(mVd, batch, self.kv_head, i)
+            self.page_size = mK.shape[2]  # the cache's, when not compiled in
+        else:
+            self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
+            self.gVd = mVd[batch, self.kv_head, None] if lay.kv_fp8 else None
         self.seqs = seqs
         self.seqlen_q, self.seqlen_k = seqs.query_len(mQ, batch), seqs.key_len(mK, batch)
         self.q_group = q_group

@@ -76,11 +76,26 @@ def issue_block(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
 
 @cute.jit
 def issue_scales(cta: Cta, g_scale, s_scale, n_block, slot):
-    """The per-key descales of one block into ring stage ``slot`` (0 past the last key)."""
+    """The per-key descales of one block into ring stage ``slot`` (0 past the last key).
+    ``g_scale``: the (keys,) descales of this K/V head, or for a paged cache a function of a
+    page index giving that page's (page_size,) descales."""
     tn = cta.config.tile_n
-    load_vector(cta.lay.scale_atom, cute.local_tile(g_scale, (tn,), (n_block,)),
-                s_scale[None, slot], cta.tidx, cta.config.group_threads, tn, n_block * tn,
-                cta.seqlen_k)
+    first = n_block * tn
+    if cutlass.const_expr(cta.spec.paged_kv):
+        page_size = cta.spec.page_size  # compiled in: the division is a shift
+        if cutlass.const_expr(not page_size):
+            page_size = cta.page_size
+
+        def element_of(e):
+            key = first + e
+            return cute.local_tile(g_scale(key // page_size), (1,), (key % page_size,))
+    else:
+        block = cute.local_tile(g_scale, (tn,), (n_block,))
+
+        def element_of(e):
+            return cute.local_tile(block, (1,), (e,))
+    load_vector(cta.lay.scale_atom, element_of, s_scale[None, slot], cta.tidx,
+                cta.config.group_threads, tn, first, cta.seqlen_k)
 
 
 @cute.jit

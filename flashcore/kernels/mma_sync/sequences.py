@@ -65,5 +65,8 @@ class Sequences:
 
     def page(self, t: cute.Tensor, batch, kv_head, index):
         """Page ``index`` of (batch, kv_head)'s keys in paged ``t``: its (page_size, head_dim)
-        rows."""
+        rows, or for a (pages, heads, page_size) tensor of per-key descales its (page_size,)
+        values."""
+        if cute.rank(t) == 3:
+            return t[self.block_table[batch, index], kv_head, None]
         return t[self.block_table[batch, index], kv_head, None, None]
