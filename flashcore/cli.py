@@ -31,8 +31,8 @@ def _spec_fields() -> list[dataclasses.Field]:
     """The fields a user sets: the spec's (but ``op``), with ``config`` expanded into TileConfig's."""
     out = []
     for f in dataclasses.fields(AttentionSpec):
-        if f.name == "config":
-            out += list(dataclasses.fields(TileConfig))
+        if f.name == "config":  # the spec's --family names the family
+            out += [c for c in dataclasses.fields(TileConfig) if c.metadata.get("cli", True)]
         elif f.metadata.get("cli", True):
             out.append(f)
     return out
@@ -73,7 +73,7 @@ def _spec_from(a: argparse.Namespace) -> AttentionSpec:
 
 def _spec_from_values(values: dict) -> AttentionSpec:
     """A spec from field values (None or False: the default), TileConfig's fields included."""
-    knobs = {f.name for f in dataclasses.fields(TileConfig)}
+    knobs = {f.name for f in dataclasses.fields(TileConfig) if f.metadata.get("cli", True)}
     given = {k: v for k, v in values.items() if v is not None and v is not False}
     config = {k: given.pop(k) for k in list(given) if k in knobs}
     if "tile" in config:

@@ -2,7 +2,7 @@
 scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks its result against
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
-    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|fp8-paged|serving]
+    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|fp8-paged|wgmma|serving]
 """
 
 from __future__ import annotations
@@ -177,6 +177,21 @@ def fp8_paged_cases():
         yield ok
 
 
+def wgmma_cases():
+    # the Hopper family (sm_90): ragged lengths (S_q != S_k, not multiples of the tile, 1),
+    # GQA, causal rows with no key, the 2-stage ring and FA2's overlap
+    from flashcore.spec import TileConfig
+
+    for tile, warps, stages in (((128, 128), 8, 2), ((64, 128), 4, 1), ((128, 64), 8, 2)):
+        config = TileConfig(tile, warps=warps, stages=stages, family="wgmma")
+        for sq, sk, d, causal in ((77, 200, 64, True), (300, 45, 128, True), (1, 1, 128, False),
+                                  (130, 257, 128, False)):
+            q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk)
+            out = attention(q, k, v, causal=causal, config=config)
+            yield check(f"wgmma {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k, v,
+                        causal)
+
+
 def all_cases():
     arch = arch_of(torch.cuda.current_device())
     for causal in (False, True):
@@ -213,7 +228,7 @@ def main() -> int:
              "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
                                                     (1, 32, 8, 1, 2049, 128))),
              "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
-             "fp8-paged": fp8_paged_cases,
+             "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]
     results = list(cases())
     torch.cuda.synchronize()

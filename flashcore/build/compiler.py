@@ -20,7 +20,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import CompileError, KernelNotAvailableError
-from ..spec import KernelSpec
+from ..spec import KernelSpec, dsl_arch
 from .abi import check_against_entry, params_for
 from .artifact import KernelArtifact
 from .cache import KernelCache, default_cache, pid_alive
@@ -132,9 +132,9 @@ def _check_imports(spec: KernelSpec, imported: list[str]) -> None:
 
 def _run_worker(specs: list[KernelSpec], out: Path) -> list[str]:
     """Run one worker over ``specs`` (one arch) into ``out``; the flashcore files it imported."""
-    archs = {s.arch for s in specs}
+    archs = {dsl_arch(s) for s in specs}
     if len(archs) != 1:
-        raise ValueError(f"one worker compiles one arch, got {sorted(archs)}")
+        raise ValueError(f"one worker compiles one DSL target, got {sorted(archs)}")
     env = worker_env(archs.pop(), out / "ir")
     try:
         proc = subprocess.run(

@@ -19,7 +19,7 @@ from .cubin_info import occupancy
 
 # category -> (PTX regex, SASS opcode regex). Counted per static instruction, not executed.
 CATEGORIES: dict[str, tuple[str, str]] = {
-    "mma": (r"^\s*(@\S+\s+)?mma\.sync\b", r"^(HMMA|IMMA|QMMA|HGMMA|QGMMA)\b"),
+    "mma": (r"^\s*(@\S+\s+)?(mma\.sync|wgmma\.mma_async)\b", r"^(HMMA|IMMA|QMMA|HGMMA|QGMMA)\b"),
     "ldmatrix": (r"^\s*(@\S+\s+)?ldmatrix\b", r"^LDSM\b"),
     "cp_async": (r"^\s*(@\S+\s+)?cp\.async\.c[ag]\b", r"^LDGSTS\b"),
     "ld_shared": (r"^\s*(@\S+\s+)?ld\.shared\b", r"^LDS\b"),

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import AttentionSpec, CombineSpec, KernelSpec, QuantizeSpec
+from ..spec import AttentionSpec, CombineSpec, KernelSpec, QuantizeSpec, dsl_arch
 
 
 @dataclass
@@ -151,9 +151,11 @@ def _traced(spec: KernelSpec):
         from .combine import CombineSplits
 
         return CombineSplits(spec), CombineSplits.kernel, _combine_args(spec)
-    from .mma_sync.attention_fwd import AttentionForward
-
-    return AttentionForward(spec), AttentionForward.kernel, _attention_args(spec)
+    if spec.family == "wgmma":
+        from .wgmma.attention_fwd import WgmmaAttentionForward as Forward
+    else:
+        from .mma_sync.attention_fwd import AttentionForward as Forward
+    return Forward(spec), Forward.kernel, _attention_args(spec)
 
 
 def _cute_ir(compiled) -> str:
@@ -168,10 +170,10 @@ def _cute_ir(compiled) -> str:
 
 
 def build(spec: KernelSpec, workdir: Path) -> BuildProducts:
-    arch = os.environ.get("CUTE_DSL_ARCH")
-    if arch != spec.arch:
+    arch, want = os.environ.get("CUTE_DSL_ARCH"), dsl_arch(spec)
+    if arch != want:
         # The DSL fixes its target when cutlass is first imported.
-        raise RuntimeError(f"build() for {spec.arch} needs CUTE_DSL_ARCH={spec.arch}, not {arch!r}")
+        raise RuntimeError(f"build() for {spec.name} needs CUTE_DSL_ARCH={want}, not {arch!r}")
     import cutlass.cute as cute
 
     traced, device_fn, args = _traced(spec)

@@ -12,7 +12,7 @@ import torch
 from ..build.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
-from ..spec import AttentionSpec, CombineSpec, TileConfig, family
+from ..spec import DEFAULT_FAMILY, AttentionSpec, CombineSpec, TileConfig, family
 from . import plan
 from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking
@@ -115,7 +115,8 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     splits = num_splits
     if splits is None:
         splits = 1
-        if Sq <= plan.DECODE_MAX_Q:
+        fam = family(config.family or DEFAULT_FAMILY.get(arch_of(dev), ""))
+        if Sq <= plan.DECODE_MAX_Q and fam.splits_keys:
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
                                      -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8)
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))

@@ -19,7 +19,7 @@ from .arch import (
 )
 from .attention import PRECISIONS, AttentionSpec
 from .combine import CombineSpec
-from .families import DEFAULT_FAMILY, FAMILIES, family
+from .families import DEFAULT_FAMILY, FAMILIES, dsl_arch, family
 from .quantize import QuantizeSpec
 from .serial import SPEC_VERSION
 from .tile import TileConfig, default_warps, tile_config
@@ -41,8 +41,26 @@ def spec_from_dict(d: Any) -> KernelSpec:
 
 
 __all__ = [
-    "ARCHS", "DEFAULT_FAMILY", "DTYPES", "FAMILIES", "FP8_ARCHS", "HEAD_DIMS", "PDL_ARCHS",
-    "PRECISIONS", "SMEM_PER_BLOCK", "SMEM_PER_SM", "SPEC_VERSION", "AttentionSpec",
-    "CombineSpec", "KernelSpec", "QuantizeSpec", "SpecError", "TileConfig", "default_warps",
-    "family", "spec_from_dict", "tile_config",
+    "ARCHS",
+    "DEFAULT_FAMILY",
+    "DTYPES",
+    "FAMILIES",
+    "FP8_ARCHS",
+    "HEAD_DIMS",
+    "PDL_ARCHS",
+    "PRECISIONS",
+    "SMEM_PER_BLOCK",
+    "SMEM_PER_SM",
+    "SPEC_VERSION",
+    "AttentionSpec",
+    "CombineSpec",
+    "KernelSpec",
+    "QuantizeSpec",
+    "SpecError",
+    "TileConfig",
+    "default_warps",
+    "dsl_arch",
+    "family",
+    "spec_from_dict",
+    "tile_config",
 ]

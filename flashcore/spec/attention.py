@@ -87,9 +87,23 @@ class AttentionSpec(SpecData):
     def __post_init__(self) -> None:
         if isinstance(self.config, dict):
             object.__setattr__(self, "config", TileConfig.from_dict(self.config))
-        if not self.family and self.arch in DEFAULT_FAMILY:
-            object.__setattr__(self, "family", DEFAULT_FAMILY[self.arch])
+        self._resolve_family()
         self._validate()
+
+    def _resolve_family(self) -> None:
+        """One family, named by the spec or its config (or the arch's default): the spec's
+        ``family`` always holds it, the config's only when it is not the default (so a default
+        config keeps the names and keys it always had)."""
+        named = {f for f in (self.family, getattr(self.config, "family", "")) if f}
+        if len(named) > 1:
+            raise SpecError(f"AttentionSpec: family={self.family!r} and config.family="
+                            f"{self.config.family!r} disagree")
+        default = DEFAULT_FAMILY.get(self.arch, "")
+        chosen = named.pop() if named else default
+        object.__setattr__(self, "family", chosen)
+        if isinstance(self.config, TileConfig):
+            object.__setattr__(self, "config", self.config.replace(
+                family="" if chosen == default else chosen))
 
     # -- validation ---------------------------------------------------------------------------
     def _validate(self) -> None:
@@ -214,8 +228,7 @@ class AttentionSpec(SpecData):
                  ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
                  ("varlen", self.varlen),
-                 (f"paged{self.page_size or ''}", self.paged_kv),
-                 (self.family, self.family != "mma_sync")]
+                 (f"paged{self.page_size or ''}", self.paged_kv)]  # config.tag: family
         return "_".join(parts + [tag for tag, on in flags if on])
 
     # -- serialisation -------------------------------------------------------------------------

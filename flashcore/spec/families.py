@@ -4,7 +4,7 @@ A family names one kernel design (its source under ``flashcore/kernels/<family>/
 which archs it runs, which values of each ``TileConfig`` knob it accepts, and how much shared
 memory a spec needs, so an invalid spec is refused when it is made, naming the knob. The spec
 names its family or takes its arch's default. ``mma_sync`` (FlashAttention-2 style, warp-level
-``mma.sync`` on sm_80/sm_89/sm_90) is the first.
+``mma.sync`` on sm_80/sm_89/sm_90) is the first, ``wgmma`` (Hopper warpgroup MMA) the second.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class KernelFamily(Protocol):
     name: str
     archs: tuple[str, ...]
     knobs: Mapping[str, tuple[int, ...]]
+    splits_keys: bool  # builds split_kv kernels (flash-decoding's partials)
+
+    def dsl_arch(self, arch: str) -> str: ...
 
     def validate(self, spec: AttentionSpec) -> None: ...
 
@@ -45,6 +48,10 @@ class MmaSync:
     name: str = "mma_sync"
     archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")
     max_threads: int = 512  # 128 registers per thread still fit the 64K register file
+    splits_keys: bool = True
+
+    def dsl_arch(self, arch: str) -> str:
+        return arch
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
@@ -145,9 +152,74 @@ class MmaSync:
         return total
 
 
-FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync()}
+@dataclass(frozen=True)
+class Wgmma:
+    """Hopper: warpgroup MMA (``wgmma.mma_async``, sm_90a), S = Q·Kᵀ from shared memory, P·V
+    with P in registers; cp.async loads into 128-byte-swizzled tiles, ``stages`` K/V blocks in a
+    ring; 64 query rows per warpgroup (``flashcore/kernels/wgmma``). First version: fp16/bf16,
+    top-left causal or none, LSE, GQA, dense tensors; no split-KV, FP8, masks or serving
+    layouts yet."""
+
+    name: str = "wgmma"
+    archs: tuple[str, ...] = ("sm_90",)
+    splits_keys: bool = False
+    rows_per_warpgroup: int = 64
+
+    def dsl_arch(self, arch: str) -> str:
+        return "sm_90a"  # wgmma is an sm_90a instruction
+
+    @property
+    def knobs(self) -> Mapping[str, tuple[int, ...]]:
+        return {"tile_m": (64, 128), "tile_n": (64, 128), "warps": (4, 8), "stages": (1, 2),
+                "kv_splits": (1,)}
+
+    def validate(self, spec: AttentionSpec) -> None:
+        c = spec.config
+
+        def bad(what: str) -> SpecError:
+            return SpecError(f"AttentionSpec ({self.name}): {what}")
+
+        unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", "window",
+                                   "softcap") if getattr(spec, f)]
+        if spec.precision != "fp16":
+            unsupported.append(f"precision={spec.precision!r}")
+        if spec.mask_align != "top_left":
+            unsupported.append(f"mask_align={spec.mask_align!r}")
+        if unsupported:
+            raise bad(f"not built yet: {', '.join(unsupported)} (the mma_sync family has them)")
+        for knob, allowed in self.knobs.items():
+            v = getattr(c, knob)
+            if v not in allowed:
+                raise bad(f"{knob}={v} is not supported; choose one of {allowed}")
+        if c.tile_m != self.rows_per_warpgroup * c.warps // 4:
+            raise bad(f"tile_m={c.tile_m} must be 64 rows per warpgroup of 4 warps: "
+                      f"{self.rows_per_warpgroup * c.warps // 4} for warps={c.warps}")
+        budget = SMEM_PER_BLOCK[spec.arch]
+        need = self.smem_bytes(spec)
+        if need > budget:
+            raise bad(f"needs {need} bytes of shared memory, over {spec.arch}'s {budget}")
+
+    def copies_whole_pages(self, spec: AttentionSpec, page_size: int) -> bool:
+        return False
+
+    def smem_bytes(self, spec: AttentionSpec) -> int:
+        """Q (reused for the output tile) and ``stages`` K and V tiles, 1 KB aligned
+        (``flashcore/kernels/wgmma/layouts.py``)."""
+        c, d = spec.config, spec.head_dim
+        return (_align(c.tile_m * d * spec.elem_bytes)
+                + 2 * _align(c.tile_n * d * c.stages * spec.elem_bytes))
+
+
+FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync(), "wgmma": Wgmma()}
 # The family a spec gets when it names none.
 DEFAULT_FAMILY = {"sm_80": "mma_sync", "sm_89": "mma_sync", "sm_90": "mma_sync"}
+
+
+def dsl_arch(spec) -> str:
+    """The target the DSL compiles ``spec`` for (CUTE_DSL_ARCH): the arch, or the family's
+    variant of it (wgmma needs sm_90a)."""
+    fam = getattr(spec, "family", "")
+    return family(fam).dsl_arch(spec.arch) if fam else spec.arch
 
 
 def family(name: str) -> KernelFamily:

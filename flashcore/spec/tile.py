@@ -33,7 +33,9 @@ class TileConfig:
     ``tile``: (query rows per CTA, keys per step). ``warps``: warps that share one key range
     (``None``: one per 16 rows, at most 8). ``stages``: K/V blocks in flight. ``kv_splits``:
     groups of ``warps`` warps in one CTA, each walking its own share of the keys, merged
-    through shared memory at the end.
+    through shared memory at the end. ``family``: the kernel design that runs the tile
+    (``flashcore.spec.families``; empty for the arch's default), so a tuned table can pick a
+    family per bucket like any other knob.
     """
 
     tile: tuple[int, int] = field(
@@ -43,6 +45,8 @@ class TileConfig:
     stages: int = field(default=1, metadata={"help": "K/V blocks in flight"})
     kv_splits: int = field(
         default=1, metadata={"help": "warp groups in a CTA, each over its own share of the keys"})
+    family: str = field(default="", metadata={
+        "help": "kernel family ('': the arch's default)", "cli": False})
 
     def __post_init__(self) -> None:
         tile = self.tile
@@ -62,6 +66,8 @@ class TileConfig:
                 raise SpecError(f"TileConfig: {name}={v} must be at least 1")
         if min(tile) < 1:
             raise SpecError(f"TileConfig: tile {tile} must be positive")
+        if not isinstance(self.family, str):
+            raise SpecError(f"TileConfig: family must be a str, got {self.family!r}")
 
     @property
     def tile_m(self) -> int:
@@ -84,11 +90,15 @@ class TileConfig:
     def tag(self) -> str:
         """The config's part of a kernel name, e.g. ``m64n64_w4_s1`` (``_k2`` with key splits)."""
         s = f"m{self.tile_m}n{self.tile_n}_w{self.warps}_s{self.stages}"
-        return s + (f"_k{self.kv_splits}" if self.kv_splits > 1 else "")
+        s += f"_k{self.kv_splits}" if self.kv_splits > 1 else ""
+        return s + (f"_{self.family}" if self.family else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"tile": list(self.tile), "warps": self.warps, "stages": self.stages,
-                "kv_splits": self.kv_splits}
+        d: dict[str, Any] = {"tile": list(self.tile), "warps": self.warps,
+                             "stages": self.stages, "kv_splits": self.kv_splits}
+        if self.family:  # the default family leaves no trace: older keys and names hold
+            d["family"] = self.family
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> TileConfig:

@@ -68,15 +68,7 @@ class Cta:
         if cutlass.const_expr(not spec.split_kv):
             num_splits = 1  # one CTA per query tile: its key range is known at compile time
         self.kv_head = kv_head_of(head, mQ, mK)
-        # per-key descales of this K/V head: of K (FP8 operands, or an FP8 KV cache) and of V
-        # (an FP8 KV cache; FP8 operands scale V per head, in the epilogue)
-        if cutlass.const_expr(spec.paged_kv and lay.kv_fp8):  # a page's descales, by page index
-            self.gKd = lambda i: seqs.page(mKd, batch, self.kv_head, i)
-            self.gVd = lambda i: seqs.page(mVd, batch, self.kv_head, i)
-            self.page_size = mK.shape[2]  # the cache's, when not compiled in
-        else:
-            self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
-            self.gVd = mVd[batch, self.kv_head, None] if lay.kv_fp8 else None
+        self.key_descales(mK, mKd, mVd, seqs, batch)
         self.seqs = seqs
         self.seqlen_q, self.seqlen_k = seqs.query_len(mQ, batch), seqs.key_len(mK, batch)
         self.q_group = q_group
@@ -138,6 +130,18 @@ class Cta:
         self.tKVcKV = k_copy.partition_S(cKV)
 
         self.mma_operands(sK, sVt)
+
+    def key_descales(self, mK, mKd, mVd, seqs: Sequences, batch):
+        """Per-key descales of this K/V head: of K (FP8 operands, or an FP8 KV cache) and of V
+        (an FP8 KV cache; FP8 operands scale V per head, in the epilogue). A paged cache's are
+        looked up a page at a time: ``gKd(i)`` is page i's."""
+        if cutlass.const_expr(self.spec.paged_kv and self.lay.kv_fp8):
+            self.gKd = lambda i: seqs.page(mKd, batch, self.kv_head, i)
+            self.gVd = lambda i: seqs.page(mVd, batch, self.kv_head, i)
+            self.page_size = mK.shape[2]  # the cache's, when not compiled in
+        else:
+            self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
+            self.gVd = mVd[batch, self.kv_head, None] if self.lay.kv_fp8 else None
 
     def mma_operands(self, sK, sVt):
         """The MMA operands (Q, K and Vᵀ from shared memory) and the output accumulator."""

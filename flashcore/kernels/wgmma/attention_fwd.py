@@ -1,0 +1,383 @@
+"""The wgmma family's forward kernel (Hopper, sm_90a): FlashAttention-2's schedule on warpgroup
+MMAs.
+
+One CTA computes ``tile_m`` query rows of one (batch, head), 64 rows per consumer warpgroup
+(``warps / 4`` of them), walking its key blocks from the last to the first so that the blocks
+that need masking (the ragged end of the keys, the causal diagonal) come first; causal blocks
+above the diagonal are never visited (``common/block_info.py``).
+
+* global->shared: 128-bit ``cp.async`` by every thread into 128-byte-swizzled wgmma layouts
+  (``layouts.py``); rows past a sequence end are zero-filled. K/V ring of ``stages`` blocks.
+  cp.async writes through the generic proxy and wgmma reads through the async proxy: each
+  thread waits for its copies, fences (``fence.proxy.async.shared::cta``), then the CTA
+  barrier publishes every thread's part before any warpgroup's wgmma reads it.
+* S = Q·Kᵀ: ``wgmma.mma_async`` SS (both from shared memory, K-major), fp32 accumulators,
+  64 x tile_n per warpgroup.
+* Online softmax in registers on an (rows, keys) view of the accumulator (``fragments.py``).
+* O += P·V: ``wgmma.mma_async`` RS: P converted in registers is the A operand as it lies; V
+  from shared memory, MN-major.
+* Epilogue: O / row sum, converted, through shared memory (Q's buffer) to predicated 16-byte
+  stores; natural-log LSE if asked.
+
+Causal masks are top-left (torch's ``is_causal``). Interface and launch geometry are those of
+the mma_sync kernel (``flashcore.build.abi``): the serving, window, soft-cap and FP8 arguments
+are accepted and must be None (the spec checks refuse such specs).
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
+
+from ..common.block_info import KeyBounds, key_range, masked_steps
+from ..common.copies import load_block, load_rows
+from ..common.mask import mask_scores
+from ..common.softmax import OnlineSoftmax
+from ..mma_sync.cta import kv_head_of, tile_coords
+from .fragments import acc_as_operand_a, acc_mn_view
+from .layouts import WARPGROUP, WgmmaLayouts
+
+
+class Tile:
+    """Trace-time view of one CTA's work: its coordinates, key range, shared and global tiles,
+    copy partitions and MMA fragments (built once at the kernel's start)."""
+
+    def __init__(self, lay: WgmmaLayouts, storage, mQ: cute.Tensor, mK: cute.Tensor,
+                 mV: cute.Tensor, q_group):
+        spec, c = lay.spec, lay.spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.lay, self.spec, self.config = lay, spec, c
+        self.tidx, _, _ = cute.arch.thread_idx()
+        # warp-uniform: the wgmma descriptors derived from it stay in uniform registers
+        wg = cute.arch.make_warp_uniform(self.tidx // WARPGROUP)
+        self.m_block, head, batch, _ = tile_coords(mQ, spec)
+        kv_head = kv_head_of(head, mQ, mK)
+        self.seqlen_q, self.seqlen_k = mQ.shape[2], mK.shape[2]
+        self.q_group = q_group
+        self.bounds = KeyBounds(spec.causal)
+        self.n_lo, self.n_hi, _ = key_range(self.m_block, tm, tn, self.seqlen_k, self.bounds,
+                                            q_group, 0, 1, 0, 1, cutlass.min, cutlass.max)
+
+        # ---- shared tiles (swizzle on the pointer: byte-address SW128, as wgmma reads it) ----
+        self.sQ = storage.sQ.get_tensor(lay.sQ.outer, swizzle=lay.sQ.inner)
+        sK = storage.sK.get_tensor(lay.sKV.outer, swizzle=lay.sKV.inner)  # (keys, d, stage)
+        sV = storage.sV.get_tensor(lay.sKV.outer, swizzle=lay.sKV.inner)
+        # V read as (head_dim, keys, stage): the MN-major B operand of P·V
+        sVt = cute.composition(sV, cute.make_ordered_layout((d, tn, c.stages), order=(1, 0, 2)))
+
+        # ---- global tiles, their coordinates, copy partitions --------------------------------
+        gQ = cute.local_tile(mQ[batch, head, None, None], (tm, d), (self.m_block, 0))
+        gK = cute.local_tile(mK[batch, kv_head, None, None], (tn, d), (None, 0))
+        gV = cute.local_tile(mV[batch, kv_head, None, None], (tn, d), (None, 0))
+        cQ = cute.local_tile(cute.make_identity_tensor((self.seqlen_q, d)), (tm, d),
+                             (self.m_block, 0))
+        cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d),
+                              (None, 0))
+        copy = lay.g2s.get_slice(self.tidx)
+        self.tQgQ, self.tQsQ, self.tQcQ = (copy.partition_S(gQ), copy.partition_D(self.sQ),
+                                           copy.partition_S(cQ))
+        self.tKgK, self.tKsK = copy.partition_S(gK), copy.partition_D(sK)
+        self.tVgV, self.tVsV = copy.partition_S(gV), copy.partition_D(sV)
+        self.tKVcKV = copy.partition_S(cKV)
+
+        # ---- MMA fragments -------------------------------------------------------------------
+        # operand descriptors: one set per warpgroup (its 64 rows of Q; all of K and V)
+        wg_qk = lay.qk_mma.get_slice(wg * WARPGROUP)
+        wg_pv = lay.pv_mma.get_slice(wg * WARPGROUP)
+        self.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(self.sQ))  # (MMA, 1, d/16)
+        self.tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))  # (MMA, 1, d/16, stage)
+        self.tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))  # (MMA, 1, tn/16, stage)
+        # accumulators: per thread
+        self.thr_qk = lay.qk_mma.get_slice(self.tidx)
+        self.thr_pv = lay.pv_mma.get_slice(self.tidx)
+        self.acc_O = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((tm, d)),
+                                           cutlass.Float32)
+        self.acc_O.fill(0.0)
+
+    def score_coords(self, n_block):
+        """(query row, key) of each score this thread holds, as an (rows, keys) view."""
+        c = self.config
+        cS = cute.local_tile(cute.make_identity_tensor((self.seqlen_q, self.seqlen_k)),
+                             (c.tile_m, c.tile_n), (self.m_block, n_block))
+        return acc_mn_view(self.thr_qk.partition_C(cS))
+
+    def row_coords(self) -> list:
+        """The row, within the query tile, of each accumulator row this thread holds (static)."""
+        rows = acc_mn_view(self.thr_pv.partition_C(
+            cute.make_identity_tensor((self.config.tile_m, self.spec.head_dim))))
+        return [rows[r, 0][0] for r in range(cute.size(rows, mode=[0]))]
+
+
+@cute.jit
+def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
+          zero_init: cutlass.Constexpr):
+    """acc (+)= A·B over the K steps of the fragments, as one wgmma group, waited for.
+
+    ``wgmma.fence`` first: it orders this thread's earlier register writes (the accumulator's
+    rescaling, P's conversion) before the asynchronous MMAs read those registers. The first
+    step overwrites the accumulator when ``zero_init`` (no fill needed). A fresh atom per call:
+    its accumulate flag is mutated, which must not leak into other calls' IR."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
+        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)
+
+
+@cute.jit
+def publish_shared():
+    """Make this thread's landed cp.async (and zero-fill) writes visible to every warpgroup's
+    wgmma: generic-proxy writes, fenced into the async proxy, then the CTA barrier."""
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_threads()
+
+
+class WgmmaAttentionForward:
+    """Trace-time configuration of one kernel: the spec is Python data (constexpr)."""
+
+    def __init__(self, spec):
+        self.spec = spec  # validated by flashcore.spec.families.Wgmma
+        self.smem_size = 0
+
+    @cute.jit
+    def host(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor | None,
+        mQd: cute.Tensor | None,
+        mKd: cute.Tensor | None,
+        mVd: cute.Tensor | None,
+        scale_log2: cutlass.Float32,
+        q_group: cutlass.Int32,
+        num_splits: cutlass.Int32,
+        window_left: cutlass.Int32 | None = None,
+        window_right: cutlass.Int32 | None = None,
+        softcap_in: cutlass.Float32 | None = None,
+        softcap_out: cutlass.Float32 | None = None,
+        cu_seqlens_q: cute.Tensor | None = None,
+        cu_seqlens_k: cute.Tensor | None = None,
+        block_table: cute.Tensor | None = None,
+        seqlens_k: cute.Tensor | None = None,
+    ):
+        """The launch; flashcore keeps only the kernel's cubin and its runtime repeats this
+        geometry (``flashcore.build.abi.attention_grid``)."""
+        unused = (mQd, mKd, mVd, window_left, window_right, softcap_in, softcap_out,
+                  cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
+        if cutlass.const_expr(any(x is not None for x in unused)):
+            raise ValueError("wgmma attention: FP8 descales, windows, soft-caps and serving "
+                             "tables are not supported yet (pass None)")
+        lay = WgmmaLayouts(self.spec)
+        self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
+        m_blocks = cute.ceil_div(mQ.shape[2], self.spec.config.tile_m)
+        self.kernel(mQ, mK, mV, mO, mLSE, mQd, mKd, mVd, scale_log2, q_group, num_splits,
+                    window_left, window_right, softcap_in, softcap_out, cu_seqlens_q,
+                    cu_seqlens_k, block_table, seqlens_k).launch(
+            grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
+            block=[self.spec.threads, 1, 1], smem=self.smem_size,
+        )
+
+    @cute.kernel
+    def kernel(
+        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+        mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
+        mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
+        num_splits: cutlass.Int32, window_left: cutlass.Int32 | None,
+        window_right: cutlass.Int32 | None, softcap_in: cutlass.Float32 | None,
+        softcap_out: cutlass.Float32 | None, cu_seqlens_q: cute.Tensor | None,
+        cu_seqlens_k: cute.Tensor | None, block_table: cute.Tensor | None,
+        seqlens_k: cute.Tensor | None,
+    ):
+        self.wait_for_inputs()
+        lay = WgmmaLayouts(self.spec)
+        storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
+        tile = Tile(lay, storage, mQ, mK, mV, q_group)
+        softmax = OnlineSoftmax(cute.size(acc_mn_view(tile.acc_O), mode=[0]), scale_log2,
+                                exact_max=False)
+        self.prologue(tile)
+        self.walk_keys(tile, softmax)
+        # nothing is in flight after a walk; a CTA with no key block (no keys at all) still
+        # has its Q copy, which must land before the epilogue reuses Q's buffer
+        cute.arch.cp_async_wait_group(0)
+        softmax.finish()
+        self.store_output(tile, softmax, mQ, mO, mLSE)
+
+    # ---- key loop --------------------------------------------------------------------------
+    @cute.jit
+    def walk_keys(self, tile: Tile, softmax: OnlineSoftmax):
+        """Key blocks n_hi - 1 down to n_lo; the first ``masked_steps`` masked (unrolled), the
+        rest in a loop. The i-th block walked uses ring stage i % stages."""
+        spec = self.spec
+        stages = spec.config.stages
+        steps = masked_steps(spec.config.tile_m, spec.config.tile_n, tile.bounds)
+        for step in cutlass.range_constexpr(steps):
+            n_block = tile.n_hi - 1 - step
+            if n_block >= tile.n_lo:
+                self.key_block(tile, softmax, n_block, step % stages, masked=True,
+                               first=step == 0)
+        for n_block in range(tile.n_hi - 1 - steps, tile.n_lo - 1, -1):
+            self.key_block(tile, softmax, n_block, (tile.n_hi - 1 - n_block) % stages,
+                           masked=False, first=False)
+
+    @cute.jit
+    def key_block(self, tile: Tile, softmax: OnlineSoftmax, n_block, slot,
+                  masked: cutlass.Constexpr, first: cutlass.Constexpr):
+        c = self.spec.config
+        lay = tile.lay
+        self.before_scores(tile, n_block, slot, first)
+        acc_S = cute.make_rmem_tensor(tile.thr_qk.partition_shape_C((c.tile_m, c.tile_n)),
+                                      cutlass.Float32)
+        wgmma(lay.qk_mma, acc_S, tile.tSrQ, tile.tSrK[None, None, None, slot], zero_init=True)
+        self.after_scores(tile, n_block)
+
+        S = acc_mn_view(acc_S)
+        if cutlass.const_expr(masked):
+            mask_scores(S, tile.score_coords(n_block), tile.seqlen_k, tile.bounds, tile.q_group)
+        softmax.update(S, acc_mn_view(tile.acc_O))
+        # P in the operand precision, re-viewed in place as the RS A operand of P·V
+        rP = cute.make_rmem_tensor(acc_S.layout, lay.dtype)
+        rP.store(acc_S.load().to(lay.dtype))
+        tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
+        wgmma(lay.pv_mma, tile.acc_O, tOrP, tile.tOrVt[None, None, None, slot], zero_init=False)
+
+    # ---- loads -----------------------------------------------------------------------------
+    # Two schedules; every thread waits for its own copies, fences them into the async proxy
+    # and passes a CTA barrier (``publish_shared``) before any wgmma reads a tile. A tile is
+    # overwritten only after a barrier that every thread reaches after its own
+    # wgmma.wait_group(0) on the MMAs that read it.
+    # * stages == 1 (FA2's K/V overlap): wait K(n), issue V(n), S = Q·Kᵀ, wait V(n), issue
+    #   K(n-1) over K(n), softmax, P·V. The first block's V is issued with its K.
+    # * stages >= 2: K and V of a block are one cp.async group in a ring. The barrier that
+    #   publishes block n also certifies that every warpgroup is done with block n + 1's
+    #   stage, so right after it that stage is refilled with block n + 1 - stages: one
+    #   barrier per block, each block's loads in flight during the compute of the
+    #   stages - 1 blocks before it.
+
+    @cute.jit
+    def issue_k(self, tile: Tile, n_block, slot, ragged: cutlass.Constexpr):
+        load_block(tile.lay.g2s, tile.tKgK, tile.tKsK, tile.tKVcKV, n_block, slot,
+                   tile.seqlen_k, ragged)
+
+    @cute.jit
+    def issue_v(self, tile: Tile, n_block, slot, ragged: cutlass.Constexpr):
+        load_block(tile.lay.g2s, tile.tVgV, tile.tVsV, tile.tKVcKV, n_block, slot,
+                   tile.seqlen_k, ragged)
+
+    @cute.jit
+    def prologue(self, tile: Tile):
+        """Issue Q and the first K/V blocks; only the first block walked may be ragged."""
+        load_rows(tile.lay.g2s, tile.tQgQ, tile.tQsQ, tile.tQcQ, tile.seqlen_q)
+        n_last = tile.n_hi - 1
+        if cutlass.const_expr(self.spec.config.stages == 1):
+            if tile.n_hi > tile.n_lo:
+                self.issue_k(tile, n_last, 0, True)
+            cute.arch.cp_async_commit_group()
+            if tile.n_hi > tile.n_lo:
+                self.issue_v(tile, n_last, 0, True)
+            cute.arch.cp_async_commit_group()
+        else:
+            for i in cutlass.range_constexpr(self.spec.config.stages):
+                if n_last - i >= tile.n_lo:
+                    self.issue_k(tile, n_last - i, i, i == 0)
+                    self.issue_v(tile, n_last - i, i, i == 0)
+                cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def before_scores(self, tile: Tile, n_block, slot, first: cutlass.Constexpr):
+        """Block ``n_block``'s K (and in the ring its V) is in shared memory for every wgmma."""
+        stages = self.spec.config.stages
+        if cutlass.const_expr(stages > 1):
+            if cutlass.const_expr(first):
+                cute.arch.cp_async_wait_group(stages - 1)  # the prologue's first group
+                publish_shared()
+            else:
+                # block n's group has stages - 2 younger ones (one refill per block since)
+                cute.arch.cp_async_wait_group(stages - 2)
+                publish_shared()
+                # the stage of block n + 1 is free: every thread passed the barrier after
+                # its P·V on it completed
+                if n_block + 1 - stages >= tile.n_lo:
+                    prev = (slot + stages - 1) % stages
+                    self.issue_k(tile, n_block + 1 - stages, prev, False)
+                    self.issue_v(tile, n_block + 1 - stages, prev, False)
+                cute.arch.cp_async_commit_group()
+        elif cutlass.const_expr(first):
+            cute.arch.cp_async_wait_group(1)  # Q and K(n); V(n) may still be in flight
+            publish_shared()
+        else:
+            cute.arch.cp_async_wait_group(0)  # K(n); every P·V on V(n+1) has completed
+            publish_shared()
+            self.issue_v(tile, n_block, 0, False)
+            cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def after_scores(self, tile: Tile, n_block):
+        """stages == 1: V(n) lands; K(n-1) goes over K(n), which every Q·Kᵀ has read."""
+        if cutlass.const_expr(self.spec.config.stages == 1):
+            cute.arch.cp_async_wait_group(0)
+            publish_shared()
+            if n_block > tile.n_lo:
+                self.issue_k(tile, n_block - 1, 0, False)
+                cute.arch.cp_async_commit_group()
+
+    # ---- epilogue ----------------------------------------------------------------------------
+    @cute.jit
+    def store_output(self, tile: Tile, softmax: OnlineSoftmax, mQ: cute.Tensor,
+                     mO: cute.Tensor, mLSE: cute.Tensor | None):
+        """O / row sum in the output dtype, through shared memory (Q's buffer) to 16-byte
+        stores of the rows below seqlen_q; the LSE of those rows if asked."""
+        lay, c, d = tile.lay, self.spec.config, self.spec.head_dim
+        # coordinates read again (cheap) rather than kept live through the key loop
+        m_block, head, batch, _ = tile_coords(mQ, self.spec)
+        O = acc_mn_view(tile.acc_O)
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            O[r, None] = O[r, None].load() * softmax.inverse_sum(r)
+        if cutlass.const_expr(mLSE is not None):
+            self.store_lse(tile, softmax, mLSE[batch, head, None], m_block)
+
+        rO = cute.make_rmem_tensor(tile.acc_O.layout, lay.dtype)
+        rO.store(tile.acc_O.load().to(lay.dtype))
+        sO = tile.sQ  # (tile_m, d), same layout; every Q·Kᵀ has completed
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                         lay.dtype), lay.pv_mma)
+        r2s_thr = r2s.get_slice(tile.tidx)
+        cute.arch.sync_threads()  # every warpgroup's last wgmma on sQ has completed
+        cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(sO))
+        cute.arch.sync_threads()
+
+        gO = cute.local_tile(mO[batch, head, None, None], (c.tile_m, d), (m_block, 0))
+        cO = cute.local_tile(cute.make_identity_tensor((tile.seqlen_q, d)), (c.tile_m, d),
+                             (m_block, 0))
+        r2g = lay.r2g_o.get_slice(tile.tidx)
+        tOsO, tOgO, tOcO = r2g.partition_S(sO), r2g.partition_D(gO), r2g.partition_D(cO)
+        tOrO = cute.make_rmem_tensor_like(tOgO, lay.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if cute.elem_less(tOcO[0, m, 0][0], tile.seqlen_q):
+                cute.copy(lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])
+
+    @cute.jit
+    def store_lse(self, tile: Tile, softmax: OnlineSoftmax, lse_rows: cute.Tensor, m_block):
+        """Each row's natural-log LSE (-inf for a row that saw no key), by one lane of the four
+        that share the row."""
+        tm = self.spec.config.tile_m
+        gLSE = cute.local_tile(lse_rows, (tm,), (m_block,))
+        rows = tile.row_coords()
+        lane = cute.arch.lane_idx()
+        for r in cutlass.range_constexpr(len(rows)):
+            value = softmax.lse(r)
+            if lane % 4 == 0 and m_block * tm + rows[r] < tile.seqlen_q:
+                gLSE[rows[r]] = value
+
+    @cute.jit
+    def wait_for_inputs(self):
+        """Programmatic dependent launch (Hopper): wait for the grid before this one to finish
+        and flush before the first global access, then let the next grid start its launch.
+        Without such a launch both are no-ops."""
+        if cutlass.const_expr(self.spec.programmatic_launch):
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()

@@ -1,0 +1,73 @@
+"""The wgmma family's trace-time data: which specs it builds, its shared-memory layouts and
+struct, the global<->shared copies and the two tiled warpgroup MMAs of one spec (which specs
+the family builds, and their shared-memory budget: ``flashcore.spec.families.Wgmma``).
+
+Shared tiles are the canonical 128-byte-swizzled K-major wgmma layout (rows of head_dim
+elements, 8-row x 64-element atoms). Q and K are K-major operands of S = Q·Kᵀ as stored; V,
+stored the same way (keys x head_dim), read through a transposed (head_dim, keys) view is the
+MN-major B operand of O = P·V (the transposed K-major SW128 atom is the MN-major SW128 atom).
+
+The swizzle lives on the shared-memory pointer (``get_tensor(outer, swizzle=inner)``): there the
+DSL applies it to byte addresses, as the wgmma descriptors' SW128 mode does. (Composed into the
+layout instead it would act on element offsets: for 16-bit data a different permutation.)
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from ..common.copies import g2s_copy
+from ..common.dtypes import DTYPES
+
+WARPGROUP = 128  # threads of one warpgroup: one wgmma M tile of 64 rows
+ROWS_PER_WARPGROUP = 64
+_ALIGN = 1024  # every shared buffer starts on a swizzle-atom repeat (1 KB)
+
+
+class WgmmaLayouts:
+    """Everything shaped by the spec (Python data at trace time; built the same way by the host
+    function, for the launch's shared-memory size, and by the kernel)."""
+
+    def __init__(self, spec):
+        c = spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.spec = spec
+        self.dtype = DTYPES[spec.dtype]
+        self.threads = 32 * c.warps
+        self.warpgroups = c.warps // 4
+        # head_dim * 16 bits is a multiple of 1024 bits for 64 and 128: the 128-byte swizzle
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
+        self.sQ = cute.tile_to_shape(atom, (tm, d), (0, 1))
+        self.sKV = cute.tile_to_shape(atom, (tn, d, c.stages), (0, 1, 2))
+        # S = Q·Kᵀ: A and B from shared memory, both K-major; each warpgroup 64 rows x tile_n
+        self.qk_mma = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
+            (self.warpgroups, 1, 1), (ROWS_PER_WARPGROUP, tn))
+        # O += P·V: A (P) from registers, B (V seen as head_dim x keys) MN-major from shared
+        self.pv_mma = sm90.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32,
+            (self.warpgroups, 1, 1), (ROWS_PER_WARPGROUP, d), sm90.OperandSource.RMEM)
+        # global->shared: 16-byte cp.async, 8 threads per 64-element (128-byte) line
+        self.g2s = g2s_copy(self.dtype, 64, self.threads)
+        # shared->global output: 16-byte vectors, 8 threads per 64 columns
+        self.r2g_o = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                num_bits_per_copy=128),
+            cute.make_layout((self.threads // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 128 // self.dtype.width)),
+        )
+        self.storage = self._shared_storage()
+
+    def _shared_storage(self):
+        dtype = self.dtype
+        n_q, n_kv = cute.cosize(self.sQ), cute.cosize(self.sKV)
+        Align, Mem = cute.struct.Align, cute.struct.MemRange
+
+        @cute.struct
+        class SharedStorage:
+            sQ: Align[Mem[dtype, n_q], _ALIGN]  # reused for the output tile
+            sK: Align[Mem[dtype, n_kv], _ALIGN]
+            sV: Align[Mem[dtype, n_kv], _ALIGN]
+
+        return SharedStorage
