@@ -32,9 +32,10 @@ import cutlass.cute as cute
 from ...spec import AttentionSpec
 from ..common.block_info import masked_steps
 from ..common.fragments import mn_view
+from ..common.grid import kv_head_of, tile_coords
 from ..common.softmax import OnlineSoftmax
 from .block import P_SCALE, key_block
-from .cta import Cta, kv_head_of, tile_coords
+from .cta import Cta
 from .epilogue import merge_groups, store_output, store_partials
 from .layouts import KernelLayouts
 from .pipeline import prologue

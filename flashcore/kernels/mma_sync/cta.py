@@ -1,11 +1,7 @@
 """One CTA's share of the work, set up once at the kernel's start: which query tile, head, batch
 and key range it owns, its global and shared tiles, their copy partitions, and the MMA operands.
 
-Grid: x walks (batch, head, query tile) with the query tile fastest (so any batch and head count
-fits: grid.x allows 2^31 - 1 CTAs), y is the share of the keys (split-KV across CTAs, 1 unless
-the spec's ``split_kv``). Causal grids run the last query tiles (the most keys) first. K and V
-are read at the query head's group (grouped-query attention: ``heads_q / heads_kv`` query heads
-per K/V head; 1 without GQA).
+The grid and the K/V head of a query head: ``common/grid.py``.
 """
 
 
@@ -14,42 +10,10 @@ import cutlass.cute as cute
 
 from ..common.block_info import UNBOUNDED, KeyBounds, key_range
 from ..common.fragments import mn_view
+from ..common.grid import kv_head_of, tile_coords
 from ..common.mma import SmemOperand
-from ..common.sreg import fresh_ctaid
 from .layouts import KernelLayouts
 from .sequences import Sequences
-
-
-@cute.jit
-def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr):
-    """(query tile, head, batch, key share) of this CTA. Cheap enough to compute again where
-    needed (from a fresh read of the block index, which the compiler cannot merge with the
-    first) instead of keeping it live through the key loop (registers). A packed batch
-    (``varlen``) has its batch in the grid's z and as many query tiles per head as its longest
-    sequence (the grid's x over the heads)."""
-    lin, split, batch = fresh_ctaid("x"), 0, 0
-    if cutlass.const_expr(spec.split_kv):
-        split = fresh_ctaid("y")
-    heads = mQ.shape[1]
-    m_blocks = 0
-    if cutlass.const_expr(spec.varlen):
-        m_blocks = cute.arch.grid_dim()[0] // heads
-        batch = fresh_ctaid("z")
-    else:
-        m_blocks = cute.ceil_div(mQ.shape[2], spec.tile_m)
-    m_block = lin % m_blocks
-    if cutlass.const_expr(spec.causal):
-        m_block = m_blocks - 1 - m_block
-    bh = lin // m_blocks
-    head = bh % heads
-    if cutlass.const_expr(not spec.varlen):
-        batch = bh // heads
-    return m_block, head, batch, split
-
-
-def kv_head_of(head, mQ: cute.Tensor, mK: cute.Tensor):
-    """The K/V head of query head ``head`` (grouped-query attention)."""
-    return head // (mQ.shape[1] // mK.shape[1])
 
 
 class Cta:

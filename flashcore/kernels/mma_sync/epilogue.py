@@ -11,8 +11,9 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common.fragments import mn_view
+from ..common.grid import tile_coords
 from ..common.softmax import OnlineSoftmax
-from .cta import Cta, tile_coords
+from .cta import Cta
 from .pipeline import group_sync
 
 

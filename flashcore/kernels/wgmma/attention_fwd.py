@@ -30,9 +30,9 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..common.block_info import KeyBounds, key_range, masked_steps
 from ..common.copies import load_block, load_rows
+from ..common.grid import kv_head_of, tile_coords
 from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
-from ..mma_sync.cta import kv_head_of, tile_coords
 from .fragments import acc_as_operand_a, acc_mn_view
 from .layouts import WARPGROUP, WgmmaLayouts
 
