@@ -23,6 +23,7 @@ from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.spec import TileConfig
 from tests.gpu_utils import max_abs, requires_cuda
 from tests.test_gpu_attention import _allowed
+from tests.test_gpu_decode import FP8_KV_TOL, _rel_l2
 from tests.test_gpu_masks import _torch_baseline
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -126,12 +127,14 @@ def _paged_cache(lens, page_size, hkv, d, dt, gen):
 # Pages copied whole (16: four to a 64-key block; 128: a block inside a page) and gathered a
 # row at a time (24 and 1 fit no copy pass); test_every_page_size_kind covers the others.
 PAGE_SIZES = st.sampled_from([16, 128, 24, 1])
+# key lengths of the sequences in a paged cache: empty, one key, short, several thousand
+CACHE_LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600),
+                                st.integers(0, 5000)), min_size=1, max_size=4)
 
 
 @settings(settings.get_profile("gpu"))
 @given(
-    lens=st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600), st.integers(0, 5000)),
-                  min_size=1, max_size=4),
+    lens=CACHE_LENS,
     sq=st.one_of(st.just(1), st.integers(1, 200)),
     page_size=PAGE_SIZES,
     hkv=st.integers(1, 3),
@@ -310,17 +313,9 @@ def test_empty_batches_and_keyless_sequences():
     assert not math.isnan(out.sum().item())
 
 
-FP8_KV_TOL = 2e-3  # relative L2 against exact attention over the dequantised cache (#11)
-
-
-def _rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 @settings(settings.get_profile("gpu"))
 @given(
-    lens=st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600), st.integers(0, 5000)),
-                  min_size=1, max_size=4),
+    lens=CACHE_LENS,
     sq=st.one_of(st.just(1), st.integers(1, 40)),
     packed=st.booleans(),
     page_size=PAGE_SIZES,

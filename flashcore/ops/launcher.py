@@ -84,6 +84,11 @@ def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
     return (t.data_ptr(), *t.shape, t.stride(0))
 
 
+def _splits_keys(config: TileConfig, device: int) -> bool:
+    """Whether the config's family builds split-KV kernels (decode calls only ask)."""
+    return family(config.family or DEFAULT_FAMILY.get(arch_of(device), "")).splits_keys
+
+
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
                      causal: bool, softmax_scale: float, num_splits: int | None, *,
                      kv_fp8: bool = False, precision: str = "fp16",
@@ -115,8 +120,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     splits = num_splits
     if splits is None:
         splits = 1
-        fam = family(config.family or DEFAULT_FAMILY.get(arch_of(dev), ""))
-        if Sq <= plan.DECODE_MAX_Q and fam.splits_keys:
+        if Sq <= plan.DECODE_MAX_Q and _splits_keys(config, dev):
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
                                      -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8)
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))

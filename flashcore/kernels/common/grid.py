@@ -44,3 +44,15 @@ def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr):
 def kv_head_of(head, mQ: cute.Tensor, mK: cute.Tensor):
     """The K/V head of query head ``head`` (grouped-query attention)."""
     return head // (mQ.shape[1] // mK.shape[1])
+
+
+@cute.jit
+def wait_for_previous_grid(spec: cutlass.Constexpr):
+    """Programmatic dependent launch (Hopper): the runtime may start this grid while the one
+    before it in the stream still runs. Wait for that grid to finish and flush before the first
+    global access (it may write our inputs or read our output), then let the next grid start
+    its own launch: its CTAs take free slots and wait in turn. Without such a launch both are
+    no-ops."""
+    if cutlass.const_expr(spec.programmatic_launch):
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()

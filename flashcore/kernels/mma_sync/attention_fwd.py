@@ -32,7 +32,7 @@ import cutlass.cute as cute
 from ...spec import AttentionSpec
 from ..common.block_info import masked_steps
 from ..common.fragments import mn_view
-from ..common.grid import kv_head_of, tile_coords
+from ..common.grid import kv_head_of, tile_coords, wait_for_previous_grid
 from ..common.softmax import OnlineSoftmax
 from .block import P_SCALE, key_block
 from .cta import Cta
@@ -99,7 +99,7 @@ class AttentionForward:
         cu_seqlens_k: cute.Tensor | None, block_table: cute.Tensor | None,
         seqlens_k: cute.Tensor | None,
     ):
-        self.wait_for_inputs()
+        wait_for_previous_grid(self.spec)
         lay = KernelLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
         seqs = Sequences(self.spec, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
@@ -162,14 +162,3 @@ class AttentionForward:
             row = cta.m_block * self.spec.tile_m + rows[r]
             if row < cta.seqlen_q:
                 row_scale[r] = scale_log2 * mQd[batch, head, row]
-
-    @cute.jit
-    def wait_for_inputs(self):
-        """Programmatic dependent launch (Hopper): the runtime may start this grid while the one
-        before it in the stream still runs. Wait for that grid to finish and flush before the
-        first global access (it may write our inputs or read our output), then let the next grid
-        start its own launch: its CTAs take free slots and wait in turn. Without such a launch
-        both are no-ops."""
-        if cutlass.const_expr(self.spec.programmatic_launch):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()

@@ -10,6 +10,7 @@
 import cutlass
 import cutlass.cute as cute
 
+from ..common.epilogue import store_lse
 from ..common.fragments import mn_view
 from ..common.grid import tile_coords
 from ..common.softmax import OnlineSoftmax
@@ -66,19 +67,6 @@ def normalise(cta: Cta, softmax: OnlineSoftmax, o_scale):
     O = mn_view(cta.acc_O)
     for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
         O[r, None] = O[r, None].load() * (softmax.inverse_sum(r) * o_scale)
-
-
-@cute.jit
-def store_lse(cta: Cta, softmax: OnlineSoftmax, lse_rows: cute.Tensor, m_block):
-    """Each row's log-sum-exp into ``lse_rows`` (the rows of this batch and head)."""
-    tm = cta.config.tile_m
-    gLSE = cute.local_tile(lse_rows, (tm,), (m_block,))
-    rows = cta.row_coords()
-    lane = cute.arch.lane_idx()
-    for r in cutlass.range_constexpr(len(rows)):
-        value = softmax.lse(r)
-        if lane % 4 == 0 and m_block * tm + rows[r] < cta.seqlen_q:
-            gLSE[rows[r]] = value
 
 
 @cute.jit

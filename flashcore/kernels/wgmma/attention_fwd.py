@@ -30,7 +30,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..common.block_info import KeyBounds, key_range, masked_steps
 from ..common.copies import load_block, load_rows
-from ..common.grid import kv_head_of, tile_coords
+from ..common.epilogue import store_lse
+from ..common.grid import kv_head_of, tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
 from .fragments import acc_as_operand_a, acc_mn_view
@@ -192,7 +193,7 @@ class WgmmaAttentionForward:
         cu_seqlens_k: cute.Tensor | None, block_table: cute.Tensor | None,
         seqlens_k: cute.Tensor | None,
     ):
-        self.wait_for_inputs()
+        wait_for_previous_grid(self.spec)
         lay = WgmmaLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
         tile = Tile(lay, storage, mQ, mK, mV, q_group)
@@ -337,7 +338,7 @@ class WgmmaAttentionForward:
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
             O[r, None] = O[r, None].load() * softmax.inverse_sum(r)
         if cutlass.const_expr(mLSE is not None):
-            self.store_lse(tile, softmax, mLSE[batch, head, None], m_block)
+            store_lse(tile, softmax, mLSE[batch, head, None], m_block)
 
         rO = cute.make_rmem_tensor(tile.acc_O.layout, lay.dtype)
         rO.store(tile.acc_O.load().to(lay.dtype))
@@ -359,25 +360,3 @@ class WgmmaAttentionForward:
         for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
             if cute.elem_less(tOcO[0, m, 0][0], tile.seqlen_q):
                 cute.copy(lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])
-
-    @cute.jit
-    def store_lse(self, tile: Tile, softmax: OnlineSoftmax, lse_rows: cute.Tensor, m_block):
-        """Each row's natural-log LSE (-inf for a row that saw no key), by one lane of the four
-        that share the row."""
-        tm = self.spec.config.tile_m
-        gLSE = cute.local_tile(lse_rows, (tm,), (m_block,))
-        rows = tile.row_coords()
-        lane = cute.arch.lane_idx()
-        for r in cutlass.range_constexpr(len(rows)):
-            value = softmax.lse(r)
-            if lane % 4 == 0 and m_block * tm + rows[r] < tile.seqlen_q:
-                gLSE[rows[r]] = value
-
-    @cute.jit
-    def wait_for_inputs(self):
-        """Programmatic dependent launch (Hopper): wait for the grid before this one to finish
-        and flush before the first global access, then let the next grid start its launch.
-        Without such a launch both are no-ops."""
-        if cutlass.const_expr(self.spec.programmatic_launch):
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()

@@ -1,0 +1,22 @@
+"""Epilogue pieces both kernel families share."""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from .softmax import OnlineSoftmax
+
+
+@cute.jit
+def store_lse(tile, softmax: OnlineSoftmax, lse_rows: cute.Tensor, m_block):
+    """Each row's natural-log log-sum-exp (-inf for a row that saw no key) into ``lse_rows``
+    (the rows of this batch and head), by one lane of the four that share the row. ``tile``:
+    the CTA's view (``config``, ``row_coords()``, ``seqlen_q``)."""
+    tm = tile.config.tile_m
+    gLSE = cute.local_tile(lse_rows, (tm,), (m_block,))
+    rows = tile.row_coords()
+    lane = cute.arch.lane_idx()
+    for r in cutlass.range_constexpr(len(rows)):
+        value = softmax.lse(r)
+        if lane % 4 == 0 and m_block * tm + rows[r] < tile.seqlen_q:
+            gLSE[rows[r]] = value
