@@ -179,13 +179,13 @@ def fp8_paged_cases():
 
 def wgmma_cases():
     # the Hopper family (sm_90): ragged lengths (S_q != S_k, not multiples of the tile, 1),
-    # GQA, causal rows with no key, the 2-stage ring and FA2's overlap
+    # GQA, causal rows with no key, 2- and 3-block rings wrapping around (700 keys: 6-11 blocks)
     from flashcore.spec import TileConfig
 
-    for tile, warps, stages in (((128, 128), 8, 2), ((64, 128), 4, 1), ((128, 64), 8, 2)):
+    for tile, warps, stages in (((128, 128), 8, 2), ((64, 128), 4, 3), ((128, 64), 8, 3)):
         config = TileConfig(tile, warps=warps, stages=stages, family="wgmma")
         for sq, sk, d, causal in ((77, 200, 64, True), (300, 45, 128, True), (1, 1, 128, False),
-                                  (130, 257, 128, False)):
+                                  (130, 257, 128, False), (200, 700, 64, False)):
             q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk)
             out = attention(q, k, v, causal=causal, config=config)
             yield check(f"wgmma {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k, v,

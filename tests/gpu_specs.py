@@ -43,7 +43,7 @@ def _specs(arch: str, configs, **fixed) -> list:
 
 
 def _tuned(arch: str, bucket: str, head_dim: int, causal: bool, precision="fp16") -> TileConfig:
-    return lookup(table_arch(arch), head_dim, causal, bucket, precision)
+    return lookup(arch, head_dim, causal, bucket, precision)  # borrows, family-checked
 
 
 def prefill_specs(arch: str) -> list:

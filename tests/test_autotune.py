@@ -69,10 +69,15 @@ def test_a_broken_table_is_no_table(tables):
 def test_shipped_table_is_read_and_its_winners_are_candidates():
     table.clear()
     specs = table.winner_specs("sm_90", precisions=("fp16",))
-    assert len(specs) == 12  # 2 head dims x 2 masks x 3 buckets
-    for name, spec in specs.items():
+    winners = [n for n in specs if not n.endswith(":fallback")]
+    assert len(winners) == 12  # 2 head dims x 2 masks x 3 buckets
+    for name in winners:
         d, mask, bucket, prec = name.split("-")
-        assert spec in set(search.candidates("sm_90", int(d[1:]), mask == "causal", prec, bucket))
+        assert specs[name] in set(search.candidates("sm_90", int(d[1:]), mask == "causal", prec,
+                                                    bucket))
+        fallback = specs.get(name + ":fallback")  # the default family's best, where needed
+        assert (fallback is not None) == (specs[name].family != "mma_sync")
+        assert fallback is None or fallback.family == "mma_sync"
 
 
 def test_decode_candidates_split_the_keys_and_bring_their_companions():
@@ -85,8 +90,8 @@ def test_decode_candidates_split_the_keys_and_bring_their_companions():
 
 @pytest.mark.parametrize("bucket", ["short", "mid", "long"])
 def test_candidates_fit_an_l4_and_split_only_short_problems(bucket):
-    specs = list(search.candidates("sm_90", 128, True, "fp16", bucket))
-    assert specs
+    specs = list(search.candidates("sm_90", 128, True, "fp16", bucket, families=("mma_sync",)))
+    assert specs and not any(s.family != "mma_sync" for s in specs)
     for s in specs:
         assert s.replace(arch="sm_89").smem_bytes <= SMEM_PER_BLOCK["sm_89"]
         assert s.tile_m // s.warps <= 32
@@ -99,3 +104,46 @@ def test_cli_refuses_unknown_buckets_and_archs_with_no_candidates(capsys):
     with pytest.raises(SystemExit) as e:
         search.main(["build", "--arch", "sm_75", "--out", "x"])
     assert e.value.code == 2
+
+
+HOPPER = {"tile": [128, 128], "warps": 8, "stages": 2, "family": "wgmma"}
+MMA = {"tile": [64, 128], "warps": 4, "stages": 1, "kv_splits": 1}
+
+
+def test_a_hopper_winner_gives_way_to_its_fallback_where_its_family_cannot_run(tables):
+    tables("sm_90", {"d128-full-long-fp16": {"config": HOPPER, "fallback": {"config": MMA}}})
+    hopper, mma = TileConfig.from_dict(HOPPER), TileConfig.from_dict(MMA)
+    assert table.lookup("sm_90", 128, False, "long") == hopper
+    # features the Hopper family does not build: masks, serving layouts, split keys
+    for features in [(("window", True),), (("mask_align", "bottom_right"),),
+                     (("softcap", True),), (("varlen", True),), (("paged_kv", True),),
+                     (("split_kv", True),)]:
+        assert table.lookup("sm_90", 128, False, "long", "fp16", features) == mma, features
+    assert table.lookup("sm_90", 128, False, "long", "fp16", (("window", False),)) == hopper
+    assert table.lookup("sm_89", 128, False, "long") == mma  # borrowed: no wgmma on an L4
+    specs = table.winner_specs("sm_90", precisions=("fp16",))
+    assert specs["d128-full-long-fp16"].family == "wgmma"
+    assert specs["d128-full-long-fp16:fallback"].config == mma
+    ada = table.winner_specs("sm_90", build_arch="sm_89", precisions=("fp16",))
+    assert list(ada) == ["d128-full-long-fp16:fallback"]
+
+
+def test_the_tuner_draws_from_every_family_of_the_arch_and_keeps_a_fallback():
+    hopper = [s for s in search.candidates("sm_90", 128, False, "fp16", "long")
+              if s.family == "wgmma"]
+    # the knob grid, where each warpgroup owns 64 rows and both rings fit 227 KB
+    assert {s.config.tag for s in hopper} == {
+        f"m{m}n{n}_w{m // 16}_s{st}_wgmma" for m in (64, 128) for n in (64, 128) for st in (2, 3)}
+    assert not any(s.family == "wgmma" for s in search.candidates("sm_89", 128, False, "fp16",
+                                                                   "long"))
+    assert not any(s.family == "wgmma" for s in search.candidates("sm_90", 128, False, "fp16",
+                                                                   "decode"))
+    specs = {s.config.tag: s for s in search.candidates("sm_90", 128, False, "fp16", "long")}
+    fast, slow = specs["m128n128_w8_s2_wgmma"], specs["m64n128_w4_s1"]
+    entry = search.table_entry([(900.0, slow), (700.0, fast), (950.0, specs["m64n64_w4_s1"])],
+                               [4, 16, 16, 4096, 4096, 128])
+    assert entry["config"] == fast.config.to_dict() and entry["us"] == 700.0
+    assert entry["fallback"] == {"config": slow.config.to_dict(), "us": 900.0}
+    assert "fallback" not in search.table_entry([(900.0, slow)], [])
+    with pytest.raises(SystemExit, match="no default-family kernel"):
+        search.table_entry([(700.0, fast)], [])

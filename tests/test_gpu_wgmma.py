@@ -21,10 +21,10 @@ from tests.test_gpu_attention import _allowed, _sdpa
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-# (tile, warps, stages): two warpgroups with a 2-stage ring, one warpgroup with FA2's overlap
+# (tile, warps, stages): two warpgroups with 2- and 3-block rings, one warpgroup
 CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma"),
-           TileConfig((128, 64), warps=8, stages=2, family="wgmma"),
-           TileConfig((64, 128), warps=4, stages=1, family="wgmma")]
+           TileConfig((128, 64), warps=8, stages=3, family="wgmma"),
+           TileConfig((64, 128), warps=4, stages=2, family="wgmma")]
 
 
 @pytest.fixture(autouse=True)
@@ -91,3 +91,23 @@ def test_wgmma_decode_runs_unsplit():
     q = torch.randn(1, 2, 1, 64, device="cuda", dtype=torch.float16)
     with pytest.raises(SpecError, match="split_kv"):
         attention(q, q, q, config=CONFIGS[0], num_splits=2)
+
+
+def test_the_tuned_default_falls_back_where_the_family_lacks_a_feature():
+    """``tile=None`` runs the table's winner; a call the winner's family does not build (a
+    window, bottom-right causal, a soft-cap, explicit key splits) runs the entry's fallback:
+    the same kernel as naming that config, so the results are bitwise equal."""
+    from flashcore.tuned import table
+
+    tuned = table.entries("sm_90").get(table.key(128, True, "mid"))
+    if tuned is None or tuned.fallback is None:
+        pytest.skip("the shipped sm_90 table has no Hopper winner at d128 causal mid")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 1500, 128, device="cuda", generator=g).half() for _ in range(3))
+    plain = attention(q, k, v, causal=True)
+    assert torch.equal(plain, attention(q, k, v, causal=True, config=tuned.config))
+    for kwargs in ({"window": (300, 0)}, {"mask_align": "bottom_right"}, {"softcap": 30.0},
+                   {"num_splits": 2}):
+        got = attention(q, k, v, causal=True, **kwargs)
+        want = attention(q, k, v, causal=True, config=tuned.fallback, **kwargs)
+        assert torch.isfinite(got).all() and torch.equal(got, want), kwargs

@@ -38,9 +38,10 @@ def test_the_config_or_the_spec_names_the_family():
     ({"split_kv": True}, "split_kv"),
     ({"kv_fp8": True}, "kv_fp8"),
     ({"causal": True, "mask_align": "bottom_right"}, "mask_align"),
-    ({"config": TileConfig((64, 128), warps=8, family="wgmma")}, "64 rows per warpgroup"),
-    ({"config": TileConfig((128, 32), warps=8, family="wgmma")}, "tile_n=32"),
-    ({"config": TileConfig((128, 128), warps=8, stages=3, family="wgmma")}, "stages=3"),
+    ({"config": TileConfig((64, 128), warps=8, stages=2, family="wgmma")},
+     "64 rows per warpgroup"),
+    ({"config": TileConfig((128, 32), warps=8, stages=2, family="wgmma")}, "tile_n=32"),
+    ({"config": TileConfig((128, 128), warps=8, stages=1, family="wgmma")}, "stages=1"),
 ])
 def test_what_the_family_does_not_build_is_refused(bad, what):
     with pytest.raises(SpecError, match=what):
@@ -52,7 +53,11 @@ WGMMA_SPECS = [
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=128, causal=True, return_lse=True,
                   config=HOPPER),
     AttentionSpec(arch="sm_90", head_dim=128, causal=True,
-                  config=TileConfig((64, 128), warps=4, stages=1, family="wgmma")),
+                  config=TileConfig((64, 128), warps=4, stages=2, family="wgmma")),
+    # three-stage rings: 224 KB of shared memory at d128, within sm_90's 227 KB
+    AttentionSpec(arch="sm_90", head_dim=128, config=HOPPER.replace(stages=3)),
+    AttentionSpec(arch="sm_90", head_dim=64, causal=True,
+                  config=TileConfig((128, 64), warps=8, stages=3, family="wgmma")),
 ]
 
 
@@ -70,13 +75,14 @@ def test_wgmma_kernels_compile_to_warpgroup_mmas(wgmma_artifacts, spec):
     body = art.ptx[art.ptx.index(".entry"):]
     assert ".target sm_90a" in art.ptx
     c = spec.config
-    # per key block: head_dim / 16 k-steps of Q·Kᵀ and tile_n / 16 of P·V, in the masked
-    # (unrolled) steps and the loop
+    # per key block: head_dim / 16 k-steps of Q·Kᵀ and tile_n / 16 of P·V; each written once
+    # per masked (unrolled) step and once in the loop, P·V one step late (the last after it)
     per_block = spec.head_dim // 16 + c.tile_n // 16
-    assert body.count("wgmma.mma_async") == 2 * per_block
+    masked = -(-c.tile_m // c.tile_n) if spec.causal else 1
+    assert body.count("wgmma.mma_async") == (masked + 1) * per_block
     assert "fence.proxy.async.shared::cta" in body and "wgmma.wait_group" in body
     assert "mma.sync" not in body  # no warp-level MMA left
     text = sass(art.cubin)
     if text is not None:
         ops = [op.split(".")[0] for op in sass_opcodes(text)]
-        assert ops.count("HGMMA") == 2 * per_block and "HMMA" not in ops
+        assert ops.count("HGMMA") == (masked + 1) * per_block and "HMMA" not in ops

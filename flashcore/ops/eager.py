@@ -38,9 +38,10 @@ def _explicit_config(tile, warps, stages, kv_splits) -> TileConfig:
 
 
 def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, causal,
-                   seqlen_q, precision) -> TileConfig:
+                   seqlen_q, precision, features: tuple = ()) -> TileConfig:
     """One TileConfig from what the caller gave: ``config`` whole, or ``tile`` and knobs, or
-    (``tile=None``) the tuned table's config with any knob the caller set on top."""
+    (``tile=None``) the tuned table's config for a call with these spec ``features``
+    (``plan.tuned_config``) with any knob the caller set on top."""
     if config is not None:
         if not isinstance(config, TileConfig):
             raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
@@ -49,7 +50,7 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
         return config
     if tile is not None:
         return _explicit_config(tuple(tile), warps, stages, kv_splits)
-    tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision)
+    tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision, features)
     if warps is None and stages is None and kv_splits is None:
         return tuned
     return tuned.replace(**{k: v for k, v in (("warps", warps), ("stages", stages),
@@ -75,7 +76,8 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                          "cache runs with precision='fp16' (16-bit arithmetic)")
     config = resolve_config(config, tile, warps, stages, kv_splits, arch=arch_of(dev),
                             head_dim=q.shape[3], causal=causal, seqlen_q=q.shape[2],
-                            precision="fp8kv" if k.dtype == E4M3 else precision)
+                            precision="fp8kv" if k.dtype == E4M3 else precision,
+                            features=mask.features + _split_feature(num_splits))
     B, H, Sq, D = q.shape
     if out is not None:
         check_out(out, q.shape, q.dtype, q.device, (q, k, v))
@@ -100,6 +102,10 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     if out is not None:
         torch.autograd.graph.increment_version(out)
     return (result, lse) if return_lse else result
+
+
+def _split_feature(num_splits: int | None) -> tuple:
+    return (("split_kv", True),) if num_splits is not None and num_splits > 1 else ()
 
 
 def _empty_result(q, k, return_lse, out):
@@ -153,7 +159,8 @@ def run_fp8(
     device = q8.get_device()
     arch = arch_of(device)
     if config is None:
-        config = plan.tuned_config(arch, D, causal, Sq, "fp8")
+        config = plan.tuned_config(arch, D, causal, Sq, "fp8",
+                                   mask.features + _split_feature(num_splits))
     if arch == "sm_90" and device not in _warned:
         _warned.add(device)
         warnings.warn(

@@ -32,6 +32,12 @@ class Masking:
         worked out once per Masking)."""
         return self.align, self.window is not None, self.softcap is not None
 
+    @functools.cached_property
+    def features(self) -> tuple:
+        """The spec fields as (name, value) pairs (``flashcore.tuned.table.lookup``)."""
+        align, window, softcap = self.spec_fields
+        return (("mask_align", align), ("window", window), ("softcap", softcap))
+
     def scalars(self, softmax_scale: float) -> tuple:
         """The kernel's run-time mask arguments, in ABI order (``flashcore.build.abi``)."""
         args: tuple = ()

@@ -31,9 +31,14 @@ def sm_count(device: int) -> int:
     return n
 
 
-def tuned_config(arch: str, head_dim: int, causal: bool, seqlen_q: int,
-                 precision: str) -> TileConfig:
-    return lookup(arch, head_dim, causal, bucket_of(seqlen_q), precision)
+def tuned_config(arch: str, head_dim: int, causal: bool, seqlen_q: int, precision: str,
+                 features: tuple = ()) -> TileConfig:
+    """The tuned table's config for a call; ``features``: its other spec fields as (name, value)
+    pairs (a winner whose kernel family does not build them gives way to the entry's
+    fallback). Decode calls ask for a family that splits keys."""
+    if seqlen_q <= DECODE_MAX_Q:
+        features += (("split_kv", True),)
+    return lookup(arch, head_dim, causal, bucket_of(seqlen_q), precision, features)
 
 
 def packs_heads(seqlen_q: int, heads_q: int, heads_kv: int) -> bool:

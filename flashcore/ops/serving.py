@@ -168,7 +168,8 @@ def run_varlen(
     if batch == 0 or total_q == 0 or max_q == 0:
         return _empty(out, lse)
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
-                         head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16")
+                         head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16",
+                         features=(("varlen", True), *mask.features))
     # prepared() may copy: the copies stay referenced until the launch has been issued
     q4, q_arg = prepared(_pack_view(q))
     k4, k_arg = prepared(_pack_view(k))
@@ -256,7 +257,8 @@ def run_paged(
         return _empty(out, lse)
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q,
-                         precision="fp16" if kd is None else "fp8kv")
+                         precision="fp16" if kd is None else "fp8kv",
+                         features=(("paged_kv", True), ("varlen", packed), *mask.features))
     # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes
     k4, k_arg = prepared(k_cache.permute(0, 2, 1, 3))
     v4, v_arg = prepared(v_cache.permute(0, 2, 1, 3))

@@ -155,8 +155,9 @@ class MmaSync:
 @dataclass(frozen=True)
 class Wgmma:
     """Hopper: warpgroup MMA (``wgmma.mma_async``, sm_90a), S = Q·Kᵀ from shared memory, P·V
-    with P in registers; cp.async loads into 128-byte-swizzled tiles, ``stages`` K/V blocks in a
-    ring; 64 query rows per warpgroup (``flashcore/kernels/wgmma``). First version: fp16/bf16,
+    with P in registers, softmax overlapped with the previous block's P·V; cp.async loads into
+    128-byte-swizzled tiles, rings of ``stages`` K and ``stages`` V blocks (V one step behind
+    K: at least 2); 64 query rows per warpgroup (``flashcore/kernels/wgmma``). fp16/bf16,
     top-left causal or none, LSE, GQA, dense tensors; no split-KV, FP8, masks or serving
     layouts yet."""
 
@@ -170,7 +171,7 @@ class Wgmma:
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
-        return {"tile_m": (64, 128), "tile_n": (64, 128), "warps": (4, 8), "stages": (1, 2),
+        return {"tile_m": (64, 128), "tile_n": (64, 128), "warps": (4, 8), "stages": (2, 3),
                 "kv_splits": (1,)}
 
     def validate(self, spec: AttentionSpec) -> None:

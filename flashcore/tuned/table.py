@@ -3,17 +3,23 @@ precision), read by ``flashcore.ops.attention(..., tile=None)``.
 
 Tables live in ``flashcore/tuned/<arch>.json`` (or ``$FLASHCORE_TUNED``). An arch without a table
 of its own borrows one (``BORROWED_TABLES``): there is no Ada GPU to tune on, and every Hopper
-candidate is required to fit an L4. Imports no torch and no DSL.
+candidate of the default kernel family is required to fit an L4. Imports no torch and no DSL.
+
+An entry's winner may be of another kernel family than the arch's default (the Hopper family,
+``wgmma``, on sm_90); such an entry also names the default family's best (``fallback``), which
+runs the calls the winner's family does not build (masks, serving layouts, split keys, another
+arch borrowing the table): ``lookup`` takes the call's spec features and checks.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from ..spec import AttentionSpec, SpecError, TileConfig
+from ..spec import AttentionSpec, SpecError, TileConfig, family
 
 TUNED_DIR = Path(__file__).resolve().parent
 TABLE_ENV = "FLASHCORE_TUNED"
@@ -48,6 +54,15 @@ def key(head_dim: int, causal: bool, bucket: str, precision: str = "fp16") -> st
     return f"d{head_dim}-{'causal' if causal else 'full'}-{bucket}-{precision}"
 
 
+@dataclass(frozen=True)
+class Tuned:
+    """One table entry: the winner, and where it is of a non-default family the default family's
+    best (None otherwise)."""
+
+    config: TileConfig
+    fallback: TileConfig | None = None
+
+
 def entry_config(entry: dict) -> TileConfig:
     """The config of one table entry (``{"config": {...}}``, or the flat form of older tables)."""
     if "config" in entry:
@@ -56,48 +71,87 @@ def entry_config(entry: dict) -> TileConfig:
                       stages=entry.get("stages", 1), kv_splits=entry.get("kv_splits", 1))
 
 
+def entry_tuned(entry: dict) -> Tuned:
+    fallback = entry.get("fallback")
+    return Tuned(entry_config(entry), None if fallback is None else entry_config(fallback))
+
+
 @cache
-def table(arch: str) -> dict[str, TileConfig]:
-    """arch's winners by key; {} where it has no (readable) table."""
+def entries(arch: str) -> dict[str, Tuned]:
+    """arch's table entries by key; {} where it has no (readable) table."""
     path = Path(os.environ.get(TABLE_ENV, TUNED_DIR)) / f"{arch}.json"
     try:
         winners = json.loads(path.read_text())["winners"]
-        return {k: entry_config(w) for k, w in winners.items()}
-    except (OSError, ValueError, KeyError, TypeError, SpecError):
+        return {k: entry_tuned(w) for k, w in winners.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, SpecError):
         return {}
+
+
+def table(arch: str) -> dict[str, TileConfig]:
+    """arch's winners by key; {} where it has no (readable) table."""
+    return {k: t.config for k, t in entries(arch).items()}
 
 
 def table_arch(arch: str) -> str:
     """The arch whose table ``tile=None`` reads on ``arch``: its own if it has one."""
-    if table(arch) or arch not in BORROWED_TABLES:
+    if entries(arch) or arch not in BORROWED_TABLES:
         return arch
     return BORROWED_TABLES[arch]
 
 
 @cache
 def lookup(arch: str, head_dim: int, causal: bool, bucket: str,
-           precision: str = "fp16") -> TileConfig:
+           precision: str = "fp16", features: tuple = ()) -> TileConfig:
     """The tuned config for ``tile=None`` (from a borrowed table where ``arch`` has none), else
-    ``DEFAULT`` (``DECODE_DEFAULT`` for decode)."""
+    ``DEFAULT`` (``DECODE_DEFAULT`` for decode, ``FP8KV_DEFAULT`` for an FP8 KV cache).
+
+    ``features``: the call's other spec fields as (name, value) pairs (masks, serving layouts,
+    ``split_kv``): where the winner's family does not build them on ``arch`` (its spec is
+    refused), the entry's fallback runs."""
     fallback = (FP8KV_DEFAULT if precision == "fp8kv" else
                 DECODE_DEFAULT if bucket == "decode" else DEFAULT)
-    return table(table_arch(arch)).get(key(head_dim, causal, bucket, precision), fallback)
+    tuned = entries(table_arch(arch)).get(key(head_dim, causal, bucket, precision))
+    if tuned is None:
+        return fallback
+    if tuned.fallback is None or _builds(arch, head_dim, causal, precision, tuned.config,
+                                         features):
+        return tuned.config
+    return tuned.fallback
+
+
+def _builds(arch: str, head_dim: int, causal: bool, precision: str, config: TileConfig,
+            features: tuple) -> bool:
+    fields = dict(features)
+    if precision == "fp8kv":
+        precision, fields["kv_fp8"] = "fp16", True
+    try:
+        AttentionSpec(arch=arch, head_dim=head_dim, causal=causal, precision=precision,
+                      config=config, **fields)
+    except SpecError:
+        return False
+    return True
 
 
 def winner_specs(arch: str, build_arch: str | None = None,
                  precisions=("fp16", "fp8")) -> dict[str, AttentionSpec]:
-    """The tuned winners of ``arch``'s table as specs for ``build_arch`` (default ``arch``), by
-    table key: what ``tile=None`` runs, or its twin on another arch."""
+    """The tuned winners of ``arch``'s table, and their fallbacks (key ``<key>:fallback``), as
+    specs for ``build_arch`` (default ``arch``), by table key: what ``tile=None`` runs, or its
+    twin on another arch (a config whose family does not build there is left out)."""
     out = {}
-    for name, config in sorted(table(arch).items()):
+    for name, tuned in sorted(entries(arch).items()):
         d, mask, _, prec = name.split("-")
-        if prec in precisions:
-            out[name] = AttentionSpec(arch=build_arch or arch, head_dim=int(d[1:]), config=config,
-                                      causal=mask == "causal", precision=prec)
+        if prec not in precisions:
+            continue
+        target = build_arch or arch
+        for suffix, config in (("", tuned.config), (":fallback", tuned.fallback)):
+            if config is None or (config.family and target not in family(config.family).archs):
+                continue
+            out[name + suffix] = AttentionSpec(arch=target, head_dim=int(d[1:]), config=config,
+                                               causal=mask == "causal", precision=prec)
     return out
 
 
 def clear() -> None:
     """Forget the tables read (after writing one, or changing $FLASHCORE_TUNED)."""
-    table.cache_clear()
+    entries.cache_clear()
     lookup.cache_clear()

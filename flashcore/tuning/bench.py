@@ -302,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="also our FP8 path (with and without quantising)")
     ap.add_argument("--wgmma", action="store_true",
-                    help="also the Hopper family (sm_90): tiles 128x128 and 128x64, 2 stages")
+                    help="also the Hopper family (sm_90): tiles 128x128 and 128x64, 2 and 3 "
+                         "stages")
     ap.add_argument("--shapes", default=None,
                     help="B,H,S,D[,causal] or B,Hq/Hkv,SqxSk,D[,causal], separated by ';'")
     a = ap.parse_args(argv)
@@ -315,9 +316,9 @@ def main(argv: list[str] | None = None) -> int:
     ours["flashcore-fp8kv"] = fp8_kv_cache()
     ours["flashcore-kv-expanded"] = _flashcore_kv_expanded()
     if a.wgmma:
-        for name, tn in (("flashcore-wgmma", 128), ("flashcore-wgmma-n64", 64)):
-            ours[name] = _flashcore(config=TileConfig((128, tn), warps=8, stages=2,
-                                                      family="wgmma"))
+        for tn, stages in ((128, 2), (128, 3), (64, 2), (64, 3)):
+            ours[f"flashcore-wgmma-n{tn}-s{stages}"] = _flashcore(
+                config=TileConfig((128, tn), warps=8, stages=stages, family="wgmma"))
     if a.fp8:
         ours["flashcore-fp8"] = _flashcore(precision="fp8", **tile)
         ours["flashcore-fp8-kernel"] = fp8_kernel_only()

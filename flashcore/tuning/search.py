@@ -8,6 +8,12 @@ folder that a GPU host without the DSL can use. ``run`` times each candidate wit
 representative shape per bucket and writes the winners to ``flashcore/tuned/<arch>.json`` (or
 ``--out``); ``flashcore.tuned.table`` reads them for ``tile=None``. bf16 uses the fp16 winners
 (same kernel structure and instruction mix).
+
+Candidates come from every kernel family that runs on the arch (``--families`` narrows them):
+the default family's from the curated lists below (each must also fit an L4, which borrows the
+Hopper table), another family's from its knob grid (``flashcore.spec.families``). The table's
+current entry is timed again with them, so a winner always beats the incumbent in the same run.
+A winner of a non-default family is written with the default family's best as its fallback.
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import json
 from pathlib import Path
 
 from ..errors import KernelNotAvailableError, SpecError
-from ..spec import FP8_ARCHS, AttentionSpec, TileConfig
-from ..tuned.table import BUCKETS, TUNED_DIR, clear, key
+from ..spec import DEFAULT_FAMILY, FAMILIES, FP8_ARCHS, AttentionSpec, TileConfig
+from ..tuned.table import BUCKETS, TUNED_DIR, clear, entries, key
 
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
 WARPS = [1, 2, 4, 8]
@@ -53,16 +59,37 @@ def candidate_configs(bucket: str | None = None) -> list[TileConfig]:
     return out
 
 
+def family_configs(name: str, bucket: str | None = None) -> list[TileConfig]:
+    """Every point of a non-default family's knob grid (validity is the spec's to check); none
+    for decode where the family cannot split keys."""
+    fam = FAMILIES[name]
+    if bucket == "decode" and not fam.splits_keys:
+        return []
+    knobs = fam.knobs
+    return [TileConfig((m, n), warps=w, stages=s, kv_splits=k, family=name)
+            for m, n, w, s, k in itertools.product(knobs["tile_m"], knobs["tile_n"],
+                                                   knobs["warps"], knobs["stages"],
+                                                   knobs["kv_splits"])]
+
+
 def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
-               bucket: str | None = None):
-    """Every valid spec to try; ``bucket=None``: those of every bucket. Decode candidates come
+               bucket: str | None = None, families: tuple[str, ...] | None = None):
+    """Every valid spec to try; ``bucket=None``: those of every bucket; ``families``: the kernel
+    families to draw from (default: every one that runs on ``arch``). Decode candidates come
     as the kernel that writes split-KV partials (what decode runs when it splits the keys)."""
-    for config in candidate_configs(bucket):
+    default = DEFAULT_FAMILY.get(arch, "mma_sync")
+    names = families or [n for n, f in FAMILIES.items() if arch in f.archs]
+    configs = candidate_configs(bucket) if default in names else []
+    for name in names:
+        if name != default:
+            configs += [c for b in ([bucket] if bucket else [b for b, _, _ in BUCKETS])
+                        for c in family_configs(name, b)]
+    for config in dict.fromkeys(configs):
         try:
             spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, config=config,
                                  causal=causal, precision=precision)
-            # a config tuned on Hopper must also fit an L4 (sm_89: 99 KB of shared memory)
-            spec.replace(arch="sm_89")
+            if not config.family:  # the default family's winners must also fit an L4 (sm_89:
+                spec.replace(arch="sm_89")  # 99 KB of shared memory), which borrows the table
         except SpecError:
             continue
         yield spec.replace(split_kv=True) if bucket == "decode" else spec
@@ -77,12 +104,14 @@ def decode_specs(spec: AttentionSpec) -> list:
             CombineSpec(arch=spec.arch, dtype=spec.dtype, head_dim=spec.head_dim)]
 
 
-def all_candidates(arch: str, precisions=("fp16",), buckets=None) -> list:
-    """Every spec the tuner may time (decode candidates with their companion kernels)."""
+def all_candidates(arch: str, precisions=("fp16",), buckets=None, families=None) -> list:
+    """Every spec the tuner may time (decode candidates with their companion kernels), the
+    table's incumbents included."""
     out = []
     for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
         for b in buckets or [name for name, _, _ in BUCKETS]:
-            for spec in candidates(arch, d, causal, prec, b):
+            for spec in [*candidates(arch, d, causal, prec, b, families),
+                         *incumbents(arch, d, causal, prec, b)]:
                 out += decode_specs(spec) if b == "decode" else [spec]
     return list(dict.fromkeys(out))
 
@@ -94,12 +123,13 @@ def _check_buckets(buckets) -> None:
             raise SpecError(f"unknown bucket {b!r}; choose from {names}")
 
 
-def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True) -> int:
+def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True,
+          families=None) -> int:
     from ..build.cache import KernelCache
     from ..build.compiler import compile_many
 
     precisions = ("fp16", "fp8") if fp8 and arch in FP8_ARCHS else ("fp16",)
-    specs = all_candidates(arch, precisions, buckets)
+    specs = all_candidates(arch, precisions, buckets, families)
     if not specs:
         raise SystemExit(f"autotune: no candidate compiles for {arch}")
     compile_many(specs, jobs=jobs, cache=KernelCache(out))
@@ -107,9 +137,45 @@ def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True
     return len(specs)
 
 
-def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
-    """Time the candidates of ``buckets`` (default: all) and merge the winners into the table:
-    the entries of buckets not run are kept."""
+def incumbents(arch: str, head_dim: int, causal: bool, precision: str, bucket: str) -> list:
+    """The table's current entry for this key (winner and fallback) as specs, timed again with
+    the candidates; the default config where there is no entry."""
+    from ..tuned.table import DECODE_DEFAULT, DEFAULT
+
+    tuned = entries(arch).get(key(head_dim, causal, bucket, precision))
+    configs = ([DECODE_DEFAULT if bucket == "decode" else DEFAULT] if tuned is None
+               else [c for c in (tuned.config, tuned.fallback) if c is not None])
+    out = []
+    for config in configs:
+        try:
+            spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, config=config,
+                                 causal=causal, precision=precision)
+        except SpecError:
+            continue
+        out.append(spec.replace(split_kv=True) if bucket == "decode" else spec)
+    return out
+
+
+def table_entry(timed: list, shape: list) -> dict:
+    """The table entry of one key from its (µs, spec) timings: the fastest, and where that one
+    is of a non-default family, the default family's fastest as its fallback."""
+    us, spec = min(timed, key=lambda t: t[0])
+    entry = {"config": spec.config.to_dict(), "us": round(us, 2), "shape": shape}
+    if spec.config.family:
+        default = [t for t in timed if not t[1].config.family]
+        if not default:
+            raise SystemExit(f"autotune: {spec.name} won but no default-family kernel was timed "
+                             "to fall back on")
+        fus, fspec = min(default, key=lambda t: t[0])
+        entry["fallback"] = {"config": fspec.config.to_dict(), "us": round(fus, 2)}
+    return entry
+
+
+def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None,
+        families: tuple[str, ...] | None = None) -> Path:
+    """Time the candidates of ``buckets`` (default: all) from ``families`` (default: every one
+    on this GPU's arch) with the table's incumbents, and merge the winners into the table: the
+    entries of buckets not run are kept."""
     import torch
 
     from ..build.compiler import compile_kernel
@@ -132,8 +198,10 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
                      torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16),
                      torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16))
                     for _ in range(4)]
-            best = None
-            for spec in candidates(arch, d, causal, prec, bname):
+            timed = []
+            specs = [*candidates(arch, d, causal, prec, bname, families),
+                     *incumbents(arch, d, causal, prec, bname)]
+            for spec in dict.fromkeys(specs):
                 try:
                     res = compile_kernel(spec).resources
                 except KernelNotAvailableError:  # not in this host's catalog: not a candidate
@@ -156,15 +224,12 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None) -> Path:
                     print(f"  {spec.name}: failed ({type(e).__name__}: {e})")
                     continue
                 timings[f"{key(d, causal, bname, prec)} {spec.config.tag}"] = us
-                if best is None or us < best[0]:
-                    best = (us, spec)
-            if best is not None:
-                us, spec = best
-                winners[key(d, causal, bname, prec)] = {
-                    "config": spec.config.to_dict(), "us": round(us, 2),
-                    "shape": [b, h, hkv, sq, sk, d],
-                }
-                print(f"{key(d, causal, bname, prec):28s} -> {spec.config.tag}: {us:.1f} us",
+                timed.append((us, spec))
+            if timed:
+                entry = winners[key(d, causal, bname, prec)] = table_entry(
+                    timed, [b, h, hkv, sq, sk, d])
+                print(f"{key(d, causal, bname, prec):28s} -> "
+                      f"{TileConfig.from_dict(entry['config']).tag}: {entry['us']:.1f} us",
                       flush=True)
     path = out or TUNED_DIR / f"{arch}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -196,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--out", default=None, help="table to write (default flashcore/tuned/)")
     r.add_argument("--no-fp8", action="store_true", help="fp16 candidates only")
     r.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
+    for p in (b, r):
+        p.add_argument("--families", nargs="*", default=None, choices=sorted(FAMILIES),
+                       help="kernel families to draw candidates from (default: every one)")
     a = ap.parse_args(argv)
     import sys
 
@@ -205,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_buckets(a.buckets)
         if a.verb == "build":
-            build(a.arch, Path(a.out), a.jobs, a.buckets, fp8=not a.no_fp8)
+            build(a.arch, Path(a.out), a.jobs, a.buckets, fp8=not a.no_fp8,
+                  families=a.families)
         else:
             try:
                 import torch
@@ -216,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             if not has_gpu:
                 raise SystemExit("needs a CUDA GPU (torch sees none); `build` needs none")
             precisions = ("fp16",) if a.no_fp8 else ("fp16", "fp8")
-            print(run(Path(a.out) if a.out else None, precisions, a.buckets))
+            print(run(Path(a.out) if a.out else None, precisions, a.buckets,
+                      tuple(a.families) if a.families else None))
     except (FlashcoreError, OSError) as e:
         print(f"autotune {a.verb}: {e}", file=sys.stderr)
         return 2

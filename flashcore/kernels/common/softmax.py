@@ -38,6 +38,14 @@ class OnlineSoftmax:
     def update(self, S: cute.Tensor, O: cute.Tensor):
         """One key block: S (rows, keys) of scores becomes P in place; the running max and sum
         move on, and O (rows, head_dim) is rescaled to the new max."""
+        self.rescale(O, self.step(S))
+
+    @cute.jit
+    def step(self, S: cute.Tensor) -> cute.Tensor:
+        """``update`` without touching O: S becomes P in place, the running max and sum move on;
+        returns each row's correction (the factor O must be rescaled by, ``rescale``). Lets a
+        kernel form P while the MMA that accumulates the previous block into O is in flight."""
+        correction = cute.make_rmem_tensor(cute.size(S, mode=[0]), cutlass.Float32)
         for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
             scale_log2 = self.row_scale[r]
             row = S[r, None].load()
@@ -47,7 +55,8 @@ class OnlineSoftmax:
             safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
             if cutlass.const_expr(self.exact_max):
                 p = cute.math.exp2((row - safe_max) * scale_log2, fastmath=True)
-                correction = cute.math.exp2((prev_max - safe_max) * scale_log2, fastmath=True)
+                correction[r] = cute.math.exp2((prev_max - safe_max) * scale_log2,
+                                               fastmath=True)
             else:
                 offset = safe_max * scale_log2
                 p = cute.math.exp2(
@@ -55,13 +64,20 @@ class OnlineSoftmax:
                                   cute.full_like(row, -offset)),
                     fastmath=True,
                 )
-                correction = cute.math.exp2(cute.math.fma(prev_max, scale_log2, -offset),
-                                            fastmath=True)
+                correction[r] = cute.math.exp2(cute.math.fma(prev_max, scale_log2, -offset),
+                                               fastmath=True)
             # each thread sums its own columns; the quad's partial sums meet in finish()
-            self.row_sum[r] = self.row_sum[r] * correction + p.reduce(cute.ReductionOp.ADD, 0.0, 0)
+            self.row_sum[r] = (self.row_sum[r] * correction[r]
+                               + p.reduce(cute.ReductionOp.ADD, 0.0, 0))
             self.row_max[r] = cur_max
-            O[r, None] = O[r, None].load() * correction
             S[r, None] = p
+        return correction
+
+    @cute.jit
+    def rescale(self, O: cute.Tensor, correction: cute.Tensor):
+        """O (rows, head_dim) times each row's correction from ``step``."""
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            O[r, None] = O[r, None].load() * correction[r]
 
     @cute.jit
     def finish(self):

@@ -1,5 +1,6 @@
-"""The wgmma family's forward kernel (Hopper, sm_90a): FlashAttention-2's schedule on warpgroup
-MMAs.
+"""The wgmma family's forward kernel (Hopper, sm_90a): warpgroup MMAs with the softmax of one
+key block overlapped with the P·V of the block before (FlashAttention-3's intra-warpgroup
+pipelining).
 
 One CTA computes ``tile_m`` query rows of one (batch, head), 64 rows per consumer warpgroup
 (``warps / 4`` of them), walking its key blocks from the last to the first so that the blocks
@@ -7,7 +8,8 @@ that need masking (the ragged end of the keys, the causal diagonal) come first; 
 above the diagonal are never visited (``common/block_info.py``).
 
 * global->shared: 128-bit ``cp.async`` by every thread into 128-byte-swizzled wgmma layouts
-  (``layouts.py``); rows past a sequence end are zero-filled. K/V ring of ``stages`` blocks.
+  (``layouts.py``); rows past a sequence end are zero-filled. Rings of ``stages`` K and V
+  blocks, V one step behind K (the schedule: ``walk_keys``).
   cp.async writes through the generic proxy and wgmma reads through the async proxy: each
   thread waits for its copies, fences (``fence.proxy.async.shared::cta``), then the CTA
   barrier publishes every thread's part before any warpgroup's wgmma reads it.
@@ -15,7 +17,8 @@ above the diagonal are never visited (``common/block_info.py``).
   64 x tile_n per warpgroup.
 * Online softmax in registers on an (rows, keys) view of the accumulator (``fragments.py``).
 * O += P·V: ``wgmma.mma_async`` RS: P converted in registers is the A operand as it lies; V
-  from shared memory, MN-major.
+  from shared memory, MN-major. Issued right after the next block's Q·Kᵀ, it runs while that
+  block's scores become P; O is rescaled once it has completed.
 * Epilogue: O / row sum, converted, through shared memory (Q's buffer) to predicated 16-byte
   stores; natural-log LSE if asked.
 
@@ -110,8 +113,9 @@ class Tile:
 
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
-          zero_init: cutlass.Constexpr):
-    """acc (+)= A·B over the K steps of the fragments, as one wgmma group, waited for.
+          zero_init: cutlass.Constexpr, wait: cutlass.Constexpr = 0):
+    """acc (+)= A·B over the K steps of the fragments, as one wgmma group; then, unless
+    ``wait`` is None, wait until at most ``wait`` groups are in flight.
 
     ``wgmma.fence`` first: it orders this thread's earlier register writes (the accumulator's
     rescaling, P's conversion) before the asynchronous MMAs read those registers. The first
@@ -124,7 +128,8 @@ def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Te
         cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
         atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
+    if cutlass.const_expr(wait is not None):
+        warpgroup.wait_group(wait)
 
 
 @cute.jit
@@ -208,122 +213,97 @@ class WgmmaAttentionForward:
         self.store_output(tile, softmax, mQ, mO, mLSE)
 
     # ---- key loop --------------------------------------------------------------------------
-    @cute.jit
-    def walk_keys(self, tile: Tile, softmax: OnlineSoftmax):
-        """Key blocks n_hi - 1 down to n_lo; the first ``masked_steps`` masked (unrolled), the
-        rest in a loop. The i-th block walked uses ring stage i % stages."""
-        spec = self.spec
-        stages = spec.config.stages
-        steps = masked_steps(spec.config.tile_m, spec.config.tile_n, tile.bounds)
-        for step in cutlass.range_constexpr(steps):
-            n_block = tile.n_hi - 1 - step
-            if n_block >= tile.n_lo:
-                self.key_block(tile, softmax, n_block, step % stages, masked=True,
-                               first=step == 0)
-        for n_block in range(tile.n_hi - 1 - steps, tile.n_lo - 1, -1):
-            self.key_block(tile, softmax, n_block, (tile.n_hi - 1 - n_block) % stages,
-                           masked=False, first=False)
+    # Step i of the walk is key block n_hi - 1 - i. Softmax overlaps the tensor cores (FA3's
+    # intra-warpgroup pipelining): step i issues S_i = Q·K_iᵀ and then O += P_{i-1}·V_{i-1},
+    # waits for S_i only, forms P_i while P·V runs, then waits for it and rescales O. So V
+    # trails K by one step: K and V each have a ring of ``stages`` blocks, and step i's loads
+    # are K_{i+stages-1} (over K_{i-1}, whose Q·Kᵀ completed in step i-1) and V_{i+stages-2}
+    # (over V_{i-2}, whose P·V completed in step i-1), one cp.async group a step. Every thread
+    # waits for its copies, fences them into the async proxy and passes the CTA barrier
+    # (``publish_shared``) before any wgmma reads them; a thread reaches step i's barrier only
+    # after its own waits of step i - 1, so the barrier also frees the two stages refilled.
 
     @cute.jit
-    def key_block(self, tile: Tile, softmax: OnlineSoftmax, n_block, slot,
-                  masked: cutlass.Constexpr, first: cutlass.Constexpr):
+    def walk_keys(self, tile: Tile, softmax: OnlineSoftmax):
+        """The first ``masked_steps`` steps masked (unrolled), the rest in a loop, then the last
+        block's P·V."""
         c = self.spec.config
-        lay = tile.lay
-        self.before_scores(tile, n_block, slot, first)
+        steps = masked_steps(c.tile_m, c.tile_n, tile.bounds)
+        rP = cute.make_rmem_tensor(tile.thr_qk.partition_shape_C((c.tile_m, c.tile_n)),
+                                   tile.lay.dtype)
+        for i in cutlass.range_constexpr(steps):
+            if tile.n_hi - 1 - i >= tile.n_lo:
+                self.key_step(tile, softmax, rP, i, masked=True, first=i == 0)
+        for i in range(steps, tile.n_hi - tile.n_lo):
+            self.key_step(tile, softmax, rP, i, masked=False, first=False)
+        if tile.n_hi > tile.n_lo:
+            last = tile.n_hi - 1 - tile.n_lo
+            cute.arch.cp_async_wait_group(0)  # V of the last step
+            publish_shared()
+            self.pv(tile, rP, last % c.stages, wait=0)
+
+    @cute.jit
+    def key_step(self, tile: Tile, softmax: OnlineSoftmax, rP: cute.Tensor, i,
+                 masked: cutlass.Constexpr, first: cutlass.Constexpr):
+        c, lay = self.spec.config, tile.lay
+        stages = c.stages
+        n_block = tile.n_hi - 1 - i
+        # K_i and V_{i-1} landed: stages - 2 younger groups may still be in flight
+        cute.arch.cp_async_wait_group(stages - 2)
+        publish_shared()
+        self.refill(tile, i + stages - 1, i + stages - 2, v_ragged=first and stages == 2)
         acc_S = cute.make_rmem_tensor(tile.thr_qk.partition_shape_C((c.tile_m, c.tile_n)),
                                       cutlass.Float32)
-        wgmma(lay.qk_mma, acc_S, tile.tSrQ, tile.tSrK[None, None, None, slot], zero_init=True)
-        self.after_scores(tile, n_block)
+        wgmma(lay.qk_mma, acc_S, tile.tSrQ, tile.tSrK[None, None, None, i % stages],
+              zero_init=True, wait=None)
+        if cutlass.const_expr(not first):
+            self.pv(tile, rP, (i - 1) % stages, wait=None)
+        warpgroup.wait_group(0 if first else 1)  # S_i (P·V may still run)
 
         S = acc_mn_view(acc_S)
         if cutlass.const_expr(masked):
             mask_scores(S, tile.score_coords(n_block), tile.seqlen_k, tile.bounds, tile.q_group)
-        softmax.update(S, acc_mn_view(tile.acc_O))
-        # P in the operand precision, re-viewed in place as the RS A operand of P·V
-        rP = cute.make_rmem_tensor(acc_S.layout, lay.dtype)
+        correction = softmax.step(S)
+        if cutlass.const_expr(not first):
+            warpgroup.wait_group(0)  # P_{i-1}·V_{i-1}: O and rP are free
+        softmax.rescale(acc_mn_view(tile.acc_O), correction)
         rP.store(acc_S.load().to(lay.dtype))
+
+    @cute.jit
+    def pv(self, tile: Tile, rP: cute.Tensor, slot, wait: cutlass.Constexpr):
+        """O += P·V from V's ring stage ``slot``; P, converted, is the RS A operand as it lies."""
         tOrP = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
-        wgmma(lay.pv_mma, tile.acc_O, tOrP, tile.tOrVt[None, None, None, slot], zero_init=False)
+        wgmma(tile.lay.pv_mma, tile.acc_O, tOrP, tile.tOrVt[None, None, None, slot],
+              zero_init=False, wait=wait)
 
     # ---- loads -----------------------------------------------------------------------------
-    # Two schedules; every thread waits for its own copies, fences them into the async proxy
-    # and passes a CTA barrier (``publish_shared``) before any wgmma reads a tile. A tile is
-    # overwritten only after a barrier that every thread reaches after its own
-    # wgmma.wait_group(0) on the MMAs that read it.
-    # * stages == 1 (FA2's K/V overlap): wait K(n), issue V(n), S = Q·Kᵀ, wait V(n), issue
-    #   K(n-1) over K(n), softmax, P·V. The first block's V is issued with its K.
-    # * stages >= 2: K and V of a block are one cp.async group in a ring. The barrier that
-    #   publishes block n also certifies that every warpgroup is done with block n + 1's
-    #   stage, so right after it that stage is refilled with block n + 1 - stages: one
-    #   barrier per block, each block's loads in flight during the compute of the
-    #   stages - 1 blocks before it.
-
-    @cute.jit
-    def issue_k(self, tile: Tile, n_block, slot, ragged: cutlass.Constexpr):
-        load_block(tile.lay.g2s, tile.tKgK, tile.tKsK, tile.tKVcKV, n_block, slot,
-                   tile.seqlen_k, ragged)
-
-    @cute.jit
-    def issue_v(self, tile: Tile, n_block, slot, ragged: cutlass.Constexpr):
-        load_block(tile.lay.g2s, tile.tVgV, tile.tVsV, tile.tKVcKV, n_block, slot,
-                   tile.seqlen_k, ragged)
-
     @cute.jit
     def prologue(self, tile: Tile):
-        """Issue Q and the first K/V blocks; only the first block walked may be ragged."""
+        """Q with K_0, then K_j with V_{j-1} for j < stages - 1: one group each (only step 0's
+        block may be ragged)."""
         load_rows(tile.lay.g2s, tile.tQgQ, tile.tQsQ, tile.tQcQ, tile.seqlen_q)
-        n_last = tile.n_hi - 1
-        if cutlass.const_expr(self.spec.config.stages == 1):
-            if tile.n_hi > tile.n_lo:
-                self.issue_k(tile, n_last, 0, True)
-            cute.arch.cp_async_commit_group()
-            if tile.n_hi > tile.n_lo:
-                self.issue_v(tile, n_last, 0, True)
-            cute.arch.cp_async_commit_group()
-        else:
-            for i in cutlass.range_constexpr(self.spec.config.stages):
-                if n_last - i >= tile.n_lo:
-                    self.issue_k(tile, n_last - i, i, i == 0)
-                    self.issue_v(tile, n_last - i, i, i == 0)
+        for j in cutlass.range_constexpr(self.spec.config.stages - 1):
+            if cutlass.const_expr(j == 0):
+                self.issue(tile, tile.tKgK, tile.tKsK, 0, ragged=True)
                 cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def before_scores(self, tile: Tile, n_block, slot, first: cutlass.Constexpr):
-        """Block ``n_block``'s K (and in the ring its V) is in shared memory for every wgmma."""
-        stages = self.spec.config.stages
-        if cutlass.const_expr(stages > 1):
-            if cutlass.const_expr(first):
-                cute.arch.cp_async_wait_group(stages - 1)  # the prologue's first group
-                publish_shared()
             else:
-                # block n's group has stages - 2 younger ones (one refill per block since)
-                cute.arch.cp_async_wait_group(stages - 2)
-                publish_shared()
-                # the stage of block n + 1 is free: every thread passed the barrier after
-                # its P·V on it completed
-                if n_block + 1 - stages >= tile.n_lo:
-                    prev = (slot + stages - 1) % stages
-                    self.issue_k(tile, n_block + 1 - stages, prev, False)
-                    self.issue_v(tile, n_block + 1 - stages, prev, False)
-                cute.arch.cp_async_commit_group()
-        elif cutlass.const_expr(first):
-            cute.arch.cp_async_wait_group(1)  # Q and K(n); V(n) may still be in flight
-            publish_shared()
-        else:
-            cute.arch.cp_async_wait_group(0)  # K(n); every P·V on V(n+1) has completed
-            publish_shared()
-            self.issue_v(tile, n_block, 0, False)
-            cute.arch.cp_async_commit_group()
+                self.refill(tile, j, j - 1, v_ragged=j == 1)
 
     @cute.jit
-    def after_scores(self, tile: Tile, n_block):
-        """stages == 1: V(n) lands; K(n-1) goes over K(n), which every Q·Kᵀ has read."""
-        if cutlass.const_expr(self.spec.config.stages == 1):
-            cute.arch.cp_async_wait_group(0)
-            publish_shared()
-            if n_block > tile.n_lo:
-                self.issue_k(tile, n_block - 1, 0, False)
-                cute.arch.cp_async_commit_group()
+    def refill(self, tile: Tile, k_step, v_step, v_ragged: cutlass.Constexpr):
+        """One cp.async group: K of step ``k_step`` and V of step ``v_step`` into their ring
+        stages, each if the step is in the walk (committed even when empty: the waits count
+        groups)."""
+        self.issue(tile, tile.tKgK, tile.tKsK, k_step, ragged=False)
+        self.issue(tile, tile.tVgV, tile.tVsV, v_step, ragged=v_ragged)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def issue(self, tile: Tile, src, dst, step, ragged: cutlass.Constexpr):
+        n_block = tile.n_hi - 1 - step
+        if n_block >= tile.n_lo:
+            load_block(tile.lay.g2s, src, dst, tile.tKVcKV, n_block,
+                       step % self.spec.config.stages, tile.seqlen_k, ragged)
 
     # ---- epilogue ----------------------------------------------------------------------------
     @cute.jit
