@@ -101,6 +101,8 @@ def test_candidates_fit_an_l4_and_split_only_short_problems(bucket):
 def test_cli_refuses_unknown_buckets_and_archs_with_no_candidates(capsys):
     assert search.main(["build", "--arch", "sm_90", "--out", "x", "--buckets", "bogus"]) == 2
     assert "unknown bucket 'bogus'" in capsys.readouterr().err
+    assert search.main(["build", "--arch", "sm_89", "--out", "x", "--families", "wgmma"]) == 2
+    assert "'wgmma' does not run on sm_89" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         search.main(["build", "--arch", "sm_75", "--out", "x"])
     assert e.value.code == 2
@@ -147,3 +149,25 @@ def test_the_tuner_draws_from_every_family_of_the_arch_and_keeps_a_fallback():
     assert "fallback" not in search.table_entry([(900.0, slow)], [])
     with pytest.raises(SystemExit, match="no default-family kernel"):
         search.table_entry([(700.0, fast)], [])
+
+
+def test_eager_calls_pass_their_features_to_the_table(tables):
+    """``resolve_config`` (what every eager call runs with ``tile=None``): masks and explicit or
+    decode key splits reach the lookup, so those calls run the fallback."""
+    from flashcore.ops.eager import resolve_config
+    from flashcore.ops.masks import Masking, call_masking
+
+    tables("sm_90", {"d128-full-long-fp16": {"config": HOPPER, "fallback": {"config": MMA}},
+                     "d128-full-decode-fp16": {"config": HOPPER, "fallback": {"config": MMA}}})
+
+    def tuned(seqlen_q, features=()):
+        return resolve_config(None, None, None, None, None, arch="sm_90", head_dim=128,
+                              causal=False, seqlen_q=seqlen_q, precision="fp16",
+                              features=features)
+
+    hopper, mma = TileConfig.from_dict(HOPPER), TileConfig.from_dict(MMA)
+    assert tuned(4096, call_masking(False, "top_left", None, None).features) == hopper
+    assert tuned(4096, Masking(window=(128, 128)).features) == mma
+    assert tuned(4096, Masking(softcap=30.0).features) == mma
+    assert tuned(4096, (("split_kv", True),)) == mma
+    assert tuned(1) == mma  # decode asks for a family that splits keys

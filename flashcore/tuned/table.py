@@ -99,7 +99,6 @@ def table_arch(arch: str) -> str:
     return BORROWED_TABLES[arch]
 
 
-@cache
 def lookup(arch: str, head_dim: int, causal: bool, bucket: str,
            precision: str = "fp16", features: tuple = ()) -> TileConfig:
     """The tuned config for ``tile=None`` (from a borrowed table where ``arch`` has none), else
@@ -107,18 +106,24 @@ def lookup(arch: str, head_dim: int, causal: bool, bucket: str,
 
     ``features``: the call's other spec fields as (name, value) pairs (masks, serving layouts,
     ``split_kv``): where the winner's family does not build them on ``arch`` (its spec is
-    refused), the entry's fallback runs."""
-    fallback = (FP8KV_DEFAULT if precision == "fp8kv" else
-                DECODE_DEFAULT if bucket == "decode" else DEFAULT)
-    tuned = entries(table_arch(arch)).get(key(head_dim, causal, bucket, precision))
-    if tuned is None:
-        return fallback
+    refused), the entry's fallback runs. Every eager call comes here: both steps are memoised,
+    and an entry without a fallback never looks at the features."""
+    tuned = _entry(arch, head_dim, causal, bucket, precision)
     if tuned.fallback is None or _builds(arch, head_dim, causal, precision, tuned.config,
                                          features):
         return tuned.config
     return tuned.fallback
 
 
+@cache
+def _entry(arch: str, head_dim: int, causal: bool, bucket: str, precision: str) -> Tuned:
+    default = (FP8KV_DEFAULT if precision == "fp8kv" else
+               DECODE_DEFAULT if bucket == "decode" else DEFAULT)
+    return entries(table_arch(arch)).get(key(head_dim, causal, bucket, precision),
+                                         Tuned(default))
+
+
+@cache
 def _builds(arch: str, head_dim: int, causal: bool, precision: str, config: TileConfig,
             features: tuple) -> bool:
     fields = dict(features)
@@ -154,4 +159,5 @@ def winner_specs(arch: str, build_arch: str | None = None,
 def clear() -> None:
     """Forget the tables read (after writing one, or changing $FLASHCORE_TUNED)."""
     entries.cache_clear()
-    lookup.cache_clear()
+    _entry.cache_clear()
+    _builds.cache_clear()

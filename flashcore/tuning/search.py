@@ -123,11 +123,19 @@ def _check_buckets(buckets) -> None:
             raise SpecError(f"unknown bucket {b!r}; choose from {names}")
 
 
+def _check_families(arch: str, families) -> None:
+    for name in families or []:
+        if arch not in FAMILIES[name].archs:
+            raise SpecError(f"kernel family {name!r} does not run on {arch} "
+                            f"(it runs on {', '.join(FAMILIES[name].archs)})")
+
+
 def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True,
           families=None) -> int:
     from ..build.cache import KernelCache
     from ..build.compiler import compile_many
 
+    _check_families(arch, families)
     precisions = ("fp16", "fp8") if fp8 and arch in FP8_ARCHS else ("fp16",)
     specs = all_candidates(arch, precisions, buckets, families)
     if not specs:
@@ -187,6 +195,7 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None,
     if not torch.cuda.is_available():
         raise SystemExit("autotune run: needs a CUDA GPU")
     arch = arch_of(torch.cuda.current_device())
+    _check_families(arch, families)
     winners, timings = {}, {}
     for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
         if prec == "fp8" and arch not in FP8_ARCHS:
