@@ -25,7 +25,7 @@ from pathlib import Path
 
 from ..errors import KernelNotAvailableError, SpecError
 from ..spec import DEFAULT_FAMILY, FAMILIES, FP8_ARCHS, AttentionSpec, TileConfig
-from ..tuned.table import BUCKETS, TUNED_DIR, clear, entries, key
+from ..tuned.table import BUCKETS, DECODE_DEFAULT, DEFAULT, TUNED_DIR, clear, entries, key
 
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
 WARPS = [1, 2, 4, 8]
@@ -61,7 +61,7 @@ def candidate_configs(bucket: str | None = None) -> list[TileConfig]:
 
 def family_configs(name: str, bucket: str | None = None) -> list[TileConfig]:
     """Every point of a non-default family's knob grid (validity is the spec's to check); none
-    for decode where the family cannot split keys."""
+    for decode where the family cannot split keys (``bucket=None``: every bucket's)."""
     fam = FAMILIES[name]
     if bucket == "decode" and not fam.splits_keys:
         return []
@@ -82,8 +82,7 @@ def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
     configs = candidate_configs(bucket) if default in names else []
     for name in names:
         if name != default:
-            configs += [c for b in ([bucket] if bucket else [b for b, _, _ in BUCKETS])
-                        for c in family_configs(name, b)]
+            configs += family_configs(name, bucket)
     for config in dict.fromkeys(configs):
         try:
             spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, config=config,
@@ -148,8 +147,6 @@ def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True
 def incumbents(arch: str, head_dim: int, causal: bool, precision: str, bucket: str) -> list:
     """The table's current entry for this key (winner and fallback) as specs, timed again with
     the candidates; the default config where there is no entry."""
-    from ..tuned.table import DECODE_DEFAULT, DEFAULT
-
     tuned = entries(arch).get(key(head_dim, causal, bucket, precision))
     configs = ([DECODE_DEFAULT if bucket == "decode" else DEFAULT] if tuned is None
                else [c for c in (tuned.config, tuned.fallback) if c is not None])
