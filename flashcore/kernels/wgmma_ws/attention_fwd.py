@@ -12,8 +12,9 @@ warpgroup and 1-2 consumer warpgroups.
   parameter) with its coordinate tensor's run-time extents; flashcore's runtime encodes them
   (``flashcore.runtime.tensor_map``, parameters in ``flashcore.build.abi``). TMA zero-fills rows
   past a sequence end; the masked first block hides those keys.
-* Epilogue: O / row sum straight from the accumulators to global memory, rows below seqlen_q;
-  natural-log LSE if asked.
+* Epilogue: O / row sum, each consumer warpgroup through its own rows of Q's tile (a named
+  barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q; natural-log LSE if
+  asked.
 """
 
 import cutlass
@@ -28,8 +29,8 @@ from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
 from ..wgmma.attention_fwd import wgmma
 from ..wgmma.fragments import ThreadCoords, acc_as_operand_a, acc_mn_view
-from ..wgmma.layouts import WARPGROUP
-from .layouts import CONSUMER_REGS, PRODUCER_REGS, WsLayouts
+from ..wgmma.layouts import ROWS_PER_WARPGROUP, WARPGROUP
+from .layouts import CONSUMER_REGS, EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
 
 
 def _sdhb(t: cute.Tensor) -> cute.Tensor:
@@ -49,6 +50,7 @@ class Consumer(ThreadCoords):
                                                                     q_group)
         self.bounds = KeyBounds(spec.causal)
         wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
+        self.sQ, self.ctid, self.wg = sQ, ctid, wg
         sVt = cute.composition(sV, cute.make_ordered_layout((d, tn, c.stages), order=(1, 0, 2)))
         wg_qk, wg_pv = lay.qk_mma.get_slice(wg * WARPGROUP), lay.pv_mma.get_slice(wg * WARPGROUP)
         self.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
@@ -239,7 +241,7 @@ class WgmmaWsAttentionForward:
     @cute.jit
     def store_output(self, cons: Consumer, softmax: OnlineSoftmax, mO: cute.Tensor,
                      mLSE: cute.Tensor | None, head, batch):
-        c, d = self.spec.config, self.spec.head_dim
+        d = self.spec.head_dim
         O = acc_mn_view(cons.acc_O)
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
             O[r, None] = O[r, None].load() * softmax.inverse_sum(r)
@@ -247,10 +249,23 @@ class WgmmaWsAttentionForward:
             store_lse(cons, softmax, mLSE[batch, head, None], cons.m_block)
         rO = cute.make_rmem_tensor(cons.acc_O.layout, cons.lay.dtype)
         rO.store(cons.acc_O.load().to(cons.lay.dtype))
-        gO = cute.local_tile(mO[batch, head, None, None], (c.tile_m, d), (cons.m_block, 0))
-        cO = cute.local_tile(cute.make_identity_tensor((cons.seqlen_q, d)), (c.tile_m, d),
-                             (cons.m_block, 0))
-        tOgO, tOcO = cons.thr_pv.partition_C(gO), cons.thr_pv.partition_C(cO)
-        for i in cutlass.range_constexpr(cute.size(rO)):
-            if cute.elem_less(tOcO[i][0], cons.seqlen_q):
-                tOgO[i] = rO[i]
+        # through shared memory: this warpgroup's rows of Q's tile (only its own Q·Kᵀ read
+        # them, and every one has completed), then 16-byte stores of the rows below seqlen_q
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                         cons.lay.dtype), cons.lay.pv_mma)
+        r2s_thr = r2s.get_slice(cons.ctid)
+        cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cons.sQ))
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + cons.wg, number_of_threads=WARPGROUP)
+        rows = ROWS_PER_WARPGROUP
+        sO = cute.local_tile(cons.sQ, (rows, d), (cons.wg, 0))
+        gO = cute.local_tile(mO[batch, head, None, None], (rows, d),
+                             (cons.m_block * cons.lay.consumers + cons.wg, 0))
+        cO = cute.local_tile(cute.make_identity_tensor((cons.seqlen_q, d)), (rows, d),
+                             (cons.m_block * cons.lay.consumers + cons.wg, 0))
+        r2g = cons.lay.r2g_o.get_slice(cons.ctid % WARPGROUP)
+        tOsO, tOgO, tOcO = r2g.partition_S(sO), r2g.partition_D(gO), r2g.partition_D(cO)
+        tOrO = cute.make_rmem_tensor_like(tOgO, cons.lay.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if cute.elem_less(tOcO[0, m, 0][0], cons.seqlen_q):
+                cute.copy(cons.lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])

@@ -8,8 +8,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 
 from ..common.dtypes import DTYPES
-from ..wgmma.layouts import smem_tiles, tiled_mmas
+from ..wgmma.layouts import WARPGROUP, smem_tiles, tiled_mmas
 
+EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
 PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
 CONSUMER_REGS = 240  # 128 x 24 + 256 x 240 = 64512 of the 65536 registers with two consumers
 _ALIGN = 1024
@@ -24,6 +25,13 @@ class WsLayouts:
         self.consumers = c.warps // 4
         self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
         self.qk_mma, self.pv_mma = tiled_mmas(self.dtype, self.consumers, tn, d)
+        # the epilogue: each consumer warpgroup's 64 rows of O, shared -> global in 16-byte
+        # vectors, 8 threads per 64 columns (its own 128 threads)
+        self.r2g_o = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                num_bits_per_copy=128),
+            cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 128 // self.dtype.width)))
         self.q_bytes = tm * d * self.dtype.width // 8
         self.kv_bytes = tn * d * self.dtype.width // 8  # one stage of K (or V): TMA's tx count
         self.storage = self._shared_storage()
