@@ -182,8 +182,10 @@ def wgmma_cases():
     # GQA, causal rows with no key, 2- and 3-block rings wrapping around (700 keys: 6-11 blocks)
     from flashcore.spec import TileConfig
 
-    for tile, warps, stages in (((128, 128), 8, 2), ((64, 128), 4, 3), ((128, 64), 8, 3)):
-        config = TileConfig(tile, warps=warps, stages=stages, family="wgmma")
+    for tile, warps, stages, fam in (((128, 128), 8, 2, "wgmma"), ((64, 128), 4, 3, "wgmma"),
+                                     ((128, 64), 8, 3, "wgmma"), ((128, 128), 8, 2, "wgmma_ws"),
+                                     ((64, 64), 4, 3, "wgmma_ws")):
+        config = TileConfig(tile, warps=warps, stages=stages, family=fam)
         for sq, sk, d, causal in ((77, 200, 64, True), (300, 45, 128, True), (1, 1, 128, False),
                                   (130, 257, 128, False), (200, 700, 64, False)):
             q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk)

@@ -24,7 +24,11 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 # (tile, warps, stages): two warpgroups with 2- and 3-block rings, one warpgroup
 CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma"),
            TileConfig((128, 64), warps=8, stages=3, family="wgmma"),
-           TileConfig((64, 128), warps=4, stages=2, family="wgmma")]
+           TileConfig((64, 128), warps=4, stages=2, family="wgmma"),
+           # warp-specialised: TMA from a producer warpgroup (runtime-encoded descriptors)
+           TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+           TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
+           TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws")]
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +82,10 @@ def _check(b, hq, hkv, sq, sk, d, dt, causal, config, return_lse, seed, mag=1.0)
          config=CONFIGS[2], return_lse=True, log_mag=1.0, seed=3)  # rows with no key
 @example(b=1, hkv=1, group=2, sq=1000, sk=1500, d=128, dtype="bfloat16", causal=False,
          config=CONFIGS[1], return_lse=False, log_mag=0.0, seed=4)
+@example(b=2, hkv=2, group=2, sq=300, sk=1000, d=128, dtype="float16", causal=True,
+         config=CONFIGS[3], return_lse=True, log_mag=0.0, seed=5)  # TMA, ragged keys
+@example(b=1, hkv=1, group=1, sq=1, sk=1, d=64, dtype="bfloat16", causal=False,
+         config=CONFIGS[5], return_lse=True, log_mag=0.0, seed=6)
 def test_wgmma_matches_the_reference(b, hkv, group, sq, sk, d, dtype, causal, config,
                                      return_lse, log_mag, seed):
     _check(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], causal, config, return_lse, seed,

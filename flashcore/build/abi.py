@@ -50,8 +50,60 @@ class ScalarParam:
         return self.size
 
 
+@dataclass(frozen=True)
+class TensorMapParam:
+    """A TMA descriptor (``CUtensorMap``, 128 bytes, 64-byte aligned) passed by value, encoded by
+    the runtime (``flashcore.runtime.tensor_map``) for a (batch, heads, seq, head_dim) tensor:
+    TMA dims (head_dim, seq, heads, batch), box (``box_cols`` elements, ``box_rows`` rows, 1, 1),
+    128-byte swizzle, zero fill past the ends. ``tensor``: which tensor argument it describes."""
+
+    name: str
+    tensor: str
+    box_rows: int
+    box_cols: int = 64  # 128 bytes of 16-bit elements: the swizzle span
+
+    size: int = 128
+    align: int = 64
+    fmt: str = "<128s"
+
+
+@dataclass(frozen=True)
+class CoordParam:
+    """The run-time extents of a TMA coordinate tensor: (seq, heads, batch) as i32 (the DSL
+    passes them even where the kernel never reads them)."""
+
+    name: str
+    extents: int = 3
+
+    @property
+    def size(self) -> int:
+        return 4 * self.extents
+
+    @property
+    def align(self) -> int:
+        return 4
+
+    @property
+    def fmt(self) -> str:
+        return "<" + "i" * self.extents
+
+
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
+
+def tma_attention_params(spec) -> tuple:
+    """The warp-specialised Hopper kernel's parameters (``flashcore.kernels.wgmma_ws``): Q, K and
+    V as TMA descriptors, each followed by its coordinate tensor's (seq, heads, batch); then O,
+    LSE if asked, the exp2 softmax scale and ``q_group``."""
+    c = spec.config
+    params = []
+    for name, rows in (("q", c.tile_m), ("k", c.tile_n), ("v", c.tile_n)):
+        params += [TensorMapParam(f"{name}_tma", name, rows), CoordParam(f"{name}_extents")]
+    params.append(TensorParam("o", 3, 3))
+    if spec.return_lse:
+        params.append(TensorParam("lse", 3, 2))
+    return (*params, ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"))
 
 
 def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
@@ -146,6 +198,8 @@ def params_for(spec) -> tuple[TensorParam | ScalarParam, ...]:
         return QUANTIZE_FP8_VT_PARAMS if spec.transpose else QUANTIZE_FP8_PARAMS
     if spec.op == "attention_combine":
         return combine_params(spec)
+    if getattr(spec, "family", "") == "wgmma_ws":
+        return tma_attention_params(spec)
     return attention_params(spec)
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import torch
 
-from ..build.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
+from ..build.abi import LOG2_E, TensorMapParam, attention_grid, combine_grid, varlen_grid
+from ..runtime import tensor_map
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..spec import DEFAULT_FAMILY, AttentionSpec, CombineSpec, TileConfig, family
@@ -84,6 +85,17 @@ def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
     return (t.data_ptr(), *t.shape, t.stride(0))
 
 
+def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
+    """A TMA kernel's Q, K, V arguments: each tensor's descriptor, then its (seq, heads, batch)
+    (``build.abi.tma_attention_params``)."""
+    maps = [p for p in kern.params if isinstance(p, TensorMapParam)]
+    out: tuple = ()
+    for p, arg in zip(maps, qkv_args):
+        _, b, h, s = arg[:4]
+        out += ((tensor_map.encode(arg, dtype, head_dim, p.box_rows, p.box_cols),), (s, h, b))
+    return out
+
+
 def _splits_keys(config: TileConfig, device: int) -> bool:
     """Whether the config's family builds split-KV kernels (decode calls only ask)."""
     return family(config.family or DEFAULT_FAMILY.get(arch_of(device), "")).splits_keys
@@ -134,6 +146,10 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         lse_args = () if lse is None else (rows_arg(lse),)
         grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
                 if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
+        if kern.artifact.spec.family == "wgmma_ws":  # TMA: descriptors, no key shares
+            launch(kern, grid, (*_tma_args(kern, qkv_args, dtype, D), tensor_arg(out),
+                                *lse_args, *scalars[:2]), dev)
+            return
         launch(kern, grid, (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
         return
     # split-KV across CTAs: fp32 partials of each share, then the combine kernel

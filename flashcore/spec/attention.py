@@ -194,7 +194,8 @@ class AttentionSpec(SpecData):
 
     @property
     def threads(self) -> int:
-        return self.config.threads
+        """The CTA's threads: the config's, and the family's producer warps if it has any."""
+        return self.config.threads + family(self.family).producer_threads
 
     @property
     def shifted_mask(self) -> bool:

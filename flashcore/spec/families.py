@@ -31,6 +31,7 @@ class KernelFamily(Protocol):
     archs: tuple[str, ...]
     knobs: Mapping[str, tuple[int, ...]]
     splits_keys: bool  # builds split_kv kernels (flash-decoding's partials)
+    producer_threads: int  # threads a CTA has beyond config.threads (a producer warpgroup)
 
     def dsl_arch(self, arch: str) -> str: ...
 
@@ -49,6 +50,7 @@ class MmaSync:
     archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")
     max_threads: int = 512  # 128 registers per thread still fit the 64K register file
     splits_keys: bool = True
+    producer_threads: int = 0
 
     def dsl_arch(self, arch: str) -> str:
         return arch
@@ -165,9 +167,10 @@ class Wgmma:
     archs: tuple[str, ...] = ("sm_90",)
     splits_keys: bool = False
     rows_per_warpgroup: int = 64
+    producer_threads: int = 0
 
     def dsl_arch(self, arch: str) -> str:
-        return "sm_90a"  # wgmma is an sm_90a instruction
+        return "sm_90a"  # wgmma (and setmaxnreg) are sm_90a instructions
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
@@ -211,7 +214,30 @@ class Wgmma:
                 + 2 * _align(c.tile_n * d * c.stages * spec.elem_bytes))
 
 
-FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync(), "wgmma": Wgmma()}
+@dataclass(frozen=True)
+class WgmmaWs(Wgmma):
+    """Hopper, warp-specialised: the wgmma family's MMAs and schedule fed by TMA
+    (``cp.async.bulk.tensor``) from a producer warpgroup through mbarrier pipelines, consumers
+    with 240 registers (``setmaxnreg``), no CTA barrier in the key loop
+    (``flashcore/kernels/wgmma_ws``). ``warps`` counts the consumer warps; the CTA has
+    ``producer_threads`` more. The runtime encodes the TMA descriptors
+    (``flashcore.runtime.tensor_map``)."""
+
+    name: str = "wgmma_ws"
+    producer_threads: int = 128
+
+    @property
+    def knobs(self) -> Mapping[str, tuple[int, ...]]:
+        return {"tile_m": (64, 128), "tile_n": (64, 128), "warps": (4, 8), "stages": (2, 3, 4),
+                "kv_splits": (1,)}
+
+    def smem_bytes(self, spec: AttentionSpec) -> int:
+        """The wgmma tiles, after 1 KB holding the pipelines' mbarriers."""
+        return _SMEM_ALIGN + super().smem_bytes(spec)
+
+
+FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync(), "wgmma": Wgmma(),
+                                     "wgmma_ws": WgmmaWs()}
 # The family a spec gets when it names none.
 DEFAULT_FAMILY = {"sm_80": "mma_sync", "sm_89": "mma_sync", "sm_90": "mma_sync"}
 

@@ -319,6 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         for tn, stages in ((128, 2), (128, 3), (64, 2), (64, 3)):
             ours[f"flashcore-wgmma-n{tn}-s{stages}"] = _flashcore(
                 config=TileConfig((128, tn), warps=8, stages=stages, family="wgmma"))
+        for tn, stages in ((128, 2), (64, 3)):
+            ours[f"flashcore-ws-n{tn}-s{stages}"] = _flashcore(
+                config=TileConfig((128, tn), warps=8, stages=stages, family="wgmma_ws"))
     if a.fp8:
         ours["flashcore-fp8"] = _flashcore(precision="fp8", **tile)
         ours["flashcore-fp8-kernel"] = fp8_kernel_only()

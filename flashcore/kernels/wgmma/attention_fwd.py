@@ -37,11 +37,11 @@ from ..common.epilogue import store_lse
 from ..common.grid import kv_head_of, tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
-from .fragments import acc_as_operand_a, acc_mn_view
+from .fragments import ThreadCoords, acc_as_operand_a, acc_mn_view
 from .layouts import WARPGROUP, WgmmaLayouts
 
 
-class Tile:
+class Tile(ThreadCoords):
     """Trace-time view of one CTA's work: its coordinates, key range, shared and global tiles,
     copy partitions and MMA fragments (built once at the kernel's start)."""
 
@@ -97,18 +97,6 @@ class Tile:
                                            cutlass.Float32)
         self.acc_O.fill(0.0)
 
-    def score_coords(self, n_block):
-        """(query row, key) of each score this thread holds, as an (rows, keys) view."""
-        c = self.config
-        cS = cute.local_tile(cute.make_identity_tensor((self.seqlen_q, self.seqlen_k)),
-                             (c.tile_m, c.tile_n), (self.m_block, n_block))
-        return acc_mn_view(self.thr_qk.partition_C(cS))
-
-    def row_coords(self) -> list:
-        """The row, within the query tile, of each accumulator row this thread holds (static)."""
-        rows = acc_mn_view(self.thr_pv.partition_C(
-            cute.make_identity_tensor((self.config.tile_m, self.spec.head_dim))))
-        return [rows[r, 0][0] for r in range(cute.size(rows, mode=[0]))]
 
 
 @cute.jit

@@ -1,4 +1,5 @@
-"""Register-fragment views of warpgroup MMA (wgmma) accumulators: pure layout algebra.
+"""Register-fragment views of warpgroup MMA (wgmma) accumulators, and the coordinates of what a
+thread holds: pure layout algebra.
 
 A wgmma accumulator of a 64 x N atom, as a thread holds it, is ((2, 2, N / 8), M, N_tiles):
 the m16n8 C fragment of mma.sync (columns 2t, 2t + 1 of rows g and g + 8 of its warp's 16 rows)
@@ -41,3 +42,24 @@ def acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
     assert n == 1 and groups % 2 == 0, f"accumulator {layout} is not one atom of even N / 8"
     return cute.make_layout(((2, 2, 2), m, groups // 2),
                             stride=((s_c, s_r, s_j), s_m, 2 * s_j))
+
+
+
+class ThreadCoords:
+    """Coordinates of what one thread holds, for a CTA view with ``thr_qk`` and ``thr_pv`` (its
+    slices of the two tiled MMAs), ``config``, ``spec``, ``m_block``, ``seqlen_q``, ``seqlen_k``
+    (both Hopper kernels' views derive from it)."""
+
+    def score_coords(self, n_block):
+        """(query row, key) of each score this thread holds in key block ``n_block``, as an
+        (rows, keys) view like ``acc_mn_view`` of its scores."""
+        c = self.config
+        cS = cute.local_tile(cute.make_identity_tensor((self.seqlen_q, self.seqlen_k)),
+                             (c.tile_m, c.tile_n), (self.m_block, n_block))
+        return acc_mn_view(self.thr_qk.partition_C(cS))
+
+    def row_coords(self) -> list:
+        """The row, within the query tile, of each accumulator row this thread holds (static)."""
+        rows = acc_mn_view(self.thr_pv.partition_C(
+            cute.make_identity_tensor((self.config.tile_m, self.spec.head_dim))))
+        return [rows[r, 0][0] for r in range(cute.size(rows, mode=[0]))]

@@ -25,6 +25,26 @@ ROWS_PER_WARPGROUP = 64
 _ALIGN = 1024  # every shared buffer starts on a swizzle-atom repeat (1 KB)
 
 
+def smem_tiles(dtype, tile_m: int, tile_n: int, head_dim: int, stages: int):
+    """(Q's (tile_m, d), the K/V ring's (tile_n, d, stages)) K-major 128-byte-swizzled layouts:
+    head_dim * 16 bits is a multiple of 1024 bits for 64 and 128."""
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
+    return (cute.tile_to_shape(atom, (tile_m, head_dim), (0, 1)),
+            cute.tile_to_shape(atom, (tile_n, head_dim, stages), (0, 1, 2)))
+
+
+def tiled_mmas(dtype, warpgroups: int, tile_n: int, head_dim: int):
+    """(S = Q·Kᵀ: A and B from shared memory, both K-major, 64 rows x tile_n a warpgroup;
+    O += P·V: A (P) from registers, B (V seen as head_dim x keys) MN-major from shared)."""
+    qk = sm90.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
+        (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, tile_n))
+    pv = sm90.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32,
+        (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, head_dim), sm90.OperandSource.RMEM)
+    return qk, pv
+
+
 class WgmmaLayouts:
     """Everything shaped by the spec (Python data at trace time; built the same way by the host
     function, for the launch's shared-memory size, and by the kernel)."""
@@ -36,18 +56,8 @@ class WgmmaLayouts:
         self.dtype = DTYPES[spec.dtype]
         self.threads = 32 * c.warps
         self.warpgroups = c.warps // 4
-        # head_dim * 16 bits is a multiple of 1024 bits for 64 and 128: the 128-byte swizzle
-        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, self.dtype)
-        self.sQ = cute.tile_to_shape(atom, (tm, d), (0, 1))
-        self.sKV = cute.tile_to_shape(atom, (tn, d, c.stages), (0, 1, 2))
-        # S = Q·Kᵀ: A and B from shared memory, both K-major; each warpgroup 64 rows x tile_n
-        self.qk_mma = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
-            (self.warpgroups, 1, 1), (ROWS_PER_WARPGROUP, tn))
-        # O += P·V: A (P) from registers, B (V seen as head_dim x keys) MN-major from shared
-        self.pv_mma = sm90.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32,
-            (self.warpgroups, 1, 1), (ROWS_PER_WARPGROUP, d), sm90.OperandSource.RMEM)
+        self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
+        self.qk_mma, self.pv_mma = tiled_mmas(self.dtype, self.warpgroups, tn, d)
         # global->shared: 16-byte cp.async, 8 threads per 64-element (128-byte) line
         self.g2s = g2s_copy(self.dtype, 64, self.threads)
         # shared->global output: 16-byte vectors, 8 threads per 64 columns

@@ -1,0 +1,271 @@
+"""The warp-specialised Hopper forward kernel (sm_90a): TMA loads, mbarrier pipelines, a producer
+warpgroup and 1-2 consumer warpgroups.
+
+* Warpgroup 0 produces: its warp 0 issues every load as TMA (``cp.async.bulk.tensor``) into
+  128-byte-swizzled tiles, Q once, then K and V of each key block into rings of ``stages``
+  blocks, each stage guarded by a full mbarrier (TMA's transaction count) and an empty one (one
+  arrival per consumer warp). It keeps 24 registers (``setmaxnreg``); the consumers take 240.
+* Warpgroups 1.. consume, 64 query rows each, with no CTA barrier in the key loop: the wgmma
+  family's overlapped schedule (S_i = Q·K_iᵀ issued, then P_{i-1}·V_{i-1}, softmax of S_i while
+  P·V runs), shared softmax, masks and key-block range (``flashcore/kernels/common``).
+* Every tensor but O and LSE reaches the kernel as a TMA descriptor (a 128-byte kernel
+  parameter) with its coordinate tensor's run-time extents; flashcore's runtime encodes them
+  (``flashcore.runtime.tensor_map``, parameters in ``flashcore.build.abi``). TMA zero-fills rows
+  past a sequence end; the masked first block hides those keys.
+* Epilogue: O / row sum, each consumer warpgroup through its own rows of Q's tile (a named
+  barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q; natural-log LSE if
+  asked.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..common.block_info import KeyBounds, key_range, masked_steps
+from ..common.epilogue import store_lse
+from ..common.grid import tile_coords, wait_for_previous_grid
+from ..common.mask import mask_scores
+from ..common.softmax import OnlineSoftmax
+from ..wgmma.attention_fwd import wgmma
+from ..wgmma.fragments import ThreadCoords, acc_as_operand_a, acc_mn_view
+from ..wgmma.layouts import ROWS_PER_WARPGROUP, WARPGROUP
+from .layouts import CONSUMER_REGS, EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
+
+
+def _sdhb(t: cute.Tensor) -> cute.Tensor:
+    """(batch, heads, seq, d) -> (seq, d, heads, batch): the TMA view (d contiguous)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+
+
+class Consumer(ThreadCoords):
+    """Trace-time view of one consumer thread: its warpgroup's MMA fragments, accumulators and
+    the coordinates of its scores."""
+
+    def __init__(self, lay: WsLayouts, sQ, sK, sV, ctid, m_block, seqlen_q, seqlen_k, q_group):
+        spec, c = lay.spec, lay.spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.lay, self.spec, self.config = lay, spec, c
+        self.m_block, self.seqlen_q, self.seqlen_k, self.q_group = (m_block, seqlen_q, seqlen_k,
+                                                                    q_group)
+        self.bounds = KeyBounds(spec.causal)
+        wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
+        self.sQ, self.ctid, self.wg = sQ, ctid, wg
+        sVt = cute.composition(sV, cute.make_ordered_layout((d, tn, c.stages), order=(1, 0, 2)))
+        wg_qk, wg_pv = lay.qk_mma.get_slice(wg * WARPGROUP), lay.pv_mma.get_slice(wg * WARPGROUP)
+        self.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        self.tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        self.tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        self.thr_qk, self.thr_pv = lay.qk_mma.get_slice(ctid), lay.pv_mma.get_slice(ctid)
+        self.acc_O = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((tm, d)),
+                                           cutlass.Float32)
+        self.acc_O.fill(0.0)
+        self.rP = cute.make_rmem_tensor(self.thr_qk.partition_shape_C((tm, tn)), lay.dtype)
+
+    def new_scores(self):
+        c = self.config
+        return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((c.tile_m, c.tile_n)),
+                                     cutlass.Float32)
+
+
+
+class WgmmaWsAttentionForward:
+    """Trace-time configuration of one kernel: the spec is Python data (constexpr)."""
+
+    def __init__(self, spec):
+        self.spec = spec  # validated by flashcore.spec.families.WgmmaWs
+        self.smem_size = 0
+
+    @cute.jit
+    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+             mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
+             mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
+             num_splits: cutlass.Int32, window_left: cutlass.Int32 | None = None,
+             window_right: cutlass.Int32 | None = None, softcap_in: cutlass.Float32 | None = None,
+             softcap_out: cutlass.Float32 | None = None, cu_seqlens_q: cute.Tensor | None = None,
+             cu_seqlens_k: cute.Tensor | None = None, block_table: cute.Tensor | None = None,
+             seqlens_k: cute.Tensor | None = None):
+        """The launch; flashcore keeps only the cubin, and its runtime encodes the descriptors
+        these atoms describe (``flashcore.build.abi.tma_attention_params``)."""
+        unused = (mQd, mKd, mVd, window_left, window_right, softcap_in, softcap_out,
+                  cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
+        if cutlass.const_expr(any(x is not None for x in unused)):
+            raise ValueError("wgmma_ws attention: FP8 descales, windows, soft-caps and serving "
+                             "tables are not supported (pass None)")
+        lay = WsLayouts(self.spec)
+        self.smem_size = lay.storage.size_in_bytes()
+        c, d = self.spec.config, self.spec.head_dim
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(op, _sdhb(mQ), lay.sQ, (c.tile_m, d))
+        stage = cute.select(lay.sKV, mode=[0, 1])
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(op, _sdhb(mK), stage, (c.tile_n, d))
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(op, _sdhb(mV), stage, (c.tile_n, d))
+        m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
+        self.kernel(atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, mO, mLSE, scale_log2,
+                    q_group).launch(grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
+                                    block=[self.spec.threads, 1, 1], smem=self.smem_size)
+
+    @cute.kernel
+    def kernel(self, atom_q: cute.CopyAtom, tma_q: cute.Tensor, atom_k: cute.CopyAtom,
+               tma_k: cute.Tensor, atom_v: cute.CopyAtom, tma_v: cute.Tensor, mO: cute.Tensor,
+               mLSE: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32):
+        spec, c = self.spec, self.spec.config
+        wait_for_previous_grid(spec)
+        lay = WsLayouts(spec)
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp == 0:
+            for atom in (atom_q, atom_k, atom_v):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
+        pipes = lay.pipelines(storage)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()  # the barriers are initialised before anyone waits on them
+        sQ = storage.sQ.get_tensor(lay.sQ.outer, swizzle=lay.sQ.inner)
+        sK = storage.sK.get_tensor(lay.sKV.outer, swizzle=lay.sKV.inner)
+        sV = storage.sV.get_tensor(lay.sKV.outer, swizzle=lay.sKV.inner)
+        m_block, head, batch, _ = tile_coords(mO, spec)
+        kv_head = head // (mO.shape[1] // tma_k.shape[2])
+        seqlen_q, seqlen_k = mO.shape[2], tma_k.shape[0]
+        n_lo, n_hi, _ = key_range(m_block, c.tile_m, c.tile_n, seqlen_k, KeyBounds(spec.causal),
+                                  q_group, 0, 1, 0, 1, cutlass.min, cutlass.max)
+        if warp < 4:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0 and n_hi > n_lo:  # (a tile with no key block reads nothing)
+                self.produce(lay, pipes, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v),
+                             (sQ, sK, sV), m_block, head, kv_head, batch, n_lo, n_hi)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            tidx, _, _ = cute.arch.thread_idx()
+            cons = Consumer(lay, sQ, sK, sV, tidx - WARPGROUP, m_block, seqlen_q, seqlen_k,
+                            q_group)
+            softmax = OnlineSoftmax(cute.size(acc_mn_view(cons.acc_O), mode=[0]), scale_log2,
+                                    exact_max=False)
+            if n_hi > n_lo:
+                self.consume(cons, softmax, pipes, n_lo, n_hi)
+            softmax.finish()
+            self.store_output(cons, softmax, mO, mLSE, head, batch)
+
+    # ---- producer ----------------------------------------------------------------------------
+    @cute.jit
+    def produce(self, lay: WsLayouts, pipes, atoms, tmas, smem, m_block, head, kv_head, batch,
+                n_lo, n_hi):
+        """Warp 0: Q, then K and V of blocks n_hi - 1 down to n_lo, each into the next free
+        stage of its ring (TMA issued by one elected lane; the full barrier counts the bytes)."""
+        c, d = self.spec.config, self.spec.head_dim
+        (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), (sQ, sK, sV) = atoms, tmas, smem
+        pipe_q, pipe_k, pipe_v = pipes
+        one = cute.make_layout(1)
+        gQ = cute.local_tile(tma_q[None, None, head, batch], (c.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(tma_k[None, None, kv_head, batch], (c.tile_n, d), (None, 0))
+        gV = cute.local_tile(tma_v[None, None, kv_head, batch], (c.tile_n, d), (None, 0))
+        sQt, gQt = cpasync.tma_partition(atom_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))
+        sKt, gKt = cpasync.tma_partition(atom_k, 0, one, cute.group_modes(sK, 0, 2),
+                                         cute.group_modes(gK, 0, 2))
+        sVt, gVt = cpasync.tma_partition(atom_v, 0, one, cute.group_modes(sV, 0, 2),
+                                         cute.group_modes(gV, 0, 2))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(atom_q, gQt, sQt, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, c.stages)
+        for i in range(n_hi - n_lo):
+            n_block = n_hi - 1 - i
+            pipe_k.producer_acquire(state)
+            cute.copy(atom_k, gKt[None, n_block], sKt[None, state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            pipe_v.producer_acquire(state)
+            cute.copy(atom_v, gVt[None, n_block], sVt[None, state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+            state.advance()
+
+    # ---- consumers -----------------------------------------------------------------------------
+    @cute.jit
+    def consume(self, cons: Consumer, softmax: OnlineSoftmax, pipes, n_lo, n_hi):
+        """Step 0 (Q·K₀ᵀ alone), the masked steps, the unmasked ones, the last block's P·V."""
+        c = self.spec.config
+        pipe_q, pipe_k, pipe_v = pipes
+        pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
+        ks = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, c.stages)
+        pipe_k.consumer_wait(ks)
+        acc_S = cons.new_scores()
+        wgmma(cons.lay.qk_mma, acc_S, cons.tSrQ, cons.tSrK[None, None, None, ks.index],
+              zero_init=True, wait=0)
+        pipe_k.consumer_release(ks)
+        S = acc_mn_view(acc_S)
+        mask_scores(S, cons.score_coords(n_hi - 1), cons.seqlen_k, cons.bounds, cons.q_group)
+        softmax.rescale(acc_mn_view(cons.acc_O), softmax.step(S))
+        cons.rP.store(acc_S.load().to(cons.lay.dtype))
+        blocks = n_hi - n_lo
+        masked = cutlass.min(masked_steps(c.tile_m, c.tile_n, cons.bounds), blocks)
+        for i in range(1, masked):
+            ks = self.overlapped_step(cons, softmax, pipes, ks, n_hi - 1 - i, masked=True)
+        for i in range(masked, blocks):
+            ks = self.overlapped_step(cons, softmax, pipes, ks, n_hi - 1 - i, masked=False)
+        pipe_v.consumer_wait(ks)
+        self.pv(cons, ks.index, wait=0)
+        pipe_v.consumer_release(ks)
+
+    @cute.jit
+    def overlapped_step(self, cons: Consumer, softmax: OnlineSoftmax, pipes, ks, n_block,
+                        masked: cutlass.Constexpr):
+        """S of block ``n_block`` issued, then P·V of the block before; softmax of S while P·V
+        runs; each stage released as soon as its MMA has completed."""
+        _, pipe_k, pipe_v = pipes
+        vs = ks.clone()
+        ks.advance()
+        pipe_k.consumer_wait(ks)
+        acc_S = cons.new_scores()
+        wgmma(cons.lay.qk_mma, acc_S, cons.tSrQ, cons.tSrK[None, None, None, ks.index],
+              zero_init=True, wait=None)
+        pipe_v.consumer_wait(vs)
+        self.pv(cons, vs.index, wait=None)
+        warpgroup.wait_group(1)
+        pipe_k.consumer_release(ks)
+        S = acc_mn_view(acc_S)
+        if cutlass.const_expr(masked):
+            mask_scores(S, cons.score_coords(n_block), cons.seqlen_k, cons.bounds, cons.q_group)
+        correction = softmax.step(S)
+        warpgroup.wait_group(0)
+        pipe_v.consumer_release(vs)
+        softmax.rescale(acc_mn_view(cons.acc_O), correction)
+        cons.rP.store(acc_S.load().to(cons.lay.dtype))
+        return ks
+
+    @cute.jit
+    def pv(self, cons: Consumer, slot, wait: cutlass.Constexpr):
+        tOrP = cute.make_tensor(cons.rP.iterator, acc_as_operand_a(cons.rP.layout))
+        wgmma(cons.lay.pv_mma, cons.acc_O, tOrP, cons.tOrVt[None, None, None, slot],
+              zero_init=False, wait=wait)
+
+    # ---- epilogue ------------------------------------------------------------------------------
+    @cute.jit
+    def store_output(self, cons: Consumer, softmax: OnlineSoftmax, mO: cute.Tensor,
+                     mLSE: cute.Tensor | None, head, batch):
+        d = self.spec.head_dim
+        O = acc_mn_view(cons.acc_O)
+        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
+            O[r, None] = O[r, None].load() * softmax.inverse_sum(r)
+        if cutlass.const_expr(mLSE is not None):
+            store_lse(cons, softmax, mLSE[batch, head, None], cons.m_block)
+        rO = cute.make_rmem_tensor(cons.acc_O.layout, cons.lay.dtype)
+        rO.store(cons.acc_O.load().to(cons.lay.dtype))
+        # through shared memory: this warpgroup's rows of Q's tile (only its own Q·Kᵀ read
+        # them, and every one has completed), then 16-byte stores of the rows below seqlen_q
+        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
+                                                         cons.lay.dtype), cons.lay.pv_mma)
+        r2s_thr = r2s.get_slice(cons.ctid)
+        cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cons.sQ))
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + cons.wg, number_of_threads=WARPGROUP)
+        rows = ROWS_PER_WARPGROUP
+        sO = cute.local_tile(cons.sQ, (rows, d), (cons.wg, 0))
+        gO = cute.local_tile(mO[batch, head, None, None], (rows, d),
+                             (cons.m_block * cons.lay.consumers + cons.wg, 0))
+        cO = cute.local_tile(cute.make_identity_tensor((cons.seqlen_q, d)), (rows, d),
+                             (cons.m_block * cons.lay.consumers + cons.wg, 0))
+        r2g = cons.lay.r2g_o.get_slice(cons.ctid % WARPGROUP)
+        tOsO, tOgO, tOcO = r2g.partition_S(sO), r2g.partition_D(gO), r2g.partition_D(cO)
+        tOrO = cute.make_rmem_tensor_like(tOgO, cons.lay.dtype)
+        cute.autovec_copy(tOsO, tOrO)
+        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+            if cute.elem_less(tOcO[0, m, 0][0], cons.seqlen_q):
+                cute.copy(cons.lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])

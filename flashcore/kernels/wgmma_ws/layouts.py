@@ -1,0 +1,69 @@
+"""The warp-specialised Hopper kernel's trace-time data: shared-memory layouts and struct (the
+wgmma family's 128-byte-swizzled tiles, plus the pipelines' mbarriers), the two tiled warpgroup
+MMAs over the consumer warpgroups, and the TMA pipelines (``flashcore.spec.families.WgmmaWs``
+validates and budgets the spec)."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+
+from ..common.dtypes import DTYPES
+from ..wgmma.layouts import WARPGROUP, smem_tiles, tiled_mmas
+
+EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
+PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
+CONSUMER_REGS = 240  # 128 x 24 + 256 x 240 = 64512 of the 65536 registers with two consumers
+_ALIGN = 1024
+
+
+class WsLayouts:
+    def __init__(self, spec):
+        c = spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.spec = spec
+        self.dtype = DTYPES[spec.dtype]
+        self.consumers = c.warps // 4
+        self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
+        self.qk_mma, self.pv_mma = tiled_mmas(self.dtype, self.consumers, tn, d)
+        # the epilogue: each consumer warpgroup's 64 rows of O, shared -> global in 16-byte
+        # vectors, 8 threads per 64 columns (its own 128 threads)
+        self.r2g_o = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+                                num_bits_per_copy=128),
+            cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 128 // self.dtype.width)))
+        self.q_bytes = tm * d * self.dtype.width // 8
+        self.kv_bytes = tn * d * self.dtype.width // 8  # one stage of K (or V): TMA's tx count
+        self.storage = self._shared_storage()
+
+    def _shared_storage(self):
+        dtype, stages = self.dtype, self.spec.config.stages
+        n_q, n_kv = cute.cosize(self.sQ), cute.cosize(self.sKV)
+        Align, Mem = cute.struct.Align, cute.struct.MemRange
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: Mem[cutlass.Int64, 2]  # full, empty
+            mbar_k: Mem[cutlass.Int64, 2 * stages]
+            mbar_v: Mem[cutlass.Int64, 2 * stages]
+            sQ: Align[Mem[dtype, n_q], _ALIGN]
+            sK: Align[Mem[dtype, n_kv], _ALIGN]
+            sV: Align[Mem[dtype, n_kv], _ALIGN]
+
+        return SharedStorage
+
+    def pipelines(self, storage):
+        """(Q, K, V) pipelines: one producer thread (its TMA's bytes complete the full barrier),
+        one empty-barrier arrival per consumer warp. Initialised here; the caller fences and
+        synchronises the CTA before any wait."""
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers)
+
+        def make(barriers, stages, tx):
+            return pipeline.PipelineTmaAsync.create(
+                num_stages=stages, producer_group=producer, consumer_group=consumer_warps,
+                tx_count=tx, barrier_storage=barriers.data_ptr(), defer_sync=True)
+
+        stages = self.spec.config.stages
+        return (make(storage.mbar_q, 1, self.q_bytes), make(storage.mbar_k, stages, self.kv_bytes),
+                make(storage.mbar_v, stages, self.kv_bytes))

@@ -1,0 +1,88 @@
+"""TMA descriptors (``CUtensorMap``) for the kernels that load with TMA, encoded by the driver
+(``cuTensorMapEncodeTiled``) from a tensor argument and its ``build.abi.TensorMapParam``.
+
+A (batch, heads, seq, head_dim) tensor is a rank-4 map walked innermost first: dims
+(head_dim, seq, heads, batch), byte strides of seq, heads, batch; the box is
+(``box_cols``, ``box_rows``, 1, 1) with the 128-byte swizzle of the kernels' shared tiles, L2
+promotion of 128 bytes and zero fill outside the tensor (the kernel masks those keys). A
+descriptor embeds the pointer, so it is encoded per distinct (pointer, extents, strides) and
+kept in a small cache: a training or serving loop that reuses its buffers encodes once.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+
+from ..errors import LaunchError
+from .driver import check, cu
+
+_CACHE_SIZE = 256
+_cache: OrderedDict = OrderedDict()
+_DTYPES = {"float16": (2, "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"),
+           "bfloat16": (2, "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16")}
+_SMALL = 128 * 1024  # see _fix_oob_mode
+_driver_version: list[int] = []
+
+
+def encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int = 64) -> bytes:
+    """The 128-byte descriptor of the tensor whose ``ops.inputs.tensor_arg`` is ``arg``
+    (pointer, batch, heads, seq, batch stride, heads stride, seq stride; head_dim contiguous)."""
+    key = (arg, dtype, head_dim, box_rows, box_cols)
+    hit = _cache.get(key)
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit
+    desc = _encode(arg, dtype, head_dim, box_rows, box_cols)
+    _cache[key] = desc
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return desc
+
+
+def tma_geometry(arg: tuple, head_dim: int, esize: int) -> tuple[list, list]:
+    """(dims innermost first, byte strides of dims 1..3) of a tensor_arg, with the checks TMA
+    makes: 16-byte aligned base and strides below 2**40. A dim of extent 1 is never stepped
+    over, so its stride is replaced by a legal one (torch reports any stride there)."""
+    ptr, b, h, s, sb, sh, ss = arg
+    dims = [head_dim, s, h, b]
+    strides = [ss * esize, sh * esize, sb * esize]
+    span = head_dim * esize
+    for i, n in enumerate(dims[1:]):
+        if n == 1:
+            strides[i] = (span + 15) // 16 * 16
+        span = max(span, strides[i] * n)
+    if ptr % 16 or any(st % 16 or not 0 < st < 2**40 for st in strides):
+        raise LaunchError(f"TMA needs a 16-byte aligned base and strides: pointer {ptr:#x}, "
+                          f"byte strides {strides} (seq, heads, batch)")
+    return dims, strides
+
+
+def _encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int) -> bytes:
+    esize, name = _DTYPES[dtype]
+    dims, strides = tma_geometry(arg, head_dim, esize)
+    tmap = check(cu.cuTensorMapEncodeTiled(
+        getattr(cu.CUtensorMapDataType, name), 4, arg[0], dims, strides,
+        [box_cols, box_rows, 1, 1], [1, 1, 1, 1],
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+    words = list(tmap.opaque)
+    _fix_oob_mode(words, dims, strides, esize)
+    return struct.pack("<16Q", *words)
+
+
+def _fix_oob_mode(words: list, dims: list, strides: list, esize: int) -> None:
+    """Drivers up to 13.1 set the descriptor's out-of-bounds address mode (bit 21 of word 1) for
+    tensors spanning less than 128 KiB, where CUTLASS (and the CuTe DSL's own encoder) clear it
+    (CUTLASS 4.3.4: such descriptors fault on some GPUs). Do as they do."""
+    if not _driver_version:
+        _driver_version.append(check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
+    span = dims[0] * esize + sum((n - 1) * st for n, st in zip(dims[1:], strides))
+    if _driver_version[0] <= 13010 and span < _SMALL:
+        words[1] &= ~(1 << 21)
+
+
+def clear() -> None:
+    _cache.clear()

@@ -1,0 +1,112 @@
+"""The warp-specialised Hopper family (``wgmma_ws``) on the CPU: the spec counts its producer
+warpgroup, its kernels compile for sm_90a to TMA loads, mbarrier waits, setmaxnreg and warpgroup
+MMAs with no spills and the TMA ABI; the runtime's descriptor geometry and encoding arguments."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from flashcore.build.abi import CoordParam, TensorMapParam, tma_attention_params
+from flashcore.build.inspect import sass, sass_opcodes
+from flashcore.errors import LaunchError, SpecError
+from flashcore.spec import AttentionSpec, TileConfig
+from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
+
+WS = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
+
+
+def test_the_spec_counts_the_producer_warpgroup():
+    spec = AttentionSpec(arch="sm_90", head_dim=128, config=WS)
+    assert spec.threads == 384 and spec.family == "wgmma_ws"
+    assert spec.name.endswith("_m128n128_w8_s2_wgmma_ws")
+    assert spec.smem_bytes == 1024 + 32 * 1024 + 2 * 2 * 32 * 1024
+    one = AttentionSpec(arch="sm_90", head_dim=64, config=WS.replace(tile=(64, 64), warps=4))
+    assert one.threads == 256
+    with pytest.raises(SpecError, match="split_kv"):
+        AttentionSpec(arch="sm_90", head_dim=128, config=WS, split_kv=True)
+    with pytest.raises(SpecError, match="shared memory"):
+        AttentionSpec(arch="sm_90", head_dim=128, config=WS.replace(stages=4))
+    params = tma_attention_params(AttentionSpec(arch="sm_90", head_dim=128, config=WS,
+                                                return_lse=True))
+    assert [p.name for p in params] == ["q_tma", "q_extents", "k_tma", "k_extents", "v_tma",
+                                        "v_extents", "o", "lse", "scale_log2", "q_group"]
+    assert params[0] == TensorMapParam("q_tma", "q", 128) and params[1] == CoordParam("q_extents")
+
+
+WS_SPECS = [
+    AttentionSpec(arch="sm_90", head_dim=128, config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, causal=True, return_lse=True,
+                  config=WS.replace(tile=(128, 64), stages=3)),
+    AttentionSpec(arch="sm_90", head_dim=128, causal=True,
+                  config=WS.replace(tile=(64, 64), warps=4)),
+]
+
+
+@pytest.fixture(scope="module")
+def ws_artifacts(tmp_path_factory):
+    return compiled_in_fresh_cache(WS_SPECS, tmp_path_factory)
+
+
+@pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
+def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
+    art = ws_artifacts[spec]
+    assert len(art.params) == len(tma_attention_params(spec))  # checked against the .entry
+    assert art.block == (spec.threads, 1, 1) and art.smem_dynamic == spec.smem_bytes
+    assert spec.smem_bytes <= 227 * 1024
+    assert_no_spills_in_loops(art, spec.name)
+    body = art.ptx[art.ptx.index(".entry"):]
+    for needle in ("cp.async.bulk.tensor", "mbarrier.try_wait", "setmaxnreg.inc",
+                   "setmaxnreg.dec", "wgmma.mma_async", "prefetch.tensormap"):
+        assert needle in body, needle
+    assert "cp.async.cg" not in body and "mma.sync" not in body
+    # the CTA barrier once after the mbarriers' init, a consumer warpgroup's own barrier in the
+    # epilogue: none in the key loop
+    assert body.count("bar.sync") == 2
+    text = sass(art.cubin)
+    if text is not None:
+        ops = [op.split(".")[0] for op in sass_opcodes(text)]
+        assert "HGMMA" in ops and "UTMALDG" in ops and "HMMA" not in ops
+
+
+def test_tma_geometry_walks_head_dim_seq_heads_batch():
+    from flashcore.runtime.tensor_map import tma_geometry
+
+    # (B, H, S, D) = (2, 8, 1000, 128) contiguous fp16: strides in elements 8*1000*128, ...
+    arg = (0x10000, 2, 8, 1000, 8 * 1000 * 128, 1000 * 128, 128)
+    dims, strides = tma_geometry(arg, 128, 2)
+    assert dims == [128, 1000, 8, 2] and strides == [256, 256 * 1000, 256 * 1000 * 8]
+    # a batch of one: its stride is never used, any legal one is written
+    dims, strides = tma_geometry((0x10000, 1, 8, 1000, 7, 1000 * 128, 128), 128, 2)
+    assert strides[2] % 16 == 0 and strides[2] > 0
+    with pytest.raises(LaunchError, match="16-byte"):
+        tma_geometry((0x10008, 2, 8, 1000, 8 * 1000 * 128, 1000 * 128, 128), 128, 2)
+    with pytest.raises(LaunchError, match="16-byte"):
+        tma_geometry((0x10000, 2, 8, 1000, 8 * 1000 * 68, 1000 * 68, 68), 64, 2)
+
+
+def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
+    from flashcore.runtime import tensor_map
+
+    calls = []
+
+    class FakeMap:
+        opaque = [1 << 21 | 7] * 16
+
+    def fake_encode(*args):
+        calls.append(args)
+        return (tensor_map.cu.CUresult.CUDA_SUCCESS, FakeMap())
+
+    monkeypatch.setattr(tensor_map.cu, "cuTensorMapEncodeTiled", fake_encode)
+    monkeypatch.setattr(tensor_map, "_driver_version", [13000])
+    tensor_map.clear()
+    arg = (0x20000, 1, 2, 64, 2 * 64 * 64, 64 * 64, 64)  # a small tensor: 16 KiB
+    desc = tensor_map.encode(arg, "bfloat16", 64, 128)
+    assert tensor_map.encode(arg, "bfloat16", 64, 128) is desc and len(calls) == 1
+    dtype, rank, ptr, dims, strides, box, elem, *_ = calls[0]
+    assert strides == [128, 8192, 16384]  # the batch of one gets a legal stride
+    assert rank == 4 and ptr == 0x20000 and dims == [64, 64, 2, 1] and box == [64, 128, 1, 1]
+    assert elem == [1, 1, 1, 1] and "BFLOAT16" in str(dtype)
+    words = struct.unpack("<16Q", desc)
+    assert words[1] == 7 and words[0] == 1 << 21 | 7  # bit 21 of word 1 cleared (< 128 KiB)
