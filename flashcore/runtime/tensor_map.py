@@ -62,13 +62,14 @@ def _encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int)
     esize, name = _DTYPES[dtype]
     dims, strides = tma_geometry(arg, head_dim, esize)
     tmap = check(cu.cuTensorMapEncodeTiled(
-        getattr(cu.CUtensorMapDataType, name), 4, arg[0], dims, strides,
-        [box_cols, box_rows, 1, 1], [1, 1, 1, 1],
+        getattr(cu.CUtensorMapDataType, name), cu.cuuint32_t(4), arg[0],
+        [cu.cuuint64_t(n) for n in dims], [cu.cuuint64_t(n) for n in strides],
+        [cu.cuuint32_t(n) for n in (box_cols, box_rows, 1, 1)], [cu.cuuint32_t(1)] * 4,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
-    words = list(tmap.opaque)
+    words = [int(w) for w in tmap.opaque]
     _fix_oob_mode(words, dims, strides, esize)
     return struct.pack("<16Q", *words)
 
