@@ -184,7 +184,8 @@ def wgmma_cases():
 
     for tile, warps, stages, fam in (((128, 128), 8, 2, "wgmma"), ((64, 128), 4, 3, "wgmma"),
                                      ((128, 64), 8, 3, "wgmma"), ((128, 128), 8, 2, "wgmma_ws"),
-                                     ((64, 64), 4, 3, "wgmma_ws")):
+                                     ((64, 64), 4, 3, "wgmma_ws"), ((192, 64), 12, 2, "wgmma_ws"),
+                                     ((192, 128), 12, 2, "wgmma_ws")):
         config = TileConfig(tile, warps=warps, stages=stages, family=fam)
         for sq, sk, d, causal in ((77, 200, 64, True), (300, 45, 128, True), (1, 1, 128, False),
                                   (130, 257, 128, False), (200, 700, 64, False)):

@@ -28,7 +28,9 @@ CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma"),
            # warp-specialised: TMA from a producer warpgroup (runtime-encoded descriptors)
            TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
            TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
-           TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws")]
+           TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
+           TileConfig((192, 64), warps=12, stages=2, family="wgmma_ws"),  # three consumers
+           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]  # three, in turns
 
 
 @pytest.fixture(autouse=True)
@@ -86,6 +88,10 @@ def _check(b, hq, hkv, sq, sk, d, dt, causal, config, return_lse, seed, mag=1.0)
          config=CONFIGS[3], return_lse=True, log_mag=0.0, seed=5)  # TMA, ragged keys
 @example(b=1, hkv=1, group=1, sq=1, sk=1, d=64, dtype="bfloat16", causal=False,
          config=CONFIGS[5], return_lse=True, log_mag=0.0, seed=6)
+@example(b=1, hkv=2, group=2, sq=500, sk=333, d=128, dtype="float16", causal=True,
+         config=CONFIGS[6], return_lse=True, log_mag=0.0, seed=7)  # three consumers, ragged
+@example(b=2, hkv=2, group=1, sq=700, sk=900, d=64, dtype="bfloat16", causal=False,
+         config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=8)  # three taking turns
 def test_wgmma_matches_the_reference(b, hkv, group, sq, sk, d, dtype, causal, config,
                                      return_lse, log_mag, seed):
     _check(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], causal, config, return_lse, seed,

@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8", action="store_true",
                     help="also our FP8 path (with and without quantising)")
     ap.add_argument("--wgmma", action="store_true",
-                    help="also the Hopper family (sm_90): tiles 128x128 and 128x64, 2 and 3 "
-                         "stages")
+                    help="also the Hopper families (sm_90): wgmma tiles 128x128 and 128x64, 2 "
+                         "and 3 stages; wgmma_ws 128 and 192 query rows")
     ap.add_argument("--shapes", default=None,
                     help="B,H,S,D[,causal] or B,Hq/Hkv,SqxSk,D[,causal], separated by ';'")
     a = ap.parse_args(argv)
@@ -319,9 +319,10 @@ def main(argv: list[str] | None = None) -> int:
         for tn, stages in ((128, 2), (128, 3), (64, 2), (64, 3)):
             ours[f"flashcore-wgmma-n{tn}-s{stages}"] = _flashcore(
                 config=TileConfig((128, tn), warps=8, stages=stages, family="wgmma"))
-        for tn, stages in ((128, 2), (64, 3)):
-            ours[f"flashcore-ws-n{tn}-s{stages}"] = _flashcore(
-                config=TileConfig((128, tn), warps=8, stages=stages, family="wgmma_ws"))
+        for tm, tn, stages in ((128, 128, 2), (128, 64, 3), (192, 64, 2), (192, 128, 2)):
+            name = f"flashcore-ws-n{tn}-s{stages}" if tm == 128 else f"flashcore-ws-m{tm}-n{tn}"
+            ours[name] = _flashcore(config=TileConfig((tm, tn), warps=tm // 16, stages=stages,
+                                                      family="wgmma_ws"))
     if a.fp8:
         ours["flashcore-fp8"] = _flashcore(precision="fp8", **tile)
         ours["flashcore-fp8-kernel"] = fp8_kernel_only()

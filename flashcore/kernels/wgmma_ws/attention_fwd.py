@@ -1,13 +1,16 @@
 """The warp-specialised Hopper forward kernel (sm_90a): TMA loads, mbarrier pipelines, a producer
-warpgroup and 1-2 consumer warpgroups.
+warpgroup and 1-3 consumer warpgroups.
 
 * Warpgroup 0 produces: its warp 0 issues every load as TMA (``cp.async.bulk.tensor``) into
   128-byte-swizzled tiles, Q once, then K and V of each key block into rings of ``stages``
   blocks, each stage guarded by a full mbarrier (TMA's transaction count) and an empty one (one
-  arrival per consumer warp). It keeps 24 registers (``setmaxnreg``); the consumers take 240.
+  arrival per consumer warp). It keeps 24 registers (``setmaxnreg``); the consumers take the
+  rest (240 each for two, 160 for three).
 * Warpgroups 1.. consume, 64 query rows each, with no CTA barrier in the key loop: the wgmma
   family's overlapped schedule (S_i = Q·K_iᵀ issued, then P_{i-1}·V_{i-1}, softmax of S_i while
-  P·V runs), shared softmax, masks and key-block range (``flashcore/kernels/common``).
+  P·V runs), shared softmax, masks and key-block range (``flashcore/kernels/common``). With
+  two or three consumers and 128-key blocks they take turns to issue their MMAs (ping-pong,
+  ``turns.py``).
 * Every tensor but O and LSE reaches the kernel as a TMA descriptor (a 128-byte kernel
   parameter) with its coordinate tensor's run-time extents; flashcore's runtime encodes them
   (``flashcore.runtime.tensor_map``, parameters in ``flashcore.build.abi``). TMA zero-fills rows
@@ -30,7 +33,8 @@ from ..common.softmax import OnlineSoftmax
 from ..wgmma.attention_fwd import wgmma
 from ..wgmma.fragments import ThreadCoords, acc_as_operand_a, acc_mn_view
 from ..wgmma.layouts import ROWS_PER_WARPGROUP, WARPGROUP
-from .layouts import CONSUMER_REGS, EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
+from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
+from .turns import Turns
 
 
 def _sdhb(t: cute.Tensor) -> cute.Tensor:
@@ -134,7 +138,7 @@ class WgmmaWsAttentionForward:
                 self.produce(lay, pipes, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v),
                              (sQ, sK, sV), m_block, head, kv_head, batch, n_lo, n_hi)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(lay.consumer_regs)
             tidx, _, _ = cute.arch.thread_idx()
             cons = Consumer(lay, sQ, sK, sV, tidx - WARPGROUP, m_block, seqlen_q, seqlen_k,
                             q_group)
@@ -181,15 +185,21 @@ class WgmmaWsAttentionForward:
     # ---- consumers -----------------------------------------------------------------------------
     @cute.jit
     def consume(self, cons: Consumer, softmax: OnlineSoftmax, pipes, n_lo, n_hi):
-        """Step 0 (Q·K₀ᵀ alone), the masked steps, the unmasked ones, the last block's P·V."""
+        """Step 0 (Q·K₀ᵀ alone), the masked steps, the unmasked ones, the last block's P·V;
+        each step's MMAs issued in this warpgroup's turn (``turns``)."""
         c = self.spec.config
         pipe_q, pipe_k, pipe_v = pipes
+        turns = Turns(cons.wg, cons.lay.consumers, c.tile_n)
+        turns.open()
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         ks = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, c.stages)
         pipe_k.consumer_wait(ks)
         acc_S = cons.new_scores()
+        turns.wait()
         wgmma(cons.lay.qk_mma, acc_S, cons.tSrQ, cons.tSrK[None, None, None, ks.index],
-              zero_init=True, wait=0)
+              zero_init=True, wait=None)
+        turns.pass_on()
+        warpgroup.wait_group(0)
         pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)
         mask_scores(S, cons.score_coords(n_hi - 1), cons.seqlen_k, cons.bounds, cons.q_group)
@@ -198,27 +208,38 @@ class WgmmaWsAttentionForward:
         blocks = n_hi - n_lo
         masked = cutlass.min(masked_steps(c.tile_m, c.tile_n, cons.bounds), blocks)
         for i in range(1, masked):
-            ks = self.overlapped_step(cons, softmax, pipes, ks, n_hi - 1 - i, masked=True)
+            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, n_hi - 1 - i, masked=True)
         for i in range(masked, blocks):
-            ks = self.overlapped_step(cons, softmax, pipes, ks, n_hi - 1 - i, masked=False)
+            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, n_hi - 1 - i,
+                                      masked=False)
         pipe_v.consumer_wait(ks)
-        self.pv(cons, ks.index, wait=0)
+        turns.wait()
+        self.pv(cons, ks.index, wait=None)
+        turns.pass_on()
+        warpgroup.wait_group(0)
         pipe_v.consumer_release(ks)
+        turns.close()
 
     @cute.jit
-    def overlapped_step(self, cons: Consumer, softmax: OnlineSoftmax, pipes, ks, n_block,
-                        masked: cutlass.Constexpr):
-        """S of block ``n_block`` issued, then P·V of the block before; softmax of S while P·V
-        runs; each stage released as soon as its MMA has completed."""
+    def overlapped_step(self, cons: Consumer, softmax: OnlineSoftmax, pipes, turns: Turns, ks,
+                        n_block, masked: cutlass.Constexpr):
+        """S of block ``n_block`` issued, then P·V of the block before (in this warpgroup's
+        turn); softmax of S while P·V runs; each stage released as soon as its MMA has
+        completed."""
         _, pipe_k, pipe_v = pipes
         vs = ks.clone()
         ks.advance()
+        if cutlass.const_expr(turns.on):  # both blocks in before the turn (V came first)
+            pipe_v.consumer_wait(vs)
         pipe_k.consumer_wait(ks)
         acc_S = cons.new_scores()
+        turns.wait()
         wgmma(cons.lay.qk_mma, acc_S, cons.tSrQ, cons.tSrK[None, None, None, ks.index],
               zero_init=True, wait=None)
-        pipe_v.consumer_wait(vs)
+        if cutlass.const_expr(not turns.on):
+            pipe_v.consumer_wait(vs)
         self.pv(cons, vs.index, wait=None)
+        turns.pass_on()
         warpgroup.wait_group(1)
         pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)

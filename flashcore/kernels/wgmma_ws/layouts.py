@@ -12,7 +12,16 @@ from ..wgmma.layouts import WARPGROUP, smem_tiles, tiled_mmas
 
 EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
 PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
-CONSUMER_REGS = 240  # 128 x 24 + 256 x 240 = 64512 of the 65536 registers with two consumers
+REGISTERS_PER_SM = 65536
+
+
+def consumer_regs(consumers: int) -> int:
+    """What each consumer thread may take after the producer's ``setmaxnreg`` gave its share
+    back: the rest of the SM's registers (one CTA an SM), a multiple of 8, at most 240
+    (two consumers: 128 x 24 + 256 x 240 = 64512; three: 160)."""
+    rest = (REGISTERS_PER_SM - WARPGROUP * PRODUCER_REGS) // (WARPGROUP * consumers)
+    return min(240, rest // 8 * 8)
+
 _ALIGN = 1024
 
 
@@ -23,6 +32,7 @@ class WsLayouts:
         self.spec = spec
         self.dtype = DTYPES[spec.dtype]
         self.consumers = c.warps // 4
+        self.consumer_regs = consumer_regs(self.consumers)
         self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
         self.qk_mma, self.pv_mma = tiled_mmas(self.dtype, self.consumers, tn, d)
         # the epilogue: each consumer warpgroup's 64 rows of O, shared -> global in 16-byte
