@@ -99,6 +99,15 @@ class Tile(ThreadCoords):
 
 
 
+def refuse_extras(family: str, extras: tuple) -> None:
+    """Trace time: the Hopper families take the attention ABI's optional arguments (FP8
+    descales, window, soft-cap, serving tables) but build none of them (the spec refuses such
+    specs first; this guards a direct call)."""
+    if any(x is not None for x in extras):
+        raise ValueError(f"{family} attention: FP8 descales, windows, soft-caps and serving "
+                         "tables are not supported yet (pass None)")
+
+
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
           zero_init: cutlass.Constexpr, wait: cutlass.Constexpr = 0):
@@ -160,11 +169,8 @@ class WgmmaAttentionForward:
     ):
         """The launch; flashcore keeps only the kernel's cubin and its runtime repeats this
         geometry (``flashcore.build.abi.attention_grid``)."""
-        unused = (mQd, mKd, mVd, window_left, window_right, softcap_in, softcap_out,
-                  cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
-        if cutlass.const_expr(any(x is not None for x in unused)):
-            raise ValueError("wgmma attention: FP8 descales, windows, soft-caps and serving "
-                             "tables are not supported yet (pass None)")
+        refuse_extras("wgmma", (mQd, mKd, mVd, window_left, window_right, softcap_in,
+                                softcap_out, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k))
         lay = WgmmaLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         m_blocks = cute.ceil_div(mQ.shape[2], self.spec.config.tile_m)

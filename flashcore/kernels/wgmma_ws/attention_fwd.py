@@ -30,7 +30,7 @@ from ..common.epilogue import store_lse
 from ..common.grid import tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
-from ..wgmma.attention_fwd import wgmma
+from ..wgmma.attention_fwd import refuse_extras, wgmma
 from ..wgmma.fragments import ThreadCoords, acc_as_operand_a, acc_mn_view
 from ..wgmma.layouts import ROWS_PER_WARPGROUP, WARPGROUP
 from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
@@ -91,11 +91,9 @@ class WgmmaWsAttentionForward:
              seqlens_k: cute.Tensor | None = None):
         """The launch; flashcore keeps only the cubin, and its runtime encodes the descriptors
         these atoms describe (``flashcore.build.abi.tma_attention_params``)."""
-        unused = (mQd, mKd, mVd, window_left, window_right, softcap_in, softcap_out,
-                  cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
-        if cutlass.const_expr(any(x is not None for x in unused)):
-            raise ValueError("wgmma_ws attention: FP8 descales, windows, soft-caps and serving "
-                             "tables are not supported (pass None)")
+        refuse_extras("wgmma_ws", (mQd, mKd, mVd, window_left, window_right, softcap_in,
+                                   softcap_out, cu_seqlens_q, cu_seqlens_k, block_table,
+                                   seqlens_k))
         lay = WsLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()
         c, d = self.spec.config, self.spec.head_dim
