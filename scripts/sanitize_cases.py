@@ -2,7 +2,7 @@
 scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks its result against
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
-    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|fp8-paged|wgmma|serving]
+    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|fp8-paged|wgmma|wgmma-fp8|serving]
 """
 
 from __future__ import annotations
@@ -193,6 +193,22 @@ def wgmma_cases():
             out = attention(q, k, v, causal=causal, config=config)
             yield check(f"wgmma {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k, v,
                         causal)
+    yield from wgmma_fp8_cases()
+
+
+def wgmma_fp8_cases():
+    # FP8 operands in the warp-specialised family (e4m3 wgmma): 128- and 64-key Vᵀ tiles,
+    # three consumers taking turns; ragged, GQA, S = 1, causal rows with no key
+    from flashcore.spec import TileConfig
+
+    for tile, warps, stages in (((128, 128), 8, 2), ((128, 64), 8, 3), ((192, 128), 12, 2)):
+        config = TileConfig(tile, warps=warps, stages=stages, family="wgmma_ws")
+        for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
+                                  (130, 257, 128, False), (200, 700, 64, True)):
+            q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk)
+            out = attention(q, k, v, causal=causal, config=config, precision="fp8")
+            yield check(f"wgmma fp8 {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k,
+                        v, causal, tol=0.1)
 
 
 def all_cases():
@@ -232,6 +248,7 @@ def main() -> int:
                                                     (1, 32, 8, 1, 2049, 128))),
              "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases,
+             "wgmma-fp8": wgmma_fp8_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]
     results = list(cases())
     torch.cuda.synchronize()

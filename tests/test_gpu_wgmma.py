@@ -125,3 +125,99 @@ def test_the_tuned_default_falls_back_where_the_family_lacks_a_feature():
         got = attention(q, k, v, causal=True, **kwargs)
         want = attention(q, k, v, causal=True, config=tuned.fallback, **kwargs)
         assert torch.isfinite(got).all() and torch.equal(got, want), kwargs
+
+
+# FP8 operands (e4m3 wgmma, SASS QGMMA) in the warp-specialised family: one and two consumers,
+# 128- and 64-key blocks (Vᵀ's 128- and 64-byte swizzles), three consumers taking turns
+FP8_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+               TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
+               TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
+               TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+# Relative L2 against the float64 replay of the kernel's quantised arithmetic. The mma_sync
+# family's FP8 kernel matches it to 3e-6..8e-6; e4m3 wgmma (QGMMA) does not accumulate in IEEE
+# fp32 (Hopper's FP8 tensor cores keep fewer mantissa bits), which costs 1.9e-3..5.1e-3 on the
+# same inputs (2026-11-23, one and many key blocks alike: not a drift over blocks). So the
+# bound here is 1e-2, and the error against exact attention must match the replay's.
+FP8_SIM_TOL = 1e-2
+FP8_EXACT_MARGIN = 5e-3  # rel L2 vs exact may exceed the replay's by this much
+
+
+def _rel_l2(out, ref) -> float:
+    o, r = out.double().flatten(), ref.double().flatten().to(out.device)
+    return ((o - r).norm() / r.norm().clamp_min(1e-300)).item()
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    sq=st.one_of(st.integers(1, 200), st.integers(1, 700)),
+    sk=st.one_of(st.integers(1, 200), st.integers(1, 1200)),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    config=st.sampled_from(FP8_CONFIGS),
+    return_lse=st.booleans(),
+    log_mag=st.floats(-3, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, group=2, sq=300, sk=1000, d=128, dtype="float16", causal=True,
+         config=FP8_CONFIGS[0], return_lse=True, log_mag=0.0, seed=1)  # ragged keys
+@example(b=2, hkv=1, group=1, sq=1, sk=1, d=64, dtype="bfloat16", causal=False,
+         config=FP8_CONFIGS[1], return_lse=True, log_mag=3.0, seed=2)
+@example(b=1, hkv=1, group=4, sq=1, sk=700, d=128, dtype="float16", causal=False,
+         config=FP8_CONFIGS[2], return_lse=False, log_mag=0.0, seed=3)  # decode, packed GQA
+@example(b=1, hkv=2, group=1, sq=500, sk=333, d=64, dtype="bfloat16", causal=True,
+         config=FP8_CONFIGS[3], return_lse=True, log_mag=-2.0, seed=4)  # rows with no key
+def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, causal, config,
+                                             return_lse, log_mag, seed):
+    """The e4m3 kernel against ``reference.attention_fp8`` replaying its tile's block walk
+    (same scales, e4m3 roundings of Q, K, V and of P against the running max), within the
+    bound the tensor cores' FP8 accumulation allows (``FP8_SIM_TOL``), and as close to exact
+    attention as the replay; inputs of any magnitude (1e-3 .. 1e4) stay finite. The row sums' logs (LSE) are those of
+    the exact attention of the quantised inputs, -inf exactly where a row sees no key."""
+    hq, dt = hkv * group, DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mag = 10.0**log_mag
+    q, k, v = ((torch.randn(b, h, s, d, device="cuda", generator=g) * mag).to(dt)
+               for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
+    scale = 1.0 / (d**0.5 * mag * mag)  # logits O(1) at any input magnitude
+    out = torch.full_like(q, float("nan"))
+    res = attention(q, k, v, causal=causal, softmax_scale=scale, precision="fp8", config=config,
+                    return_lse=return_lse, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "NaN/Inf or unwritten elements in the FP8 output"
+    kx, vx = (t.repeat_interleave(group, dim=1) for t in (k, v))  # per-token/head scales kept
+    sim = reference.attention_fp8(q, kx, vx, causal=causal, softmax_scale=scale,
+                                  tile=config.tile, device=q.device)
+    err = _rel_l2(out, sim)
+    assert err <= FP8_SIM_TOL, f"vs simulated quantisation: rel L2 {err:.3g}"
+    exact, exact_lse = reference.attention(q, kx, vx, causal=causal, softmax_scale=scale,
+                                           return_lse=True, device=q.device)
+    if exact.abs().max() > 0:  # (a row with no key is 0 in all three)
+        ours, replay = _rel_l2(out, exact), _rel_l2(sim, exact)
+        assert ours <= replay + FP8_EXACT_MARGIN, f"vs exact {ours:.3g}, replay {replay:.3g}"
+    if return_lse:
+        exact = exact_lse
+        finite = torch.isfinite(exact)
+        assert torch.equal(torch.isfinite(res[1]), finite), "-inf LSE exactly where no key"
+        if finite.any():  # logits O(1): e4m3's rounding of Q and K moves them by a few percent
+            assert max_abs(res[1][finite], exact[finite]) < 0.25
+
+
+def test_fp8_on_hopper_takes_the_wgmma_family_without_a_warning():
+    """Naming the warp-specialised family runs e4m3 wgmma (no emulation warning); the
+    mma_sync family's FP8 on sm_90 still warns that it is emulated."""
+    import warnings
+
+    from flashcore.ops import eager
+
+    q = torch.randn(1, 2, 130, 128, device="cuda", dtype=torch.float16)
+    eager._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = attention(q, q, q, precision="fp8", config=FP8_CONFIGS[0])
+    assert torch.isfinite(out).all()
+    with pytest.warns(RuntimeWarning, match="emulates"):
+        attention(q, q, q, precision="fp8", tile=(64, 64))

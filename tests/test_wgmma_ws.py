@@ -43,6 +43,30 @@ def test_the_spec_counts_the_producer_warpgroup():
     assert params[0] == TensorMapParam("q_tma", "q", 128) and params[1] == CoordParam("q_extents")
 
 
+def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
+    """FP8 operands: e4m3 boxes as wide as a row's swizzle span (128 bytes, or 64 for rows of
+    64 elements), Vᵀ walked as head_dim rows of keys, the descales after O; a separate 16-bit
+    output tile in the shared-memory budget; the fp8 precision only in this Hopper family."""
+    spec = AttentionSpec(arch="sm_90", head_dim=64, precision="fp8",
+                         config=WS.replace(tile=(128, 64)))
+    params = tma_attention_params(spec)
+    assert [p.name for p in params] == ["q_tma", "q_extents", "k_tma", "k_extents", "vt_tma",
+                                        "vt_extents", "o", "q_descale", "k_descale",
+                                        "v_descale", "scale_log2", "q_group"]
+    q, k, vt = params[0], params[2], params[4]
+    assert (q.box_rows, q.box_cols, q.swizzle, q.dtype) == (128, 64, 64, "float8_e4m3fn")
+    assert (k.box_rows, k.box_cols, k.swizzle, k.transposed) == (64, 64, 64, False)
+    assert (vt.box_rows, vt.box_cols, vt.swizzle, vt.transposed) == (64, 64, 64, True)
+    d128 = tma_attention_params(spec.replace(head_dim=128, config=WS))
+    assert (d128[0].box_cols, d128[0].swizzle) == (128, 128)
+    assert (d128[4].box_rows, d128[4].box_cols, d128[4].swizzle) == (128, 128, 128)
+    # mbarriers, e4m3 Q, two stages of e4m3 K and Vᵀ, the fp16 output tile
+    assert spec.smem_bytes == 1024 + 8 * 1024 + 2 * 2 * 4 * 1024 + 16 * 1024
+    with pytest.raises(SpecError, match="precision='fp8'"):
+        AttentionSpec(arch="sm_90", head_dim=64, precision="fp8",
+                      config=TileConfig((128, 64), warps=8, stages=2, family="wgmma"))
+
+
 WS_SPECS = [
     AttentionSpec(arch="sm_90", head_dim=128, config=WS),
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, causal=True, return_lse=True,
@@ -53,6 +77,11 @@ WS_SPECS = [
     AttentionSpec(arch="sm_90", head_dim=64, config=WS.replace(tile=(192, 128), warps=12)),
     AttentionSpec(arch="sm_90", head_dim=128, causal=True,
                   config=WS.replace(tile=(192, 64), warps=12)),
+    # FP8 operands: e4m3 wgmma; 128-byte rows, and 64-byte ones (d64 Q/K, 64-key Vᵀ tiles)
+    AttentionSpec(arch="sm_90", head_dim=128, causal=True, return_lse=True, precision="fp8",
+                  config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, precision="fp8",
+                  config=WS.replace(tile=(128, 64), stages=3)),
 ]
 
 
@@ -76,6 +105,10 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer_regs(consumers)};", body)
     assert 128 * 24 + 128 * consumers * consumer_regs(consumers) <= 65536
     assert "cp.async.cg" not in body and "mma.sync" not in body
+    fp8 = spec.precision == "fp8"
+    sixteen = re.search(r"wgmma\.mma_async\S*\.f32\.b?f16\.b?f16", body) is not None
+    assert (re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", body) is not None) == fp8
+    assert sixteen != fp8
     # the CTA barrier once after the mbarriers' init; else named barriers of consumer threads
     # only: a warpgroup's own in the epilogue (128), turns between two (256) with ping-pong
     bars = re.findall(r"bar\.(sync|arrive)\s+([^,;]+)(?:,\s*(\d+))?;", body)
@@ -87,7 +120,8 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
     text = sass(art.cubin)
     if text is not None:
         ops = [op.split(".")[0] for op in sass_opcodes(text)]
-        assert "HGMMA" in ops and "UTMALDG" in ops and "HMMA" not in ops
+        assert "UTMALDG" in ops and "HMMA" not in ops
+        assert ("QGMMA" in ops) == fp8 and ("HGMMA" in ops) != fp8
 
 
 def test_tma_geometry_walks_head_dim_seq_heads_batch():
@@ -135,3 +169,16 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
     assert box == [64, 128, 1, 1] and elem == [1, 1, 1, 1] and "BFLOAT16" in str(dtype)
     words = struct.unpack("<16Q", desc)
     assert words[1] == 7 and words[0] == 1 << 21 | 7  # bit 21 of word 1 cleared (< 128 KiB)
+    # FP8 Vᵀ (B, H, D, keys) = (1, 2, 64, 256) e4m3: keys innermost, 64-byte boxes and swizzle
+    from flashcore.ops import launcher
+
+    class FakeKernel:
+        params = (TensorMapParam("vt_tma", "vt", 64, 64, "float8_e4m3fn", 64, True),)
+
+    vt = (0x40000, 1, 2, 256, 2 * 64 * 256, 64 * 256, 256)  # ops.inputs.transposed_arg
+    (desc,), extents = launcher._tma_args(FakeKernel(), (vt,), "float16", 64)
+    assert extents == (256, 2, 1) and len(desc) == 128
+    dtype, rank, ptr, *lists = calls[-1]
+    dims, strides, box = ([int(x) for x in xs] for xs in lists[:3])
+    assert dims == [256, 64, 2, 1] and strides[:2] == [256, 64 * 256] and box == [64, 64, 1, 1]
+    assert "UINT8" in str(dtype) and "SWIZZLE_64B" in str(calls[-1][-3])

@@ -55,12 +55,17 @@ class TensorMapParam:
     """A TMA descriptor (``CUtensorMap``, 128 bytes, 64-byte aligned) passed by value, encoded by
     the runtime (``flashcore.runtime.tensor_map``) for a (batch, heads, seq, head_dim) tensor:
     TMA dims (head_dim, seq, heads, batch), box (``box_cols`` elements, ``box_rows`` rows, 1, 1),
-    128-byte swizzle, zero fill past the ends. ``tensor``: which tensor argument it describes."""
+    a ``swizzle``-byte swizzle, zero fill past the ends. ``tensor``: which tensor argument it
+    describes; ``dtype``: its element type ("": the call's 16-bit dtype); ``transposed``: FP8
+    Vᵀ, (batch, heads, head_dim, keys) walked as (keys, head_dim, heads, batch)."""
 
     name: str
     tensor: str
     box_rows: int
     box_cols: int = 64  # 128 bytes of 16-bit elements: the swizzle span
+    dtype: str = ""
+    swizzle: int = 128
+    transposed: bool = False
 
     size: int = 128
     align: int = 64
@@ -95,14 +100,27 @@ def _align(n: int, a: int) -> int:
 def tma_attention_params(spec) -> tuple:
     """The warp-specialised Hopper kernel's parameters (``flashcore.kernels.wgmma_ws``): Q, K and
     V as TMA descriptors, each followed by its coordinate tensor's (seq, heads, batch); then O,
-    LSE if asked, the exp2 softmax scale and ``q_group``."""
-    c = spec.config
-    params = []
-    for name, rows in (("q", c.tile_m), ("k", c.tile_n), ("v", c.tile_n)):
-        params += [TensorMapParam(f"{name}_tma", name, rows), CoordParam(f"{name}_extents")]
+    LSE if asked, FP8's descales, the exp2 softmax scale and ``q_group``.
+
+    Each box row fills the kernel's swizzle span, at most 128 bytes (e4m3 rows of 64 elements:
+    64 bytes); FP8 Vᵀ's box is head_dim rows of tile_n keys."""
+    c, d = spec.config, spec.head_dim
+    fp8 = spec.precision == "fp8"
+    dtype, esize = ("float8_e4m3fn", 1) if fp8 else ("", 2)
+
+    def tma(name: str, rows: int, inner: int, transposed: bool = False):
+        span = min(inner * esize, 128)
+        return [TensorMapParam(f"{name}_tma", name, rows, span // esize, dtype, span, transposed),
+                CoordParam(f"{name}_extents")]
+
+    params = tma("q", c.tile_m, d) + tma("k", c.tile_n, d)
+    params += tma("vt", d, c.tile_n, transposed=True) if fp8 else tma("v", c.tile_n, d)
     params.append(TensorParam("o", 3, 3))
     if spec.return_lse:
         params.append(TensorParam("lse", 3, 2))
+    if fp8:
+        params += [TensorParam("q_descale", 3, 2), TensorParam("k_descale", 3, 2),
+                   TensorParam("v_descale", 2, 1)]
     return (*params, ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"))
 
 

@@ -161,11 +161,12 @@ def run_fp8(
     if config is None:
         config = plan.tuned_config(arch, D, causal, Sq, "fp8",
                                    mask.features + _split_feature(num_splits))
-    if arch == "sm_90" and device not in _warned:
+    if arch == "sm_90" and config.family != "wgmma_ws" and device not in _warned:
         _warned.add(device)
         warnings.warn(
-            "flashcore FP8 on sm_90: Hopper has no e4m3 mma.sync (ptxas emulates it with f16 "
-            "MMAs), so this path is slower than precision='fp16' there; it is fast on sm_89",
+            f"flashcore FP8 on sm_90 with the {config.family or 'mma_sync'} family: Hopper has "
+            "no e4m3 mma.sync (ptxas emulates it with f16 MMAs), so this kernel is slower than "
+            "precision='fp16'; the wgmma_ws family (e4m3 wgmma) is fast",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -8,8 +8,9 @@ takes tensors in the form it returns (the form a serving engine keeps its KV cac
 32 (``key_permutation``) and a float32 (batch, heads) descale.
 
 Speed: on Ada (sm_89) the e4m3 MMAs are native (twice the fp16 rate). Hopper (sm_90) has FP8 only
-in wgmma: ptxas lowers e4m3 ``mma.sync`` to f16 MMAs plus unpacks, so there this path is correct
-but slower than fp16 (a warning says so when such a kernel is first loaded).
+in wgmma: the warp-specialised family (``wgmma_ws``) multiplies e4m3 there (SASS QGMMA) and is the
+tuned default for most buckets; ptxas lowers the mma_sync family's e4m3 ``mma.sync`` to f16 MMAs
+plus unpacks, correct but slower than fp16 (a warning says so when such a kernel is first used).
 """
 
 from __future__ import annotations

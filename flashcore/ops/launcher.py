@@ -87,12 +87,16 @@ def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
 
 def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     """A TMA kernel's Q, K, V arguments: each tensor's descriptor, then its (seq, heads, batch)
-    (``build.abi.tma_attention_params``)."""
+    (``build.abi.tma_attention_params``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
+    slot, the head_dim stride in the seq stride's) is described as head_dim rows of keys."""
     maps = [p for p in kern.params if isinstance(p, TensorMapParam)]
     out: tuple = ()
     for p, arg in zip(maps, qkv_args):
-        _, b, h, s = arg[:4]
-        out += ((tensor_map.encode(arg, dtype, head_dim, p.box_rows, p.box_cols),), (s, h, b))
+        ptr, b, h, s = arg[:4]
+        rows, inner = (((ptr, b, h, head_dim, *arg[4:]), s) if p.transposed else (arg, head_dim))
+        desc = tensor_map.encode(rows, p.dtype or dtype, inner, p.box_rows, p.box_cols,
+                                 p.swizzle)
+        out += ((desc,), (s, h, b))
     return out
 
 
@@ -148,7 +152,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
                 if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
         if kern.artifact.spec.family == "wgmma_ws":  # TMA: descriptors, no key shares
             launch(kern, grid, (*_tma_args(kern, qkv_args, dtype, D), tensor_arg(out),
-                                *lse_args, *scalars[:2]), dev)
+                                *lse_args, *descale_args, *scalars[:2]), dev)
             return
         launch(kern, grid, (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
         return

@@ -20,20 +20,24 @@ from .driver import check, cu
 _CACHE_SIZE = 256
 _cache: OrderedDict = OrderedDict()
 _DTYPES = {"float16": (2, "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"),
-           "bfloat16": (2, "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16")}
+           "bfloat16": (2, "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"),
+           "float8_e4m3fn": (1, "CU_TENSOR_MAP_DATA_TYPE_UINT8")}  # TMA moves e4m3 as bytes
+_SWIZZLES = {128: "CU_TENSOR_MAP_SWIZZLE_128B", 64: "CU_TENSOR_MAP_SWIZZLE_64B"}
 _SMALL = 128 * 1024  # see _fix_oob_mode
 _driver_version: list[int] = []
 
 
-def encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int = 64) -> bytes:
+def encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int = 64,
+           swizzle: int = 128) -> bytes:
     """The 128-byte descriptor of the tensor whose ``ops.inputs.tensor_arg`` is ``arg``
-    (pointer, batch, heads, seq, batch stride, heads stride, seq stride; head_dim contiguous)."""
-    key = (arg, dtype, head_dim, box_rows, box_cols)
+    (pointer, batch, heads, seq, batch stride, heads stride, seq stride; head_dim contiguous;
+    for FP8 Vᵀ: seq = head_dim rows, ``head_dim`` = the contiguous keys)."""
+    key = (arg, dtype, head_dim, box_rows, box_cols, swizzle)
     hit = _cache.get(key)
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    desc = _encode(arg, dtype, head_dim, box_rows, box_cols)
+    desc = _encode(arg, dtype, head_dim, box_rows, box_cols, swizzle)
     _cache[key] = desc
     if len(_cache) > _CACHE_SIZE:
         _cache.popitem(last=False)
@@ -58,7 +62,8 @@ def tma_geometry(arg: tuple, head_dim: int, esize: int) -> tuple[list, list]:
     return dims, strides
 
 
-def _encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int) -> bytes:
+def _encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int,
+            swizzle: int) -> bytes:
     esize, name = _DTYPES[dtype]
     dims, strides = tma_geometry(arg, head_dim, esize)
     tmap = check(cu.cuTensorMapEncodeTiled(
@@ -66,7 +71,7 @@ def _encode(arg: tuple, dtype: str, head_dim: int, box_rows: int, box_cols: int)
         [cu.cuuint64_t(n) for n in dims], [cu.cuuint64_t(n) for n in strides],
         [cu.cuuint32_t(n) for n in (box_cols, box_rows, 1, 1)], [cu.cuuint32_t(1)] * 4,
         cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(cu.CUtensorMapSwizzle, _SWIZZLES[swizzle]),
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
     words = [int(w) for w in tmap.opaque]

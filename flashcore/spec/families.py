@@ -165,6 +165,7 @@ class Wgmma:
 
     name: str = "wgmma"
     archs: tuple[str, ...] = ("sm_90",)
+    precisions: tuple[str, ...] = ("fp16",)
     splits_keys: bool = False
     rows_per_warpgroup: int = 64
     producer_threads: int = 0
@@ -185,7 +186,7 @@ class Wgmma:
 
         unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", "window",
                                    "softcap") if getattr(spec, f)]
-        if spec.precision != "fp16":
+        if spec.precision not in self.precisions:
             unsupported.append(f"precision={spec.precision!r}")
         if spec.mask_align != "top_left":
             unsupported.append(f"mask_align={spec.mask_align!r}")
@@ -219,12 +220,13 @@ class WgmmaWs(Wgmma):
     """Hopper, warp-specialised: the wgmma family's MMAs and schedule fed by TMA
     (``cp.async.bulk.tensor``) from a producer warpgroup through mbarrier pipelines, consumers
     with 240 registers (``setmaxnreg``), no CTA barrier in the key loop
-    (``flashcore/kernels/wgmma_ws``). ``warps`` counts the consumer warps; the CTA has
+    (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3 wgmma). ``warps`` counts the consumer warps; the CTA has
     ``producer_threads`` more. The runtime encodes the TMA descriptors
     (``flashcore.runtime.tensor_map``)."""
 
     name: str = "wgmma_ws"
     producer_threads: int = 128
+    precisions: tuple[str, ...] = ("fp16", "fp8")  # fp8: e4m3 wgmma (SASS QGMMA)
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
@@ -232,8 +234,12 @@ class WgmmaWs(Wgmma):
                 "stages": (2, 3, 4), "kv_splits": (1,)}
 
     def smem_bytes(self, spec: AttentionSpec) -> int:
-        """The wgmma tiles, after 1 KB holding the pipelines' mbarriers."""
-        return _SMEM_ALIGN + super().smem_bytes(spec)
+        """The wgmma tiles, after 1 KB holding the pipelines' mbarriers; for fp8 operands a
+        16-bit output tile of its own (the e4m3 Q buffer is half its size)."""
+        out = 0
+        if spec.precision == "fp8":
+            out = _align(spec.config.tile_m * spec.head_dim * DTYPE_BYTES[spec.dtype])
+        return _SMEM_ALIGN + super().smem_bytes(spec) + out
 
 
 FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync(), "wgmma": Wgmma(),

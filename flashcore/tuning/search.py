@@ -129,13 +129,13 @@ def _check_families(arch: str, families) -> None:
                             f"(it runs on {', '.join(FAMILIES[name].archs)})")
 
 
-def build(arch: str, out: Path, jobs: int | None, buckets=None, fp8: bool = True,
-          families=None) -> int:
+def build(arch: str, out: Path, jobs: int | None, buckets=None,
+          precisions: tuple[str, ...] = ("fp16", "fp8"), families=None) -> int:
     from ..build.cache import KernelCache
     from ..build.compiler import compile_many
 
     _check_families(arch, families)
-    precisions = ("fp16", "fp8") if fp8 and arch in FP8_ARCHS else ("fp16",)
+    precisions = tuple(p for p in precisions if p == "fp16" or arch in FP8_ARCHS)
     specs = all_candidates(arch, precisions, buckets, families)
     if not specs:
         raise SystemExit(f"autotune: no candidate compiles for {arch}")
@@ -262,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--out", required=True, help="cache folder to compile into")
     b.add_argument("--jobs", type=int, default=None, help="parallel compile workers")
     b.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
-    b.add_argument("--no-fp8", action="store_true", help="fp16 candidates only")
     r = sub.add_parser("run", help="time the candidates on this GPU and write the winners")
     r.add_argument("--out", default=None, help="table to write (default flashcore/tuned/)")
-    r.add_argument("--no-fp8", action="store_true", help="fp16 candidates only")
     r.add_argument("--buckets", nargs="*", default=None, help="default: every bucket")
     for p in (b, r):
+        p.add_argument("--no-fp8", action="store_true", help="fp16 candidates only")
+        p.add_argument("--only-fp8", action="store_true", help="FP8 (e4m3 operand) candidates only")
         p.add_argument("--families", nargs="*", default=None, choices=sorted(FAMILIES),
                        help="kernel families to draw candidates from (default: every one)")
     a = ap.parse_args(argv)
@@ -278,9 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     # Every error: one line naming it, exit status 2, no traceback.
     try:
         _check_buckets(a.buckets)
+        if a.no_fp8 and a.only_fp8:
+            raise SystemExit("--no-fp8 and --only-fp8 leave nothing to tune")
+        precisions = ("fp16",) if a.no_fp8 else ("fp8",) if a.only_fp8 else ("fp16", "fp8")
         if a.verb == "build":
-            build(a.arch, Path(a.out), a.jobs, a.buckets, fp8=not a.no_fp8,
-                  families=a.families)
+            build(a.arch, Path(a.out), a.jobs, a.buckets, precisions, families=a.families)
         else:
             try:
                 import torch
@@ -290,7 +292,6 @@ def main(argv: list[str] | None = None) -> int:
                 has_gpu = False
             if not has_gpu:
                 raise SystemExit("needs a CUDA GPU (torch sees none); `build` needs none")
-            precisions = ("fp16",) if a.no_fp8 else ("fp16", "fp8")
             print(run(Path(a.out) if a.out else None, precisions, a.buckets,
                       tuple(a.families) if a.families else None))
     except (FlashcoreError, OSError) as e:

@@ -23,10 +23,14 @@ class OnlineSoftmax:
     """``exact_max``: compute p = exp2((s - max) * scale) (exact at the max however large the
     logits: the FP8 kernel's e4m3 inputs may be of any magnitude) instead of FA2's one-FMA
     exp2(s * scale - max * scale), whose rounding of max * scale shifts p once logits pass ~1e5.
+    ``p_log2``: p comes out multiplied by 2**p_log2 (with ``exact_max``: one FMA
+    (s - max) * scale + p_log2), the sums with it; ``lse`` takes it out again. An FP8 kernel
+    scales P so for its e4m3 conversion at no cost.
     """
 
-    def __init__(self, rows: int, scale_log2, exact_max: bool):
+    def __init__(self, rows: int, scale_log2, exact_max: bool, p_log2: float = 0.0):
         self.exact_max = exact_max
+        self.p_log2 = p_log2
         self.row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         self.row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
         self.row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
@@ -53,7 +57,15 @@ class OnlineSoftmax:
             cur_max = quad_max(row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
             cur_max = cute.arch.fmax(prev_max, cur_max)
             safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
-            if cutlass.const_expr(self.exact_max):
+            if cutlass.const_expr(self.exact_max and self.p_log2 != 0.0):
+                p = cute.math.exp2(
+                    cute.math.fma(row - safe_max, cute.full_like(row, scale_log2),
+                                  cute.full_like(row, self.p_log2)),
+                    fastmath=True,
+                )
+                correction[r] = cute.math.exp2((prev_max - safe_max) * scale_log2,
+                                               fastmath=True)
+            elif cutlass.const_expr(self.exact_max):
                 p = cute.math.exp2((row - safe_max) * scale_log2, fastmath=True)
                 correction[r] = cute.math.exp2((prev_max - safe_max) * scale_log2,
                                                fastmath=True)
@@ -98,4 +110,6 @@ class OnlineSoftmax:
         total = self.row_sum[r]
         value = (self.row_max[r] * self.row_scale[r]
                  + cute.math.log2(total, fastmath=False)) * LN_2
+        if cutlass.const_expr(self.p_log2 != 0.0):
+            value = value - self.p_log2 * LN_2
         return -cutlass.Float32.inf if total == 0.0 else value

@@ -31,10 +31,11 @@ import cutlass.cute as cute
 
 from ...spec import AttentionSpec
 from ..common.block_info import masked_steps
+from ..common.fp8 import P_SCALE, fold_query_descales
 from ..common.fragments import mn_view
 from ..common.grid import kv_head_of, tile_coords, wait_for_previous_grid
 from ..common.softmax import OnlineSoftmax
-from .block import P_SCALE, key_block
+from .block import key_block
 from .cta import Cta
 from .epilogue import merge_groups, store_output, store_partials
 from .layouts import KernelLayouts
@@ -110,9 +111,10 @@ class AttentionForward:
                                 exact_max=lay.fp8)
         o_scale = cutlass.Float32(1.0 / lay.kv_v_scale)  # 1 but for an fp16 FP8-KV kernel
         if cutlass.const_expr(lay.fp8):
-            self.fold_query_descales(cta, softmax, mQ, mQd, scale_log2)
-            # O = (P8 · v8) * v_descale / P_SCALE; loaded early to hide its latency
+            # each row's exp2 scale carries its query's descale; O = (P8 · v8) * v_descale /
+            # P_SCALE, loaded early to hide its latency
             _, head, batch, _ = tile_coords(mQ, self.spec)
+            fold_query_descales(cta, softmax, mQd[batch, head, None], scale_log2)
             o_scale = mVd[batch, kv_head_of(head, mQ, mK)] * (1.0 / P_SCALE)
         prologue(cta)
         self.walk_keys(cta, softmax)
@@ -152,13 +154,3 @@ class AttentionForward:
             for n_block in range(cutlass.min(cta.n_hi - 1 - steps, lowest - 1), cta.n_lo - 1, -1):
                 key_block(cta, softmax, n_block, (cta.n_hi - 1 - n_block) % spec.stages,
                           masked=True, first=False)
-
-    @cute.jit
-    def fold_query_descales(self, cta: Cta, softmax: OnlineSoftmax, mQ, mQd, scale_log2):
-        """FP8: each row's exp2 scale carries its query's descale."""
-        _, head, batch, _ = tile_coords(mQ, self.spec)
-        rows, row_scale = cta.row_coords(), softmax.row_scale
-        for r in cutlass.range_constexpr(len(rows)):
-            row = cta.m_block * self.spec.tile_m + rows[r]
-            if row < cta.seqlen_q:
-                row_scale[r] = scale_log2 * mQd[batch, head, row]

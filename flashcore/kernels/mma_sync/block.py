@@ -4,16 +4,13 @@
 import cutlass
 import cutlass.cute as cute
 
+from ..common.fp8 import P_SCALE, key_descales, scale_columns
 from ..common.fragments import acc_as_fp8_operand_a, acc_as_operand_a, mn_view
 from ..common.mask import mask_scores
 from ..common.mma import gemm_rs, gemm_ss
 from ..common.softmax import OnlineSoftmax
 from .cta import Cta
 from .pipeline import after_block, after_scores, before_scores
-
-# FP8: P is multiplied by this before its e4m3 conversion, so small probabilities keep
-# normal-range precision; a power of two, exact to apply and to undo (in the epilogue)
-P_SCALE = 256.0
 
 
 @cute.jit
@@ -26,7 +23,7 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
     k_descale = None
     if cutlass.const_expr(cta.lay.fp8):
         # issued before the MMAs so their global-load latency hides behind them
-        k_descale = load_k_descale(cta, n_block)
+        k_descale = key_descales(cta.score_coords(n_block), cta.gKd, cta.seqlen_k)
 
     kv_scales = before_scores(cta, n_block, slot, first)
     stage = cta.stage(slot)
@@ -49,14 +46,6 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
     gemm_rs(cta.lay.tiled_mma, cta.acc_O, probabilities_as_operand(cta, acc_S), cta.vt,
             cta.vt.stage(stage))
     after_block(cta, n_block, slot)
-
-
-@cute.jit
-def scale_columns(S: cute.Tensor, scales: cute.Tensor):
-    """S[r, c] *= scales[c] over a (rows, keys) view."""
-    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            S[r, c] = S[r, c] * scales[c]
 
 
 @cute.jit
@@ -83,16 +72,3 @@ def probabilities_as_operand(cta: Cta, acc_S: cute.Tensor):
     rP = cute.make_rmem_tensor(acc_S.layout, op)
     rP.store(acc_S.load().to(op))
     return cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
-
-
-@cute.jit
-def load_k_descale(cta: Cta, n_block):
-    """The descales of the keys whose scores this thread holds (1 past the last key)."""
-    cols = cta.score_coords(n_block)
-    kd = cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
-    for c in cutlass.range_constexpr(cute.size(cols, mode=[1])):
-        col = cols[0, c][1]
-        kd[c] = cutlass.Float32(1.0)
-        if col < cta.seqlen_k:
-            kd[c] = cta.gKd[col]
-    return kd

@@ -25,22 +25,37 @@ ROWS_PER_WARPGROUP = 64
 _ALIGN = 1024  # every shared buffer starts on a swizzle-atom repeat (1 KB)
 
 
+def swizzle_bytes(dtype, row: int) -> int:
+    """The swizzle span of a K-major tile whose rows are ``row`` elements: 128 bytes, or 64
+    for 64 one-byte elements (e4m3 at head_dim 64, or 64 keys of FP8 Vᵀ)."""
+    return min(row * dtype.width // 8, 128)
+
+
+def k_major(dtype, shape: tuple):
+    """A K-major swizzled layout of ``shape`` (rows, K[, stages]), the widest swizzle a row
+    fills (``swizzle_bytes``)."""
+    kind = (warpgroup.SmemLayoutAtomKind.K_SW128 if swizzle_bytes(dtype, shape[1]) == 128
+            else warpgroup.SmemLayoutAtomKind.K_SW64)
+    atom = warpgroup.make_smem_layout_atom(kind, dtype)
+    return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
+
+
 def smem_tiles(dtype, tile_m: int, tile_n: int, head_dim: int, stages: int):
-    """(Q's (tile_m, d), the K/V ring's (tile_n, d, stages)) K-major 128-byte-swizzled layouts:
-    head_dim * 16 bits is a multiple of 1024 bits for 64 and 128."""
-    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, dtype)
-    return (cute.tile_to_shape(atom, (tile_m, head_dim), (0, 1)),
-            cute.tile_to_shape(atom, (tile_n, head_dim, stages), (0, 1, 2)))
+    """(Q's (tile_m, d), the K/V ring's (tile_n, d, stages)) K-major swizzled layouts: rows of
+    head_dim 16-bit elements fill the 128-byte swizzle (e4m3 rows of 64 a 64-byte one)."""
+    return (k_major(dtype, (tile_m, head_dim)), k_major(dtype, (tile_n, head_dim, stages)))
 
 
-def tiled_mmas(dtype, warpgroups: int, tile_n: int, head_dim: int):
+def tiled_mmas(dtype, warpgroups: int, tile_n: int, head_dim: int,
+               v_major: OperandMajorMode = OperandMajorMode.MN):
     """(S = Q·Kᵀ: A and B from shared memory, both K-major, 64 rows x tile_n a warpgroup;
-    O += P·V: A (P) from registers, B (V seen as head_dim x keys) MN-major from shared)."""
+    O += P·V: A (P) from registers, B (V seen as head_dim x keys) MN-major from shared, or
+    K-major for e4m3, whose wgmma reads only K-major operands: Vᵀ stored keys-contiguous)."""
     qk = sm90.make_trivial_tiled_mma(
         dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
         (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, tile_n))
     pv = sm90.make_trivial_tiled_mma(
-        dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, cutlass.Float32,
+        dtype, dtype, OperandMajorMode.K, v_major, cutlass.Float32,
         (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, head_dim), sm90.OperandSource.RMEM)
     return qk, pv
 

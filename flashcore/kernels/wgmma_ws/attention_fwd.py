@@ -18,7 +18,14 @@ warpgroup and 1-3 consumer warpgroups.
 * Epilogue: O / row sum, each consumer warpgroup through its own rows of Q's tile (a named
   barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q; natural-log LSE if
   asked.
+* ``precision="fp8"``: Q, K and Vᵀ in e4m3 (``flashcore.ops.fp8``'s layout: Vᵀ keys-contiguous,
+  permuted within each 32), both MMAs e4m3 wgmma (k32), fp32 accumulators. Vᵀ tiles are the
+  K-major B operand the 8-bit wgmma requires; the permutation lets P's accumulator registers
+  be the A operand after a gather within each thread (``acc_as_fp8_operand_a``). Descales as
+  in the mma_sync family (``common/fp8.py``); O is staged in its own 16-bit tile.
 """
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -26,12 +33,14 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common.block_info import KeyBounds, key_range, masked_steps
+from ..common.dtypes import E4M3
 from ..common.epilogue import store_lse
+from ..common.fp8 import P_SCALE, fold_query_descales, key_descales, scale_columns
 from ..common.grid import tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
 from ..wgmma.attention_fwd import refuse_extras, wgmma
-from ..wgmma.fragments import ThreadCoords, acc_as_operand_a, acc_mn_view
+from ..wgmma.fragments import ThreadCoords, acc_as_fp8_operand_a, acc_as_operand_a, acc_mn_view
 from ..wgmma.layouts import ROWS_PER_WARPGROUP, WARPGROUP
 from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
 from .turns import Turns
@@ -46,7 +55,8 @@ class Consumer(ThreadCoords):
     """Trace-time view of one consumer thread: its warpgroup's MMA fragments, accumulators and
     the coordinates of its scores."""
 
-    def __init__(self, lay: WsLayouts, sQ, sK, sV, ctid, m_block, seqlen_q, seqlen_k, q_group):
+    def __init__(self, lay: WsLayouts, sQ, sK, sV, sO, ctid, m_block, seqlen_q, seqlen_k,
+                 q_group):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
@@ -54,8 +64,11 @@ class Consumer(ThreadCoords):
                                                                     q_group)
         self.bounds = KeyBounds(spec.causal)
         wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
-        self.sQ, self.ctid, self.wg = sQ, ctid, wg
-        sVt = cute.composition(sV, cute.make_ordered_layout((d, tn, c.stages), order=(1, 0, 2)))
+        self.sQ, self.sO, self.ctid, self.wg = sQ, sO, ctid, wg
+        sVt = sV  # FP8: Vᵀ tiles as stored; else V's tiles seen as (head_dim, keys)
+        if not lay.fp8:
+            sVt = cute.composition(sV, cute.make_ordered_layout((d, tn, c.stages),
+                                                                order=(1, 0, 2)))
         wg_qk, wg_pv = lay.qk_mma.get_slice(wg * WARPGROUP), lay.pv_mma.get_slice(wg * WARPGROUP)
         self.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         self.tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
@@ -64,7 +77,25 @@ class Consumer(ThreadCoords):
         self.acc_O = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((tm, d)),
                                            cutlass.Float32)
         self.acc_O.fill(0.0)
-        self.rP = cute.make_rmem_tensor(self.thr_qk.partition_shape_C((tm, tn)), lay.dtype)
+        p_layout = cute.make_layout(self.thr_qk.partition_shape_C((tm, tn)))
+        if lay.fp8:  # P in the e4m3 A operand's register order
+            p_layout = cute.make_layout(acc_as_fp8_operand_a(p_layout).shape)
+        self.rP = cute.make_rmem_tensor(p_layout, lay.dtype)
+        self.gKd = None  # FP8: this K/V head's per-key descales
+
+    def set_probabilities(self, acc_S: cute.Tensor):
+        """P (the scores after ``softmax.step``) into the P·V MMA's A operand registers: e4m3
+        gathered in operand order, or the 16-bit dtype as it lies."""
+        if self.lay.fp8:
+            as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
+            self.rP.store(as_a.load().to(E4M3))  # P_SCALE is in p already (softmax p_log2)
+        else:
+            self.rP.store(acc_S.load().to(self.lay.dtype))
+
+    def operand_p(self) -> cute.Tensor:
+        if self.lay.fp8:
+            return self.rP
+        return cute.make_tensor(self.rP.iterator, acc_as_operand_a(self.rP.layout))
 
     def new_scores(self):
         c = self.config
@@ -91,26 +122,39 @@ class WgmmaWsAttentionForward:
              seqlens_k: cute.Tensor | None = None):
         """The launch; flashcore keeps only the cubin, and its runtime encodes the descriptors
         these atoms describe (``flashcore.build.abi.tma_attention_params``)."""
-        refuse_extras("wgmma_ws", (mQd, mKd, mVd, window_left, window_right, softcap_in,
-                                   softcap_out, cu_seqlens_q, cu_seqlens_k, block_table,
-                                   seqlens_k))
         lay = WsLayouts(self.spec)
+        refuse_extras("wgmma_ws", (window_left, window_right, softcap_in, softcap_out,
+                                   cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
+                      + (() if lay.fp8 else (mQd, mKd, mVd)))
         self.smem_size = lay.storage.size_in_bytes()
         c, d = self.spec.config, self.spec.head_dim
         op = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(op, _sdhb(mQ), lay.sQ, (c.tile_m, d))
-        stage = cute.select(lay.sKV, mode=[0, 1])
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(op, _sdhb(mK), stage, (c.tile_n, d))
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(op, _sdhb(mV), stage, (c.tile_n, d))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(op, _sdhb(mK),
+                                                    cute.select(lay.sKV, mode=[0, 1]),
+                                                    (c.tile_n, d))
+        # FP8 Vᵀ (batch, heads, head_dim, keys) is seen as (head_dim, keys, heads, batch)
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(op, _sdhb(mV),
+                                                    cute.select(lay.sV, mode=[0, 1]),
+                                                    self.v_tiling()[0])
         m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
-        self.kernel(atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, mO, mLSE, scale_log2,
-                    q_group).launch(grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
+        self.kernel(atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, mO, mLSE, mQd, mKd, mVd,
+                    scale_log2, q_group).launch(grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
                                     block=[self.spec.threads, 1, 1], smem=self.smem_size)
+
+    def v_tiling(self) -> tuple:
+        """One V stage's tile of the TMA view and the coordinate that walks the key blocks:
+        (keys, head_dim), or FP8 Vᵀ's (head_dim, keys)."""
+        c, d = self.spec.config, self.spec.head_dim
+        if self.spec.precision == "fp8":
+            return (d, c.tile_n), (0, None)
+        return (c.tile_n, d), (None, 0)
 
     @cute.kernel
     def kernel(self, atom_q: cute.CopyAtom, tma_q: cute.Tensor, atom_k: cute.CopyAtom,
                tma_k: cute.Tensor, atom_v: cute.CopyAtom, tma_v: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32):
+               mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
+               mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32):
         spec, c = self.spec, self.spec.config
         wait_for_previous_grid(spec)
         lay = WsLayouts(spec)
@@ -124,7 +168,10 @@ class WgmmaWsAttentionForward:
         cute.arch.sync_threads()  # the barriers are initialised before anyone waits on them
         sQ = storage.sQ.get_tensor(lay.sQ.outer, swizzle=lay.sQ.inner)
         sK = storage.sK.get_tensor(lay.sKV.outer, swizzle=lay.sKV.inner)
-        sV = storage.sV.get_tensor(lay.sKV.outer, swizzle=lay.sKV.inner)
+        sV = storage.sV.get_tensor(lay.sV.outer, swizzle=lay.sV.inner)
+        sO = sQ  # the output tile: Q's buffer, or FP8's own 16-bit one
+        if cutlass.const_expr(lay.fp8):
+            sO = storage.sO.get_tensor(lay.sO.outer, swizzle=lay.sO.inner)
         m_block, head, batch, _ = tile_coords(mO, spec)
         kv_head = head // (mO.shape[1] // tma_k.shape[2])
         seqlen_q, seqlen_k = mO.shape[2], tma_k.shape[0]
@@ -138,14 +185,22 @@ class WgmmaWsAttentionForward:
         else:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            cons = Consumer(lay, sQ, sK, sV, tidx - WARPGROUP, m_block, seqlen_q, seqlen_k,
-                            q_group)
+            cons = Consumer(lay, sQ, sK, sV, sO, tidx - WARPGROUP, m_block, seqlen_q,
+                            seqlen_k, q_group)
+            # FP8: p comes out times P_SCALE (one FMA), the row sums with it: O / sum needs
+            # only V's descale
             softmax = OnlineSoftmax(cute.size(acc_mn_view(cons.acc_O), mode=[0]), scale_log2,
-                                    exact_max=False)
+                                    exact_max=lay.fp8,
+                                    p_log2=math.log2(P_SCALE) if lay.fp8 else 0.0)
+            o_scale = None
+            if cutlass.const_expr(lay.fp8):
+                fold_query_descales(cons, softmax, mQd[batch, head, None], scale_log2)
+                cons.gKd = mKd[batch, kv_head, None]
+                o_scale = mVd[batch, kv_head]
             if n_hi > n_lo:
                 self.consume(cons, softmax, pipes, n_lo, n_hi)
             softmax.finish()
-            self.store_output(cons, softmax, mO, mLSE, head, batch)
+            self.store_output(cons, softmax, mO, mLSE, head, batch, o_scale)
 
     # ---- producer ----------------------------------------------------------------------------
     @cute.jit
@@ -159,7 +214,7 @@ class WgmmaWsAttentionForward:
         one = cute.make_layout(1)
         gQ = cute.local_tile(tma_q[None, None, head, batch], (c.tile_m, d), (m_block, 0))
         gK = cute.local_tile(tma_k[None, None, kv_head, batch], (c.tile_n, d), (None, 0))
-        gV = cute.local_tile(tma_v[None, None, kv_head, batch], (c.tile_n, d), (None, 0))
+        gV = cute.local_tile(tma_v[None, None, kv_head, batch], *self.v_tiling())
         sQt, gQt = cpasync.tma_partition(atom_q, 0, one, cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))
         sKt, gKt = cpasync.tma_partition(atom_k, 0, one, cute.group_modes(sK, 0, 2),
@@ -197,12 +252,14 @@ class WgmmaWsAttentionForward:
         wgmma(cons.lay.qk_mma, acc_S, cons.tSrQ, cons.tSrK[None, None, None, ks.index],
               zero_init=True, wait=None)
         turns.pass_on()
+        k_descale = self.key_descales(cons, n_hi - 1, masked=True)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)
+        self.scale_keys(S, k_descale)
         mask_scores(S, cons.score_coords(n_hi - 1), cons.seqlen_k, cons.bounds, cons.q_group)
         softmax.rescale(acc_mn_view(cons.acc_O), softmax.step(S))
-        cons.rP.store(acc_S.load().to(cons.lay.dtype))
+        cons.set_probabilities(acc_S)
         blocks = n_hi - n_lo
         masked = cutlass.min(masked_steps(c.tile_m, c.tile_n, cons.bounds), blocks)
         for i in range(1, masked):
@@ -238,52 +295,73 @@ class WgmmaWsAttentionForward:
             pipe_v.consumer_wait(vs)
         self.pv(cons, vs.index, wait=None)
         turns.pass_on()
+        k_descale = self.key_descales(cons, n_block, masked)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)
+        self.scale_keys(S, k_descale)
         if cutlass.const_expr(masked):
             mask_scores(S, cons.score_coords(n_block), cons.seqlen_k, cons.bounds, cons.q_group)
         correction = softmax.step(S)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(vs)
         softmax.rescale(acc_mn_view(cons.acc_O), correction)
-        cons.rP.store(acc_S.load().to(cons.lay.dtype))
+        cons.set_probabilities(acc_S)
         return ks
 
     @cute.jit
+    def key_descales(self, cons: Consumer, n_block, masked: cutlass.Constexpr):
+        """FP8: the descales of this thread's keys of block ``n_block``, loaded while the
+        block's Q·Kᵀ runs (an unmasked block lies below seqlen_k: no bounds check); else
+        None."""
+        kd = None
+        if cutlass.const_expr(cons.lay.fp8):
+            kd = key_descales(cons.score_coords(n_block), cons.gKd, cons.seqlen_k,
+                              inside=not masked)
+        return kd
+
+    @cute.jit
+    def scale_keys(self, S: cute.Tensor, k_descale):
+        if cutlass.const_expr(k_descale is not None):  # each key's descale scales its column
+            scale_columns(S, k_descale)
+
+    @cute.jit
     def pv(self, cons: Consumer, slot, wait: cutlass.Constexpr):
-        tOrP = cute.make_tensor(cons.rP.iterator, acc_as_operand_a(cons.rP.layout))
-        wgmma(cons.lay.pv_mma, cons.acc_O, tOrP, cons.tOrVt[None, None, None, slot],
+        wgmma(cons.lay.pv_mma, cons.acc_O, cons.operand_p(), cons.tOrVt[None, None, None, slot],
               zero_init=False, wait=wait)
 
     # ---- epilogue ------------------------------------------------------------------------------
     @cute.jit
     def store_output(self, cons: Consumer, softmax: OnlineSoftmax, mO: cute.Tensor,
-                     mLSE: cute.Tensor | None, head, batch):
-        d = self.spec.head_dim
+                     mLSE: cute.Tensor | None, head, batch, o_scale):
+        """O / row sum (times ``o_scale`` for FP8), LSE, and the rows below seqlen_q out."""
+        d, out_dtype = self.spec.head_dim, cons.lay.out_dtype
         O = acc_mn_view(cons.acc_O)
         for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
-            O[r, None] = O[r, None].load() * softmax.inverse_sum(r)
+            inv = softmax.inverse_sum(r)
+            if cutlass.const_expr(o_scale is not None):
+                inv = inv * o_scale
+            O[r, None] = O[r, None].load() * inv
         if cutlass.const_expr(mLSE is not None):
             store_lse(cons, softmax, mLSE[batch, head, None], cons.m_block)
-        rO = cute.make_rmem_tensor(cons.acc_O.layout, cons.lay.dtype)
-        rO.store(cons.acc_O.load().to(cons.lay.dtype))
-        # through shared memory: this warpgroup's rows of Q's tile (only its own Q·Kᵀ read
-        # them, and every one has completed), then 16-byte stores of the rows below seqlen_q
+        rO = cute.make_rmem_tensor(cons.acc_O.layout, out_dtype)
+        rO.store(cons.acc_O.load().to(out_dtype))
+        # through shared memory: this warpgroup's rows of the output tile (Q's, which only its
+        # own Q·Kᵀ read, every one completed), then 16-byte stores of the rows below seqlen_q
         r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
-                                                         cons.lay.dtype), cons.lay.pv_mma)
+                                                         out_dtype), cons.lay.pv_mma)
         r2s_thr = r2s.get_slice(cons.ctid)
-        cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cons.sQ))
+        cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cons.sO))
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + cons.wg, number_of_threads=WARPGROUP)
         rows = ROWS_PER_WARPGROUP
-        sO = cute.local_tile(cons.sQ, (rows, d), (cons.wg, 0))
+        sO = cute.local_tile(cons.sO, (rows, d), (cons.wg, 0))
         gO = cute.local_tile(mO[batch, head, None, None], (rows, d),
                              (cons.m_block * cons.lay.consumers + cons.wg, 0))
         cO = cute.local_tile(cute.make_identity_tensor((cons.seqlen_q, d)), (rows, d),
                              (cons.m_block * cons.lay.consumers + cons.wg, 0))
         r2g = cons.lay.r2g_o.get_slice(cons.ctid % WARPGROUP)
         tOsO, tOgO, tOcO = r2g.partition_S(sO), r2g.partition_D(gO), r2g.partition_D(cO)
-        tOrO = cute.make_rmem_tensor_like(tOgO, cons.lay.dtype)
+        tOrO = cute.make_rmem_tensor_like(tOgO, out_dtype)
         cute.autovec_copy(tOsO, tOrO)
         for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
             if cute.elem_less(tOcO[0, m, 0][0], cons.seqlen_q):

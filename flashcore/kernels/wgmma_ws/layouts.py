@@ -6,9 +6,10 @@ validates and budgets the spec)."""
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import OperandMajorMode
 
-from ..common.dtypes import DTYPES
-from ..wgmma.layouts import WARPGROUP, smem_tiles, tiled_mmas
+from ..common.dtypes import DTYPES, E4M3
+from ..wgmma.layouts import WARPGROUP, k_major, smem_tiles, tiled_mmas
 
 EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
 PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
@@ -30,18 +31,27 @@ class WsLayouts:
         c = spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.spec = spec
-        self.dtype = DTYPES[spec.dtype]
+        self.fp8 = spec.precision == "fp8"
+        self.out_dtype = DTYPES[spec.dtype]
+        self.dtype = E4M3 if self.fp8 else self.out_dtype  # what TMA loads and the MMAs read
         self.consumers = c.warps // 4
         self.consumer_regs = consumer_regs(self.consumers)
         self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
-        self.qk_mma, self.pv_mma = tiled_mmas(self.dtype, self.consumers, tn, d)
+        # V: 16-bit V tiles read through a transposed view (MN-major), or FP8 Vᵀ tiles
+        # (head_dim rows of tile_n keys, K-major) with O staged in its own 16-bit tile (the
+        # e4m3 Q buffer is half its size)
+        self.sV = k_major(self.dtype, (d, tn, c.stages)) if self.fp8 else self.sKV
+        self.sO = smem_tiles(self.out_dtype, tm, tn, d, 1)[0] if self.fp8 else None
+        self.qk_mma, self.pv_mma = tiled_mmas(
+            self.dtype, self.consumers, tn, d,
+            OperandMajorMode.K if self.fp8 else OperandMajorMode.MN)
         # the epilogue: each consumer warpgroup's 64 rows of O, shared -> global in 16-byte
         # vectors, 8 threads per 64 columns (its own 128 threads)
         self.r2g_o = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
                                 num_bits_per_copy=128),
             cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 128 // self.dtype.width)))
+            cute.make_layout((1, 128 // self.out_dtype.width)))
         self.q_bytes = tm * d * self.dtype.width // 8
         self.kv_bytes = tn * d * self.dtype.width // 8  # one stage of K (or V): TMA's tx count
         self.storage = self._shared_storage()
@@ -60,7 +70,21 @@ class WsLayouts:
             sK: Align[Mem[dtype, n_kv], _ALIGN]
             sV: Align[Mem[dtype, n_kv], _ALIGN]
 
-        return SharedStorage
+        if not self.fp8:
+            return SharedStorage
+        out_dtype, n_o = self.out_dtype, cute.cosize(self.sO)
+
+        @cute.struct
+        class SharedStorageFp8:  # the same, and the output tile
+            mbar_q: Mem[cutlass.Int64, 2]
+            mbar_k: Mem[cutlass.Int64, 2 * stages]
+            mbar_v: Mem[cutlass.Int64, 2 * stages]
+            sQ: Align[Mem[dtype, n_q], _ALIGN]
+            sK: Align[Mem[dtype, n_kv], _ALIGN]
+            sV: Align[Mem[dtype, n_kv], _ALIGN]
+            sO: Align[Mem[out_dtype, n_o], _ALIGN]
+
+        return SharedStorageFp8
 
     def pipelines(self, storage):
         """(Q, K, V) pipelines: one producer thread (its TMA's bytes complete the full barrier),

@@ -1,0 +1,54 @@
+"""FP8 (e4m3) operands' scales, shared by the kernel families that multiply e4m3 Q, K and Vᵀ.
+
+The quantisers give Q and K a descale per token and V one per (batch, head). A query's descale
+folds into its row's exp2 scale, a key's multiplies its column of scores; P is multiplied by
+``P_SCALE`` before its e4m3 conversion and O by ``v_descale / P_SCALE`` at the end
+(``flashcore.reference.attention_fp8_online`` replays exactly this).
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+from .softmax import OnlineSoftmax
+
+# P is multiplied by this before its e4m3 conversion, so small probabilities keep normal-range
+# precision; a power of two, exact to apply and to undo (in the epilogue)
+P_SCALE = 256.0
+
+
+@cute.jit
+def fold_query_descales(tile, softmax: OnlineSoftmax, q_descales: cute.Tensor, scale_log2):
+    """Each row's exp2 scale times its query's descale (``q_descales``: the rows of this batch
+    and head). ``tile``: the CTA's view (``config``, ``m_block``, ``row_coords()``,
+    ``seqlen_q``)."""
+    rows, row_scale = tile.row_coords(), softmax.row_scale
+    for r in cutlass.range_constexpr(len(rows)):
+        row = tile.m_block * tile.config.tile_m + rows[r]
+        if row < tile.seqlen_q:
+            row_scale[r] = scale_log2 * q_descales[row]
+
+
+@cute.jit
+def key_descales(cols: cute.Tensor, k_descales: cute.Tensor, seqlen_k,
+                 inside: cutlass.Constexpr = False):
+    """The descales of the keys whose scores this thread holds, for a (rows, keys) view of the
+    score coordinates (1 past the last key; ``inside``: the block is known to lie below
+    seqlen_k, no check). Issue before the MMAs: their latency hides."""
+    kd = cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
+    for c in cutlass.range_constexpr(cute.size(cols, mode=[1])):
+        col = cols[0, c][1]
+        if cutlass.const_expr(inside):
+            kd[c] = k_descales[col]
+        else:
+            kd[c] = cutlass.Float32(1.0)
+            if col < seqlen_k:
+                kd[c] = k_descales[col]
+    return kd
+
+
+@cute.jit
+def scale_columns(S: cute.Tensor, scales: cute.Tensor):
+    """S[r, c] *= scales[c] over a (rows, keys) view."""
+    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            S[r, c] = S[r, c] * scales[c]
