@@ -9,6 +9,8 @@ group), with compact strides (1, 2, 4) in a register tensor.
 
 import cutlass.cute as cute
 
+from ..common.fragments import acc_as_fp8_operand_a as mma_sync_fp8_operand_a
+
 
 def acc_mn_view(acc: cute.Tensor) -> cute.Tensor:
     """Re-view a ((2, 2, J), M, N) wgmma accumulator (or a partition of an identity tensor) as
@@ -47,19 +49,16 @@ def acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
 
 def acc_as_fp8_operand_a(layout: cute.Layout) -> cute.Layout:
     """((2, 2, J), M, 1) accumulator of a 64 x (8J) wgmma -> (((2, 2), 2, 2), M, J / 4): the
-    16 values per k32 step of an e4m3 RS wgmma's A operand, in its register order.
-
-    A value v = i + 4r + 8h holds (row g + 8r, key position 16h + 4t + i). Reading column
-    c = i % 2 of column group 4kk + 2h + i // 2, row half r, gives key 16h + 8(i // 2) + 2t +
-    i % 2 there: the permutation FP8 Vᵀ's keys are stored in (``flashcore.ops.fp8
-    .key_permutation``, as for the mma.sync e4m3 tiles), so P needs no shuffles, only a
-    gather into a compact fragment as it is converted.
-    """
+    16 values per k32 step of an e4m3 RS wgmma's A operand, in its register order. Each
+    warp's part of the accumulator is the mma.sync m16n8 C fragment repeated over J column
+    groups and the e4m3 A operand the m16n8k32 one, so this is the mma_sync view
+    (``common.fragments.acc_as_fp8_operand_a``: the same key permutation of FP8 Vᵀ) of the
+    column groups as n8 tiles."""
     (s_c, s_r, s_j), s_m, _ = layout.stride
     (_, _, groups), m, n = layout.shape
     assert n == 1 and groups % 4 == 0, f"accumulator {layout} is not one atom of N % 32 == 0"
-    return cute.make_layout((((2, 2), 2, 2), m, groups // 4),
-                            stride=(((s_c, s_j), s_r, 2 * s_j), s_m, 4 * s_j))
+    return mma_sync_fp8_operand_a(cute.make_layout(((2, 2), m, groups),
+                                                   stride=((s_c, s_r), s_m, s_j)))
 
 
 class ThreadCoords:
