@@ -7,6 +7,7 @@ alternate A B A B ..., so drift of the GPU clock shows up in the control; the ta
 tree's best median and the ratio new / old, normalised by the control.
 
     python scripts/ab_trees.py --old .scratch/old --new . --passes 2
+    python scripts/ab_trees.py --old .scratch/old --new . --passes 6 --shapes 1,8,512,64
 """
 
 from __future__ import annotations
@@ -47,7 +48,9 @@ def child() -> None:
 
     out = {"tree": os.path.dirname(os.path.dirname(flashcore.__file__)), "times": {}}
     torch.manual_seed(0)
-    for b, h, s, d, causal in SHAPES:
+    shapes = [tuple(x) for x in json.loads(os.environ["AB_SHAPES"])] if "AB_SHAPES" in os.environ \
+        else SHAPES
+    for b, h, s, d, causal in shapes:
         nbytes = 4 * b * h * s * d * 2
         n = max(2, min(32, -(-3 * 50 * 2**20 // nbytes)))  # inputs past the L2
         sets = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
@@ -66,11 +69,19 @@ def main() -> int:
     ap.add_argument("--new", required=True)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--old-cache", default=None, help="FLASHCORE_CACHE_DIR for the old tree")
+    ap.add_argument("--shapes", nargs="+", default=None, metavar="B,H,S,D[,causal]",
+                    help="prefill shapes to time instead of the benchmark's quick ones")
     a = ap.parse_args()
     trees = {"old": os.path.abspath(a.old), "new": os.path.abspath(a.new)}
+    shapes = None
+    if a.shapes:
+        shapes = [[int(x) for x in sh.split(",")[:4]] + [sh.endswith(",causal")]
+                  for sh in a.shapes]
 
     def env_of(tag: str) -> dict:
         env = dict(os.environ)
+        if shapes:
+            env["AB_SHAPES"] = json.dumps(shapes)
         env["PYTHONPATH"] = trees[tag] + os.pathsep + env.get("PYTHONPATH", "")
         if tag == "old" and a.old_cache:
             env["FLASHCORE_CACHE_DIR"] = a.old_cache

@@ -58,6 +58,22 @@ def test_ptx_has_the_instructions_we_meant(artifacts, spec):
         assert "griddepcontrol" not in body
 
 
+def test_hopper_kernel_works_out_its_coordinates_before_waiting_for_the_previous_grid(artifacts):
+    """With programmatic dependent launch a CTA is resident before the previous grid ends: its
+    coordinates (integer divisions: I2F.RP, MUFU.RCP) and addresses are worked out before the
+    wait (ACQBULK), which then comes right before the first global load."""
+    from flashcore.build.inspect import sass, sass_opcodes
+
+    text = sass(artifacts[SPECS[3]].cubin)
+    if text is None:
+        pytest.skip("nvdisasm is not installed")
+    ops = sass_opcodes(text)
+    wait = ops.index("ACQBULK")
+    first_load = min(i for i, op in enumerate(ops) if op.startswith(("LDG", "LDGSTS")))
+    assert "MUFU.RCP" in ops[:wait] and "MUFU.RCP" not in ops[wait:first_load]
+    assert wait < first_load <= wait + 40, (wait, first_load)
+
+
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 def test_resources_within_budget(artifacts, spec):
     art = artifacts[spec]

@@ -100,12 +100,22 @@ class AttentionForward:
         cu_seqlens_k: cute.Tensor | None, block_table: cute.Tensor | None,
         seqlens_k: cute.Tensor | None,
     ):
-        wait_for_previous_grid(self.spec)
+        # the CTA's coordinates, key range and addresses are arithmetic on kernel parameters
+        # (~200 instructions, four integer divisions): worked out while the previous grid
+        # finishes, unless a serving table (read from global memory) decides them
+        reads_tables = self.spec.varlen or self.spec.paged_kv
+        if cutlass.const_expr(reads_tables):
+            wait_for_previous_grid(self.spec)
         lay = KernelLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
         seqs = Sequences(self.spec, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
         cta = Cta(lay, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits, window_left,
                   window_right, seqs)
+        if cutlass.const_expr(not reads_tables):  # noqa: SIM102 - trace time, then run time
+            # true in every CTA; as a branch on the computed head it keeps ptxas from hoisting
+            # the wait above the arithmetic (it does for a wait that merely comes later)
+            if cta.kv_head < mK.shape[1]:
+                wait_for_previous_grid(self.spec)
         cta.softcap = (softcap_in, softcap_out)
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
                                 exact_max=lay.fp8)
