@@ -173,7 +173,7 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
     from flashcore.ops import launcher
 
     class FakeKernel:
-        params = (TensorMapParam("vt_tma", "vt", 64, 64, "float8_e4m3fn", 64, True),)
+        tensor_maps = (TensorMapParam("vt_tma", "vt", 64, 64, "float8_e4m3fn", 64, True),)
 
     vt = (0x40000, 1, 2, 256, 2 * 64 * 256, 64 * 256, 256)  # ops.inputs.transposed_arg
     (desc,), extents = launcher._tma_args(FakeKernel(), (vt,), "float16", 64)

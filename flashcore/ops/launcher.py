@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..build.abi import LOG2_E, TensorMapParam, attention_grid, combine_grid, varlen_grid
+from ..build.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
 from ..runtime import tensor_map
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
@@ -89,9 +89,8 @@ def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     """A TMA kernel's Q, K, V arguments: each tensor's descriptor, then its (seq, heads, batch)
     (``build.abi.tma_attention_params``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
     slot, the head_dim stride in the seq stride's) is described as head_dim rows of keys."""
-    maps = [p for p in kern.params if isinstance(p, TensorMapParam)]
     out: tuple = ()
-    for p, arg in zip(maps, qkv_args):
+    for p, arg in zip(kern.tensor_maps, qkv_args):
         ptr, b, h, s = arg[:4]
         rows, inner = (((ptr, b, h, head_dim, *arg[4:]), s) if p.transposed else (arg, head_dim))
         desc = tensor_map.encode(rows, p.dtype or dtype, inner, p.box_rows, p.box_cols,

@@ -17,7 +17,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..build.abi import ScalarParam, TensorParam, check_against_entry, params_for
+from ..build.abi import ScalarParam, TensorMapParam, TensorParam, check_against_entry, params_for
 from ..build.artifact import KernelArtifact
 from ..errors import LaunchError
 from .device import capability, native_arch, runs_from_ptx
@@ -57,6 +57,8 @@ class LoadedKernel:
         self._block = self.artifact.block
         self._smem = self.artifact.smem_dynamic
         self.programmatic = getattr(self.artifact.spec, "programmatic_launch", False)
+        # TMA kernels: the descriptors the launcher encodes, in parameter order
+        self.tensor_maps = tuple(p for p in self.params if isinstance(p, TensorMapParam))
         self._configs: dict[tuple, object] = {}  # (grid, stream) -> CUlaunchConfig
 
     def launch(self, grid: tuple[int, int, int], values: tuple, stream: int) -> None:

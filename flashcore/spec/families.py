@@ -220,9 +220,9 @@ class WgmmaWs(Wgmma):
     """Hopper, warp-specialised: the wgmma family's MMAs and schedule fed by TMA
     (``cp.async.bulk.tensor``) from a producer warpgroup through mbarrier pipelines, consumers
     with 240 registers (``setmaxnreg``), no CTA barrier in the key loop
-    (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3 wgmma). ``warps`` counts the consumer warps; the CTA has
-    ``producer_threads`` more. The runtime encodes the TMA descriptors
-    (``flashcore.runtime.tensor_map``)."""
+    (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3 wgmma).
+    ``warps`` counts the consumer warps; the CTA has ``producer_threads`` more. The runtime
+    encodes the TMA descriptors (``flashcore.runtime.tensor_map``)."""
 
     name: str = "wgmma_ws"
     producer_threads: int = 128

@@ -98,7 +98,6 @@ class Tile(ThreadCoords):
         self.acc_O.fill(0.0)
 
 
-
 def refuse_extras(family: str, extras: tuple) -> None:
     """Trace time: the Hopper families take the attention ABI's optional arguments (FP8
     descales, window, soft-cap, serving tables) but build none of them (the spec refuses such

@@ -46,7 +46,6 @@ def acc_as_operand_a(layout: cute.Layout) -> cute.Layout:
                             stride=((s_c, s_r, s_j), s_m, 2 * s_j))
 
 
-
 def acc_as_fp8_operand_a(layout: cute.Layout) -> cute.Layout:
     """((2, 2, J), M, 1) accumulator of a 64 x (8J) wgmma -> (((2, 2), 2, 2), M, J / 4): the
     16 values per k32 step of an e4m3 RS wgmma's A operand, in its register order. Each

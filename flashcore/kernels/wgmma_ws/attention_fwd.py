@@ -103,7 +103,6 @@ class Consumer(ThreadCoords):
                                      cutlass.Float32)
 
 
-
 class WgmmaWsAttentionForward:
     """Trace-time configuration of one kernel: the spec is Python data (constexpr)."""
 
@@ -139,8 +138,9 @@ class WgmmaWsAttentionForward:
                                                     self.v_tiling()[0])
         m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
         self.kernel(atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, mO, mLSE, mQd, mKd, mVd,
-                    scale_log2, q_group).launch(grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
-                                    block=[self.spec.threads, 1, 1], smem=self.smem_size)
+                    scale_log2, q_group).launch(
+            grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
+            block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
     def v_tiling(self) -> tuple:
         """One V stage's tile of the TMA view and the coordinate that walks the key blocks:

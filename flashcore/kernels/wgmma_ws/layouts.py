@@ -23,6 +23,7 @@ def consumer_regs(consumers: int) -> int:
     rest = (REGISTERS_PER_SM - WARPGROUP * PRODUCER_REGS) // (WARPGROUP * consumers)
     return min(240, rest // 8 * 8)
 
+
 _ALIGN = 1024
 
 
@@ -57,8 +58,9 @@ class WsLayouts:
         self.storage = self._shared_storage()
 
     def _shared_storage(self):
-        dtype, stages = self.dtype, self.spec.config.stages
+        dtype, stages, fp8 = self.dtype, self.spec.config.stages, self.fp8
         n_q, n_kv = cute.cosize(self.sQ), cute.cosize(self.sKV)
+        out_dtype, n_o = self.out_dtype, cute.cosize(self.sO) if fp8 else 0
         Align, Mem = cute.struct.Align, cute.struct.MemRange
 
         @cute.struct
@@ -69,22 +71,10 @@ class WsLayouts:
             sQ: Align[Mem[dtype, n_q], _ALIGN]
             sK: Align[Mem[dtype, n_kv], _ALIGN]
             sV: Align[Mem[dtype, n_kv], _ALIGN]
+            if fp8:  # the output tile of its own
+                sO: Align[Mem[out_dtype, n_o], _ALIGN]
 
-        if not self.fp8:
-            return SharedStorage
-        out_dtype, n_o = self.out_dtype, cute.cosize(self.sO)
-
-        @cute.struct
-        class SharedStorageFp8:  # the same, and the output tile
-            mbar_q: Mem[cutlass.Int64, 2]
-            mbar_k: Mem[cutlass.Int64, 2 * stages]
-            mbar_v: Mem[cutlass.Int64, 2 * stages]
-            sQ: Align[Mem[dtype, n_q], _ALIGN]
-            sK: Align[Mem[dtype, n_kv], _ALIGN]
-            sV: Align[Mem[dtype, n_kv], _ALIGN]
-            sO: Align[Mem[out_dtype, n_o], _ALIGN]
-
-        return SharedStorageFp8
+        return SharedStorage
 
     def pipelines(self, storage):
         """(Q, K, V) pipelines: one producer thread (its TMA's bytes complete the full barrier),
