@@ -35,6 +35,14 @@ def key_descales(cols: cute.Tensor, k_descales: cute.Tensor, seqlen_k,
     score coordinates (1 past the last key; ``inside``: the block is known to lie below
     seqlen_k, no check). Issue before the MMAs: their latency hides."""
     kd = cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
+    load_key_descales(kd, cols, k_descales, seqlen_k, inside)
+    return kd
+
+
+@cute.jit
+def load_key_descales(kd: cute.Tensor, cols: cute.Tensor, k_descales: cute.Tensor, seqlen_k,
+                      inside: cutlass.Constexpr = False):
+    """``key_descales`` into the registers ``kd`` (a kernel that loads a block ahead)."""
     for c in cutlass.range_constexpr(cute.size(cols, mode=[1])):
         col = cols[0, c][1]
         if cutlass.const_expr(inside):
@@ -43,7 +51,6 @@ def key_descales(cols: cute.Tensor, k_descales: cute.Tensor, seqlen_k,
             kd[c] = cutlass.Float32(1.0)
             if col < seqlen_k:
                 kd[c] = k_descales[col]
-    return kd
 
 
 @cute.jit

@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..common.block_info import KeyBounds, key_range, masked_steps
 from ..common.dtypes import E4M3
 from ..common.epilogue import store_lse
-from ..common.fp8 import P_SCALE, fold_query_descales, key_descales, scale_columns
+from ..common.fp8 import P_SCALE, fold_query_descales, load_key_descales, scale_columns
 from ..common.grid import tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
@@ -96,6 +96,15 @@ class Consumer(ThreadCoords):
         if self.lay.fp8:
             return self.rP
         return cute.make_tensor(self.rP.iterator, acc_as_operand_a(self.rP.layout))
+
+    def new_key_descales(self):
+        """FP8: registers for the per-key descales of one block's scores; else None."""
+        if not self.lay.fp8:
+            return None
+        c = self.config
+        cols = acc_mn_view(self.thr_qk.partition_C(cute.make_identity_tensor((c.tile_m,
+                                                                              c.tile_n))))
+        return cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
 
     def new_scores(self):
         c = self.config
@@ -247,25 +256,28 @@ class WgmmaWsAttentionForward:
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         ks = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, c.stages)
         pipe_k.consumer_wait(ks)
+        kd = cons.new_key_descales()
+        self.load_key_descales(cons, kd, n_hi - 1, masked=True)
         acc_S = cons.new_scores()
         turns.wait()
         wgmma(cons.lay.qk_mma, acc_S, cons.tSrQ, cons.tSrK[None, None, None, ks.index],
               zero_init=True, wait=None)
         turns.pass_on()
-        k_descale = self.key_descales(cons, n_hi - 1, masked=True)
         warpgroup.wait_group(0)
         pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)
-        self.scale_keys(S, k_descale)
+        self.scale_keys(S, kd)
+        self.load_key_descales(cons, kd, cutlass.max(n_hi - 2, n_lo), masked=True)
         mask_scores(S, cons.score_coords(n_hi - 1), cons.seqlen_k, cons.bounds, cons.q_group)
         softmax.rescale(acc_mn_view(cons.acc_O), softmax.step(S))
         cons.set_probabilities(acc_S)
         blocks = n_hi - n_lo
         masked = cutlass.min(masked_steps(c.tile_m, c.tile_n, cons.bounds), blocks)
         for i in range(1, masked):
-            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, n_hi - 1 - i, masked=True)
+            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i, n_lo,
+                                      masked=True)
         for i in range(masked, blocks):
-            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, n_hi - 1 - i,
+            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i, n_lo,
                                       masked=False)
         pipe_v.consumer_wait(ks)
         turns.wait()
@@ -277,10 +289,11 @@ class WgmmaWsAttentionForward:
 
     @cute.jit
     def overlapped_step(self, cons: Consumer, softmax: OnlineSoftmax, pipes, turns: Turns, ks,
-                        n_block, masked: cutlass.Constexpr):
+                        kd, n_block, n_lo, masked: cutlass.Constexpr):
         """S of block ``n_block`` issued, then P·V of the block before (in this warpgroup's
         turn); softmax of S while P·V runs; each stage released as soon as its MMA has
-        completed."""
+        completed. FP8: ``kd`` holds this block's key descales (loaded a step ahead: a global
+        load's latency is longer than an e4m3 Q·Kᵀ) and is refilled with the next block's."""
         _, pipe_k, pipe_v = pipes
         vs = ks.clone()
         ks.advance()
@@ -295,11 +308,12 @@ class WgmmaWsAttentionForward:
             pipe_v.consumer_wait(vs)
         self.pv(cons, vs.index, wait=None)
         turns.pass_on()
-        k_descale = self.key_descales(cons, n_block, masked)
         warpgroup.wait_group(1)
         pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)
-        self.scale_keys(S, k_descale)
+        self.scale_keys(S, kd)
+        # blocks go down: below an unmasked block every key lies inside (n_lo: a spare load)
+        self.load_key_descales(cons, kd, cutlass.max(n_block - 1, n_lo), masked)
         if cutlass.const_expr(masked):
             mask_scores(S, cons.score_coords(n_block), cons.seqlen_k, cons.bounds, cons.q_group)
         correction = softmax.step(S)
@@ -310,15 +324,12 @@ class WgmmaWsAttentionForward:
         return ks
 
     @cute.jit
-    def key_descales(self, cons: Consumer, n_block, masked: cutlass.Constexpr):
-        """FP8: the descales of this thread's keys of block ``n_block``, loaded while the
-        block's Q·Kᵀ runs (an unmasked block lies below seqlen_k: no bounds check); else
-        None."""
-        kd = None
-        if cutlass.const_expr(cons.lay.fp8):
-            kd = key_descales(cons.score_coords(n_block), cons.gKd, cons.seqlen_k,
+    def load_key_descales(self, cons: Consumer, kd, n_block, masked: cutlass.Constexpr):
+        """FP8: the descales of this thread's keys of block ``n_block`` into ``kd`` (a block
+        that may reach past seqlen_k is checked); else nothing."""
+        if cutlass.const_expr(kd is not None):
+            load_key_descales(kd, cons.score_coords(n_block), cons.gKd, cons.seqlen_k,
                               inside=not masked)
-        return kd
 
     @cute.jit
     def scale_keys(self, S: cute.Tensor, k_descale):
