@@ -19,21 +19,13 @@ from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 WS = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
 
 
-def consumer_regs(consumers: int) -> int:
-    # imported when used: the kernel modules import cutlass, which a GPU host running the
-    # GPU tests from a catalog does not have (this module must still collect there)
-    from flashcore.kernels.wgmma_ws.layouts import consumer_regs
-
-    return consumer_regs(consumers)
-
-
-def takes_turns(consumers: int, tile_n: int) -> bool:
-    from flashcore.kernels.wgmma_ws.turns import takes_turns
-
-    return takes_turns(consumers, tile_n)
+# the kernel modules import cutlass: imported inside the tests that use them, so that a GPU host
+# running the GPU tests from a catalog (no DSL) still collects this module
 
 
 def test_consumers_share_what_the_producer_gives_back():
+    from flashcore.kernels.wgmma_ws.layouts import consumer_regs
+
     assert [consumer_regs(n) for n in (1, 2, 3)] == [240, 240, 160]
 
 
@@ -104,6 +96,9 @@ def ws_artifacts(tmp_path_factory):
 
 @pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
 def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
+    from flashcore.kernels.wgmma_ws.layouts import consumer_regs
+    from flashcore.kernels.wgmma_ws.turns import takes_turns
+
     art = ws_artifacts[spec]
     assert len(art.params) == len(tma_attention_params(spec))  # checked against the .entry
     assert art.block == (spec.threads, 1, 1) and art.smem_dynamic == spec.smem_bytes

@@ -58,10 +58,11 @@ class OnlineSoftmax:
             cur_max = cute.arch.fmax(prev_max, cur_max)
             safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
             if cutlass.const_expr(self.exact_max):
-                logit = (row - safe_max) * scale_log2
                 if cutlass.const_expr(self.p_log2 != 0.0):  # one FMA with the P scale
                     logit = cute.math.fma(row - safe_max, cute.full_like(row, scale_log2),
                                           cute.full_like(row, self.p_log2))
+                else:
+                    logit = (row - safe_max) * scale_log2
                 p = cute.math.exp2(logit, fastmath=True)
                 correction[r] = cute.math.exp2((prev_max - safe_max) * scale_log2,
                                                fastmath=True)
