@@ -193,6 +193,9 @@ def wgmma_cases():
             out = attention(q, k, v, causal=causal, config=config)
             yield check(f"wgmma {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k, v,
                         causal)
+        q, k, v = qkv(2, 9, 3, 100, 130, 64, seed=9)  # 18 (batch, head) pairs: 3 grid sections
+        out = attention(q, k, v, causal=True, config=config)
+        yield check(f"wgmma {config} 2x9 heads causal", out, q, k, v, True)
     yield from wgmma_fp8_cases()
 
 
@@ -201,7 +204,8 @@ def wgmma_fp8_cases():
     # three consumers taking turns; ragged, GQA, S = 1, causal rows with no key
     from flashcore.spec import TileConfig
 
-    for tile, warps, stages in (((128, 128), 8, 2), ((128, 64), 8, 3), ((192, 128), 12, 2)):
+    for tile, warps, stages in (((128, 128), 8, 2), ((128, 64), 8, 3), ((192, 128), 12, 2),
+                                ((192, 64), 12, 3)):
         config = TileConfig(tile, warps=warps, stages=stages, family="wgmma_ws")
         for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
                                   (130, 257, 128, False), (200, 700, 64, True)):
@@ -209,6 +213,31 @@ def wgmma_fp8_cases():
             out = attention(q, k, v, causal=causal, config=config, precision="fp8")
             yield check(f"wgmma fp8 {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k,
                         v, causal, tol=0.1)
+
+
+def causal_order_cases():
+    # causal grids of 18 (batch, head) pairs: two full sections of 8 and a tail of 2
+    # (kernels/common/tile_order.py), ragged, GQA; every family whose grid takes that order
+    from flashcore.spec import TileConfig
+
+    for tile, knobs in (((64, 64), {}), ((32, 64), {"warps": 2, "kv_splits": 2}),
+                        ((64, 64), {"stages": 2})):
+        q, k, v = qkv(2, 9, 3, 150, 170, 64, seed=21)
+        out, _ = attention(q, k, v, causal=True, tile=tile, return_lse=True, **knobs)
+        yield check(f"mma_sync {tile} {knobs} 2x9 heads causal", out, q, k, v, True)
+    if arch_of(torch.cuda.current_device()) != "sm_90":
+        return
+    for tile, warps, stages, fam, prec in (((128, 128), 8, 2, "wgmma", "fp16"),
+                                           ((128, 128), 8, 3, "wgmma_ws", "fp16"),
+                                           ((192, 128), 12, 2, "wgmma_ws", "fp16"),
+                                           ((128, 128), 8, 2, "wgmma_ws", "fp8"),
+                                           ((192, 64), 12, 3, "wgmma_ws", "fp8")):
+        config = TileConfig(tile, warps=warps, stages=stages, family=fam)
+        for sq, sk, d in ((333, 400, 64), (200, 130, 128)):
+            q, k, v = qkv(2, 9, 3, sq, sk, d, seed=sq + d)
+            out = attention(q, k, v, causal=True, config=config, precision=prec)
+            yield check(f"{prec} {config} sq={sq} sk={sk} d{d} 2x9 heads causal", out, q, k, v,
+                        True, tol=0.1 if prec == "fp8" else 2e-2)
 
 
 def all_cases():
@@ -221,6 +250,9 @@ def all_cases():
             yield check(f"stages=2 d{d} causal={causal}",
                         attention(q, k, v, causal=causal, tile=(64, 64), stages=2), q, k, v,
                         causal)
+        q, k, v = qkv(2, 9, 3, 77, 45, 64, seed=9)  # 18 (batch, head) pairs: 3 grid sections
+        yield check(f"2x9 heads causal={causal}", attention(q, k, v, causal=causal, tile=(32, 64)),
+                    q, k, v, causal)
         q, k, v = qkv(1, 8, 2, 33, 130, 64, torch.bfloat16)  # GQA prefill
         yield check(f"gqa prefill causal={causal}", attention(q, k, v, causal=causal),
                     q, k, v, causal)
@@ -248,7 +280,7 @@ def main() -> int:
                                                     (1, 32, 8, 1, 2049, 128))),
              "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases,
-             "wgmma-fp8": wgmma_fp8_cases,
+             "wgmma-fp8": wgmma_fp8_cases, "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]
     results = list(cases())
     torch.cuda.synchronize()

@@ -108,6 +108,14 @@ def test_tiles(tile, causal, d):
     assert err <= _allowed(err_sdpa, ref, q.dtype)
 
 
+@pytest.mark.parametrize("tile", [(64, 64), (32, 64)])
+def test_causal_grid_sections_cover_every_tile(tile):
+    """2 batches x 9 heads: 18 (batch, head) pairs, two sections of 8 and one of 2
+    (``kernels/common/tile_order.py``), ragged query tiles; the output is poisoned first."""
+    q, k, v = _inputs(2, 9, 333, 290, 64, torch.float16, 1.0, seed=11)
+    _check_against_sdpa(q, k, v, True, None, tile=tile)
+
+
 def _check_with_lse(q, k, v, causal, **knobs):
     """Poisoned output and LSE of one kernel configuration against the float64 reference."""
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device)

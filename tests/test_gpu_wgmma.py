@@ -98,6 +98,13 @@ def test_wgmma_matches_the_reference(b, hkv, group, sq, sk, d, dtype, causal, co
            10.0**log_mag)
 
 
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3], CONFIGS[-1]], ids=str)
+def test_causal_grid_sections_cover_every_tile(config):
+    """2 batches x 9 heads: 18 (batch, head) pairs, two sections of 8 and one of 2
+    (``kernels/common/tile_order.py``), ragged query tiles, GQA, LSE."""
+    _check(2, 9, 3, 333, 400, 64, torch.float16, True, config, True, seed=12)
+
+
 def test_wgmma_decode_runs_unsplit():
     """The family has no split-KV kernel: a decode call runs one CTA per tile, and asking for
     splits names the reason."""
@@ -128,11 +135,13 @@ def test_the_tuned_default_falls_back_where_the_family_lacks_a_feature():
 
 
 # FP8 operands (e4m3 wgmma, SASS QGMMA) in the warp-specialised family: one and two consumers,
-# 128- and 64-key blocks (Vᵀ's 128- and 64-byte swizzles), three consumers taking turns
+# 128- and 64-key blocks (Vᵀ's 128- and 64-byte swizzles), three consumers taking turns (the
+# d64 long winners: 192x128 full, 192x64 causal)
 FP8_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
                TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
-               TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+               TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
+               TileConfig((192, 64), warps=12, stages=3, family="wgmma_ws")]
 # Relative L2 against the float64 replay of the kernel's quantised arithmetic. The mma_sync
 # family's FP8 kernel matches it to 3e-6..8e-6; e4m3 wgmma (QGMMA) does not accumulate in IEEE
 # fp32 (Hopper's FP8 tensor cores keep fewer mantissa bits), which costs 1.9e-3..5.1e-3 on the
@@ -177,6 +186,9 @@ def _rel_l2(out, ref) -> float:
 @example(b=1, hkv=2, group=2, sq=700, sk=1200, d=128, dtype="float16", causal=False,
          config=FP8_CONFIGS[0], return_lse=True, log_mag=1.0, logit_gain=100.0,
          seed=5)  # logits of hundreds
+@example(b=2, hkv=2, group=2, sq=450, sk=450, d=64, dtype="float16", causal=True,
+         config=FP8_CONFIGS[4], return_lse=True, log_mag=0.0, logit_gain=1.0,
+         seed=6)  # the d64 causal winner, rows ragged against its 192-row tile
 def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, causal, config,
                                              return_lse, log_mag, logit_gain, seed):
     """The e4m3 kernel against ``reference.attention_fp8`` replaying its tile's block walk

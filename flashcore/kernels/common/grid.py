@@ -2,16 +2,18 @@
 
 Grid: x walks (batch, head, query tile) with the query tile fastest (so any batch and head count
 fits: grid.x allows 2^31 - 1 CTAs), y is the share of the keys (split-KV across CTAs, 1 unless
-the spec's ``split_kv``), z the sequence of a packed batch. Causal grids run the last query tiles
-(the most keys) first. K and V are read at the query head's group (grouped-query attention:
-``heads_q / heads_kv`` query heads per K/V head; 1 without GQA).
+the spec's ``split_kv``), z the sequence of a packed batch. Causal grids run their query tiles
+longest first, a section of heads at a time (``tile_order.py``). K and V are read at the query
+head's group (grouped-query attention: ``heads_q / heads_kv`` query heads per K/V head; 1
+without GQA).
 """
 
 
 import cutlass
 import cutlass.cute as cute
 
-from .sreg import fresh_ctaid
+from .sreg import fresh_ctaid, opaque
+from .tile_order import causal_tile
 
 
 @cute.jit
@@ -24,21 +26,33 @@ def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr):
     lin, split, batch = fresh_ctaid("x"), 0, 0
     if cutlass.const_expr(spec.split_kv):
         split = fresh_ctaid("y")
-    heads = mQ.shape[1]
+    heads = _dim(mQ, 1, spec)
     m_blocks = 0
     if cutlass.const_expr(spec.varlen):
         m_blocks = cute.arch.grid_dim()[0] // heads
         batch = fresh_ctaid("z")
     else:
-        m_blocks = cute.ceil_div(mQ.shape[2], spec.tile_m)
-    m_block = lin % m_blocks
+        m_blocks = cute.ceil_div(_dim(mQ, 2, spec), spec.tile_m)
+    m_block, bh = 0, 0
     if cutlass.const_expr(spec.causal):
-        m_block = m_blocks - 1 - m_block
-    bh = lin // m_blocks
+        pairs = heads if cutlass.const_expr(spec.varlen) else heads * _dim(mQ, 0, spec)
+        m_block, bh = causal_tile(lin, m_blocks, pairs, select=_select)
+    else:
+        m_block, bh = lin % m_blocks, lin // m_blocks
     head = bh % heads
     if cutlass.const_expr(not spec.varlen):
         batch = bh // heads
     return m_block, head, batch, split
+
+
+def _dim(mQ: cute.Tensor, i: int, spec):
+    """``mQ.shape[i]``; in a causal grid through an opaque move (``tile_order.py``: the sizes
+    are not kept live from the kernel's start to its epilogue)."""
+    return opaque(mQ.shape[i]) if spec.causal else mQ.shape[i]
+
+
+def _select(cond, a, b):
+    return cutlass.Int32(cutlass.select_(cond, a, b))
 
 
 def kv_head_of(head, mQ: cute.Tensor, mK: cute.Tensor):

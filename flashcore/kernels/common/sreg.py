@@ -17,3 +17,12 @@ def fresh_ctaid(axis: str = "x", *, loc=None, ip=None) -> Int32:
     value = llvm.inline_asm(Int32.mlir_type, [], f"mov.u32 $0, %ctaid.{axis};", "=r",
                             has_side_effects=True, loc=loc, ip=ip)
     return Int32(value)
+
+
+@dsl_user_op
+def opaque(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x``, through a move the compiler cannot merge with another: what is computed from it
+    here is computed again, not kept live from an earlier computation of the same value."""
+    value = llvm.inline_asm(Int32.mlir_type, [Int32(x).ir_value(loc=loc, ip=ip)],
+                            "mov.b32 $0, $1;", "=r,r", has_side_effects=True, loc=loc, ip=ip)
+    return Int32(value)

@@ -1,0 +1,26 @@
+"""The order a causal grid hands out its query tiles (``kernels/common/tile_order.py``), on the
+CPU: every (query tile, head) once, longest first within a section of heads, sections in turn,
+the pairs after the last full section head by head."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from flashcore.kernels.common.tile_order import SECTION, causal_tile
+
+
+@given(m_blocks=st.integers(1, 70), pairs=st.integers(1, 4 * SECTION + 3))
+def test_causal_order_is_a_permutation_longest_first_per_section(m_blocks, pairs):
+    order = [causal_tile(i, m_blocks, pairs) for i in range(m_blocks * pairs)]
+    assert sorted(order) == [(m, h) for m in range(m_blocks) for h in range(pairs)]
+    full = pairs // SECTION * SECTION
+    group = [h // SECTION if h < full else h for _, h in order]  # a section, or a tail head
+    for i in range(1, len(order)):
+        (m0, _), (m1, _) = order[i - 1], order[i]
+        if group[i] == group[i - 1]:  # never a longer tile later in a section (or a head)
+            assert m1 <= m0
+        else:  # the next group starts at its longest tile, after all of the previous one
+            assert group[i] not in group[:i] and m1 == m_blocks - 1 and m0 == 0
+    for i, (m, h) in enumerate(order[: full * m_blocks]):  # a section's heads side by side
+        assert h % SECTION == i % SECTION
