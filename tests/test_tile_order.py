@@ -24,3 +24,10 @@ def test_causal_order_is_a_permutation_longest_first_per_section(m_blocks, pairs
             assert group[i] not in group[:i] and m1 == m_blocks - 1 and m0 == 0
     for i, (m, h) in enumerate(order[: full * m_blocks]):  # a section's heads side by side
         assert h % SECTION == i % SECTION
+
+
+@given(m_blocks=st.integers(1, 70), pairs=st.integers(1, 4 * SECTION + 3))
+def test_no_pairs_in_sections_is_the_per_head_order(m_blocks, pairs):
+    """A one-wave grid (``grid.py``) passes ``pairs=0``: head by head, each longest first."""
+    order = [causal_tile(i, m_blocks, 0) for i in range(m_blocks * pairs)]
+    assert order == [(m, h) for h in range(pairs) for m in reversed(range(m_blocks))]

@@ -1,9 +1,10 @@
 """FP8 (e4m3) operands' scales, shared by the kernel families that multiply e4m3 Q, K and Vᵀ.
 
 The quantisers give Q and K a descale per token and V one per (batch, head). A query's descale
-folds into its row's exp2 scale, a key's multiplies its column of scores; P is multiplied by
-``P_SCALE`` before its e4m3 conversion and O by ``v_descale / P_SCALE`` at the end
-(``flashcore.reference.attention_fp8_online`` replays exactly this).
+folds into its row's exp2 scale, a key's multiplies its column of scores; P comes out of its
+exp2 times ``P_SCALE`` (``OnlineSoftmax``'s ``p_log2``) for its e4m3 conversion, and the row sums
+with it, so O / sum needs only V's descale (``flashcore.reference.attention_fp8_online`` replays
+this in float64).
 """
 
 import cutlass

@@ -8,7 +8,9 @@ last head's longest tile starts too late (a ~6% tail in a model of 4,16,4096 at 
 SMs). So the (batch, head) pairs are taken in sections of ``SECTION``: within a section the query
 tiles run longest first, the section's heads side by side (their K/V, a few MB, stay in L2).
 Pairs beyond the last full section (``pairs % SECTION`` of them, none for the usual head counts)
-run last, head by head, each head's tiles longest first.
+run last, head by head, each head's tiles longest first. A grid of no more CTAs than SMs
+starts every tile at once; it takes no pairs in sections (``pairs=0``), the plain per-head
+order (``grid.py``).
 
 Only the tile count ``m_blocks`` divides at run time, as in a grid without this order. The
 kernels compute the order again in their epilogue; they read the grid's sizes through an opaque
@@ -28,7 +30,8 @@ def _where(cond, a, b):
 
 def causal_tile(lin, m_blocks, pairs, select=_where):
     """(query tile, (batch, head) index) of the ``lin``-th CTA of a causal grid of ``pairs``
-    (batch, head) pairs with ``m_blocks`` query tiles each."""
+    (batch, head) pairs with ``m_blocks`` query tiles each. ``pairs=0``: every pair head by
+    head, longest first (the order of a tail, for any grid)."""
     full = pairs // SECTION * SECTION  # pairs in full sections
     sectioned = lin < full * m_blocks
     tail = lin - full * m_blocks  # the index among the pairs after the full sections

@@ -15,16 +15,17 @@ the end (``epilogue.py``).
 
 Variants, all compile-time choices of the spec: ``precision="fp8"`` (Q, K and Vᵀ in e4m3 with
 descales per token for Q and K and per (batch, head) for V; each key's descale multiplies its
-column of scores, each query's folds into its row's exp2 scale; P is scaled by ``P_SCALE``
-before its e4m3 conversion and O by ``v_descale / P_SCALE`` at the end; Vᵀ's keys are stored
-permuted within each 32 so P's registers serve as the A operand as they are), ``kv_fp8`` (an e4m3
-KV cache dequantised in shared memory), ``split_kv`` (fp32 partial results per share of the keys,
-for the combine kernel), causal (top-left, torch's ``is_causal``), LSE.
+column of scores, each query's folds into its row's exp2 scale; P comes out of its exp2 times
+``P_SCALE`` for its e4m3 conversion, the row sums with it, so O / sum needs only V's descale;
+Vᵀ's keys are stored permuted within each 32 so P's registers serve as the A operand as they
+are), ``kv_fp8`` (an e4m3 KV cache dequantised in shared memory), ``split_kv`` (fp32 partial
+results per share of the keys, for the combine kernel), causal (top-left, torch's
+``is_causal``), LSE.
 
 ABI: ``flashcore.build.abi`` (grid and parameters).
 """
 
-
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -117,15 +118,17 @@ class AttentionForward:
             if cta.kv_head < mK.shape[1]:
                 wait_for_previous_grid(self.spec)
         cta.softcap = (softcap_in, softcap_out)
+        # FP8: p comes out times P_SCALE (in its exp2's FMA), the row sums with it
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
-                                exact_max=lay.fp8)
+                                exact_max=lay.fp8,
+                                p_log2=math.log2(P_SCALE) if lay.fp8 else 0.0)
         o_scale = cutlass.Float32(1.0 / lay.kv_v_scale)  # 1 but for an fp16 FP8-KV kernel
         if cutlass.const_expr(lay.fp8):
-            # each row's exp2 scale carries its query's descale; O = (P8 · v8) * v_descale /
-            # P_SCALE, loaded early to hide its latency
+            # each row's exp2 scale carries its query's descale; O = (P8 · v8) / sum *
+            # v_descale, loaded early to hide its latency
             _, head, batch, _ = tile_coords(mQ, self.spec)
             fold_query_descales(cta, softmax, mQd[batch, head, None], scale_log2)
-            o_scale = mVd[batch, kv_head_of(head, mQ, mK)] * (1.0 / P_SCALE)
+            o_scale = mVd[batch, kv_head_of(head, mQ, mK)]
         prologue(cta)
         self.walk_keys(cta, softmax)
         if cutlass.const_expr(self.may_walk_no_block):

@@ -4,7 +4,7 @@
 import cutlass
 import cutlass.cute as cute
 
-from ..common.fp8 import P_SCALE, key_descales, scale_columns
+from ..common.fp8 import key_descales, scale_columns
 from ..common.fragments import acc_as_fp8_operand_a, acc_as_operand_a, mn_view
 from ..common.mask import mask_scores
 from ..common.mma import gemm_rs, gemm_ss
@@ -67,7 +67,7 @@ def probabilities_as_operand(cta: Cta, acc_S: cute.Tensor):
         # register as 4 consecutive bytes of the fragment's storage.
         acc_as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
         tOrP = cute.make_rmem_tensor(acc_as_a.shape, op)
-        tOrP.store((acc_as_a.load() * P_SCALE).to(op))
+        tOrP.store(acc_as_a.load().to(op))  # P_SCALE is in p already (softmax p_log2)
         return tOrP
     rP = cute.make_rmem_tensor(acc_S.layout, op)
     rP.store(acc_S.load().to(op))
