@@ -114,7 +114,7 @@ def test_causal_grid_sections_cover_every_tile(tile, sq):
     """2 batches x 9 heads: 18 (batch, head) pairs, two sections of 8 and one of 2
     (``kernels/common/tile_order.py``), ragged query tiles; the output is poisoned first. 600
     queries: 180 or 342 CTAs, more than an H100's or an L4's SMs (the sectioned order); 100:
-    36 or 72 (one wave, the per-head order)."""
+    36 or 72 (one wave on an H100, the per-head order; on an L4's 58 SMs only the first)."""
     q, k, v = _inputs(2, 9, sq, sq - 45, 64, torch.float16, 1.0, seed=11)
     _check_against_sdpa(q, k, v, True, None, tile=tile)
 

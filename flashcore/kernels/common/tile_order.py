@@ -17,8 +17,8 @@ kernels compute the order again in their epilogue; they read the grid's sizes th
 move there (``sreg.opaque``), or the compiler keeps the sizes derived at the start live through
 the key loop (an mma_sync 64x64 kernel at 128 registers spilled them, one inside the loop).
 Plain integer arithmetic: it runs on Python ints (the tests check it is a permutation) and on
-the DSL's run-time integers inside a kernel (pass ``select=cutlass.select_`` there). Imports no
-DSL.
+the DSL's run-time integers inside a kernel (``grid.py`` passes a ``select`` built on
+``cutlass.select_``). Imports no DSL.
 """
 
 SECTION = 8  # (batch, head) pairs whose query tiles are interleaved, longest first
