@@ -19,6 +19,7 @@ from flashcore import reference
 from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
+from flashcore.spec import TileConfig
 
 
 def qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16, seed=0):
@@ -60,6 +61,33 @@ def fp8_kv_cases(causal: bool, shapes):
         kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
         out = attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd)
         yield check(f"fp8 kv cache {shape} causal={causal}", out, q, kq, vq, causal)
+
+
+def decode_cases():
+    # the combine over many shares (more than its 128 threads, up to MAX_SPLITS, passes that
+    # run past the last share, shares that see no key), and the FP8 KV cache read in registers
+    # in each kind of config (ring depth, key tile, warps, in-CTA key split); ragged, GQA
+    for d, sk, splits, causal in ((64, 300, 201, False), (128, 70, 256, True),
+                                  (128, 64 * 130 - 5, 130, False)):
+        q, k, v = qkv(1, 8, 2, 1, sk, d, torch.bfloat16, seed=splits)
+        out, _ = attention(q, k, v, causal=causal, num_splits=splits, return_lse=True,
+                           config=TileConfig((16, 64), warps=1, stages=2))
+        yield check(f"combine d{d} sk={sk} splits={splits} causal={causal}", out, q, k, v,
+                    causal)
+    for config in (TileConfig((16, 32), warps=1), TileConfig((16, 64), warps=1, stages=3),
+                   TileConfig((16, 128), warps=1, stages=2),
+                   TileConfig((32, 64), warps=2, stages=2, kv_splits=2),
+                   TileConfig((64, 64), warps=4, stages=2)):
+        for b, hq, hkv, sq, sk, d, causal, dtype in ((1, 8, 2, 1, 333, 128, False, torch.float16),
+                                                     (1, 2, 1, 37, 150, 64, True, torch.bfloat16)):
+            q, k, v = qkv(b, hq, hkv, sq, sk, d, dtype, seed=sk)
+            k8, kd = quantize_fp8(k, granularity="token")
+            v8, vd = quantize_fp8(v, granularity="token")
+            kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
+            out, _ = attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd,
+                               config=config, return_lse=True)  # the GPU tests' kernels
+            yield check(f"fp8 kv {config.tag} {(b, hq, hkv, sq, sk, d)} causal={causal}", out,
+                        q, kq, vq, causal)
 
 
 def mask_cases():
@@ -280,7 +308,7 @@ def main() -> int:
              "splits-unequal": lambda: split_cases(False),
              "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
                                                     (1, 32, 8, 1, 2049, 128))),
-             "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
+             "decode": decode_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases,
              "wgmma-fp8": wgmma_fp8_cases, "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]

@@ -20,7 +20,14 @@ from flashcore.spec import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, 
 from flashcore.spec.attention import MASK_ALIGNS
 from flashcore.tuned.table import BUCKETS, lookup, table_arch, winner_specs
 from flashcore.tuning.search import all_candidates
-from tests.gpu_utils import FP8_SPLIT_CONFIGS, SPLIT_CONFIGS, STAGE_CONFIGS
+from tests.gpu_utils import (
+    FP8_KV_CONFIGS,
+    FP8_SPLIT_CONFIGS,
+    SPLIT_CONFIGS,
+    STAGE_CONFIGS,
+    WGMMA_CONFIGS,
+    WGMMA_FP8_CONFIGS,
+)
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
 DTYPES = ("float16", "bfloat16")
@@ -42,8 +49,11 @@ def _specs(arch: str, configs, **fixed) -> list:
     return out
 
 
-def _tuned(arch: str, bucket: str, head_dim: int, causal: bool, precision="fp16") -> TileConfig:
-    return lookup(arch, head_dim, causal, bucket, precision)  # borrows, family-checked
+def _tuned(arch: str, bucket: str, head_dim: int, causal: bool, precision="fp16",
+           features: tuple = ()) -> TileConfig:
+    """What ``tile=None`` runs (borrowed, family-checked; a call with ``features`` its winner's
+    family does not build gets the entry's fallback)."""
+    return lookup(arch, head_dim, causal, bucket, precision, features)
 
 
 def prefill_specs(arch: str) -> list:
@@ -81,6 +91,10 @@ def decode_specs(arch: str) -> list:
                 specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8kv")], dtype=DTYPES,
                                 head_dim=d, causal=causal, return_lse=[False, True],
                                 split_kv=[False, True], kv_fp8=True)
+    if len(kv8) > 1:  # test_fp8_kv_cache_in_every_kind_of_config
+        specs += _specs(arch, FP8_KV_CONFIGS, dtype=DTYPES, head_dim=HEAD_DIMS,
+                        causal=[False, True], return_lse=True, split_kv=[False, True],
+                        kv_fp8=True)
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)
               for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
     return specs
@@ -104,7 +118,28 @@ def mask_specs(arch: str) -> list:
             specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
                             causal=causal, return_lse=lse, split_kv=split, mask_align=align,
                             window=window, softcap=softcap)
-    specs += _specs(arch, [_tuned(arch, "long", 64, True)], head_dim=64, causal=True, window=True)
+    window = (("window", True),)
+    specs += _specs(arch, [_tuned(arch, "long", 64, True, features=window)], head_dim=64,
+                    causal=True, window=True)
+    return specs
+
+
+# what a call adds that a Hopper winner's family does not build: the entry's fallback runs it
+FALLBACK_FEATURES = [{"window": True}, {"mask_align": "bottom_right"}, {"softcap": True},
+                     {"split_kv": True}]
+
+
+def wgmma_specs(arch: str) -> list:
+    """tests/test_gpu_wgmma.py's Hopper kernels (its explicit configs, fp16 and FP8) and the
+    fallbacks of the tuned Hopper entries, for the features their family lacks."""
+    both = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "causal": [False, True],
+            "return_lse": [False, True]}
+    specs = _specs(arch, WGMMA_CONFIGS, **both)
+    specs += _specs(arch, WGMMA_FP8_CONFIGS, precision="fp8", **both)
+    for bucket, d, causal, feature in itertools.product(
+            [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), FALLBACK_FEATURES):
+        config = _tuned(arch, bucket, d, causal, features=tuple(feature.items()))
+        specs += _specs(arch, [config], head_dim=d, causal=causal, **feature)
     return specs
 
 
@@ -192,7 +227,7 @@ def _as_launched(spec):
 
 def gpu_test_specs(arch: str, buckets=None) -> list:
     specs = (prefill_specs(arch) + decode_specs(arch) + mask_specs(arch) + fp8_specs(arch)
-             + serving_specs(arch))
+             + serving_specs(arch) + wgmma_specs(arch))
     specs += [s for s in winner_specs(table_arch(arch), build_arch=arch).values()]
     if buckets != []:  # the autotuner's candidates
         precisions = ("fp16", "fp8") if arch in FP8_ARCHS else ("fp16",)
@@ -210,7 +245,7 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
 
 
 GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
-          "fp8": fp8_specs, "serving": serving_specs}
+          "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs}
 
 
 def main() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from flashcore.spec import TileConfig
+
 requires_cuda = None
 try:
     import pytest
@@ -42,6 +44,33 @@ def attention_shapes(max_seq: int) -> dict:
 SPLIT_CONFIGS = [((32, 64), 2, 4), ((64, 64), 4, 2), ((16, 32), 1, 4), ((32, 64), 1, 2)]
 FP8_SPLIT_CONFIGS = [((32, 64), 2, 4)]
 # (tile, warps, kv_splits, stages) of the multi-stage K/V kernels the GPU tests check
+# an FP8 KV cache's configs in test_fp8_kv_cache_in_every_kind_of_config: each ring depth, key
+# tile, warp count and in-CTA key split
+FP8_KV_CONFIGS = [
+    TileConfig((16, 32), warps=1, stages=1),
+    TileConfig((16, 64), warps=1, stages=3),
+    TileConfig((16, 128), warps=1, stages=2),
+    TileConfig((32, 64), warps=2, stages=2, kv_splits=2),
+    TileConfig((64, 64), warps=4, stages=2),
+]
+# the Hopper families' configs of tests/test_gpu_wgmma.py: one and two consumer warpgroups,
+# 64- and 128-key blocks; warp-specialised (TMA from a producer warpgroup, runtime-encoded
+# descriptors), three consumers, three taking turns
+WGMMA_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma"),
+                 TileConfig((128, 64), warps=8, stages=3, family="wgmma"),
+                 TileConfig((64, 128), warps=4, stages=2, family="wgmma"),
+                 TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                 TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
+                 TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
+                 TileConfig((192, 64), warps=12, stages=2, family="wgmma_ws"),
+                 TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+# FP8 operands (e4m3 wgmma): 128- and 64-key blocks (Vᵀ's 128- and 64-byte swizzles), three
+# consumers taking turns (the d64 long winners: 192x128 full, 192x64 causal)
+WGMMA_FP8_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                     TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
+                     TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
+                     TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
+                     TileConfig((192, 64), warps=12, stages=3, family="wgmma_ws")]
 STAGE_CONFIGS = [((64, 64), 4, 1, 2), ((128, 64), 8, 1, 3), ((32, 64), 2, 2, 2), ((16, 32), 1, 1, 3)]
 
 

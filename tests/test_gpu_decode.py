@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
-from tests.gpu_utils import max_abs, requires_cuda
+from flashcore.spec import MAX_SPLITS
+from flashcore.tuned.table import DECODE_DEFAULT
+from tests.gpu_utils import FP8_KV_CONFIGS, max_abs, requires_cuda
 from tests.test_gpu_attention import _allowed
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -87,13 +89,26 @@ def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal,
 
 
 @pytest.mark.parametrize("group", [1, 4, 32])
-@pytest.mark.parametrize("splits", [1, 3, 64])
+@pytest.mark.parametrize("splits", [1, 3, 64, 201, MAX_SPLITS])
 def test_split_shares_may_be_empty(group, splits):
     """More shares than key blocks: the shares past the last block see no key (LSE -inf,
     weight 0); a causal decode row sees key 0 only (top-left), a share of one block."""
     for causal in (False, True):
         q, k, v = _qkv(2, 2 * group, 2, 1, 70, 128, torch.float16, seed=group * splits + causal)
         _check(q, k, v, causal, num_splits=splits)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("splits", [129, 250, MAX_SPLITS])
+def test_many_shares_each_with_keys(d, splits):
+    """The combine's threads take several shares each (more shares than its 128 threads), in
+    passes of four per slot that run past the last share (a head_dim of 64 has 8 slots, 128 has
+    4): every share sees keys, so each weight and partial row counts."""
+    config = DECODE_DEFAULT
+    for dtype in (torch.float16, torch.bfloat16):
+        # one key block a share (the last one ragged)
+        q, k, v = _qkv(1, 8, 2, 1, config.tile_n * splits - 17, d, dtype, seed=splits + d)
+        _check(q, k, v, False, num_splits=splits, config=config)
 
 
 def test_decode_with_strided_queries_and_a_long_cache():
@@ -175,6 +190,37 @@ def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
     err = _rel_l2(out, exact)
     # bf16 output rounding alone is up to 2^-9 relative per element
     assert err <= (FP8_KV_TOL if dt == torch.float16 else 2 * FP8_KV_TOL), f"rel L2 {err:.3g}"
+
+
+@pytest.mark.parametrize("config", FP8_KV_CONFIGS, ids=lambda c: c.tag)
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_kv_cache_in_every_kind_of_config(config, d):
+    """The codes converted in registers (K's head dimension and O's columns permuted, V read
+    transposed) for each ring depth, key tile, warp count and in-CTA key split: ragged keys,
+    GQA, decode and a prefill tile, causal with LSE, both 16-bit dtypes."""
+    cases = [(1, 3, 4, 1, 1000, False, "float16"), (2, 2, 2, 37, 333, True, "bfloat16"),
+             (1, 1, 8, 2, 77, True, "float16")]
+    for i, (b, hkv, group, sq, sk, causal, dtype) in enumerate(cases):
+        dt = DTYPES[dtype]
+        q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, torch.float32, seed=40 + i)
+        q, k, v = (q / math.sqrt(d)).to(dt), k.to(dt), v.to(dt)
+        k8, kd = quantize_fp8(k, granularity="token")
+        v8, vd = quantize_fp8(v, granularity="token")
+        out = torch.full_like(q, float("nan"))
+        _, lse = attention(q, k8, v8, causal=causal, k_descale=kd, v_descale=vd, out=out,
+                           config=config, return_lse=True)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"{config.tag} case {i}: NaN or unwritten elements"
+        kf, vf = _dequantised(k8, kd), _dequantised(v8, vd)
+        exact, exact_lse = reference.attention(q, kf, vf, causal=causal, return_lse=True,
+                                               device=q.device)
+        err = _rel_l2(out, exact)
+        assert err <= (FP8_KV_TOL if dt == torch.float16 else 2 * FP8_KV_TOL), (
+            f"{config.tag} case {i}: rel L2 {err:.3g}")
+        finite = torch.isfinite(exact_lse)
+        assert torch.equal(torch.isfinite(lse), finite)
+        assert max_abs(lse[finite], exact_lse[finite]) < 1e-3 * max(
+            1.0, exact_lse.abs().max().item())
 
 
 def test_fp8_kv_cache_errors():

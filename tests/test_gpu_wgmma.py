@@ -14,23 +14,21 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.errors import SpecError
 from flashcore.ops import attention
-from flashcore.spec import TileConfig
-from tests.gpu_utils import current_arch, max_abs, requires_cuda
+from tests.gpu_utils import (
+    WGMMA_CONFIGS,
+    WGMMA_FP8_CONFIGS,
+    current_arch,
+    max_abs,
+    requires_cuda,
+)
 from tests.test_gpu_attention import _allowed, _sdpa
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-# (tile, warps, stages): two warpgroups with 2- and 3-block rings, one warpgroup
-CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma"),
-           TileConfig((128, 64), warps=8, stages=3, family="wgmma"),
-           TileConfig((64, 128), warps=4, stages=2, family="wgmma"),
-           # warp-specialised: TMA from a producer warpgroup (runtime-encoded descriptors)
-           TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
-           TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
-           TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
-           TileConfig((192, 64), warps=12, stages=2, family="wgmma_ws"),  # three consumers
-           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]  # three, in turns
+# two warpgroups with 2- and 3-block rings, one warpgroup; warp-specialised (TMA), three
+# consumers, three taking turns (tests.gpu_utils)
+CONFIGS = WGMMA_CONFIGS
 
 
 @pytest.fixture(autouse=True)
@@ -136,14 +134,8 @@ def test_the_tuned_default_falls_back_where_the_family_lacks_a_feature():
         assert torch.isfinite(got).all() and torch.equal(got, want), kwargs
 
 
-# FP8 operands (e4m3 wgmma, SASS QGMMA) in the warp-specialised family: one and two consumers,
-# 128- and 64-key blocks (Vᵀ's 128- and 64-byte swizzles), three consumers taking turns (the
-# d64 long winners: 192x128 full, 192x64 causal)
-FP8_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
-               TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
-               TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
-               TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
-               TileConfig((192, 64), warps=12, stages=3, family="wgmma_ws")]
+# FP8 operands (e4m3 wgmma, SASS QGMMA) in the warp-specialised family (tests.gpu_utils)
+FP8_CONFIGS = WGMMA_FP8_CONFIGS
 # Relative L2 against the float64 replay of the kernel's quantised arithmetic. The mma_sync
 # family's FP8 kernel matches it to 3e-6..8e-6; e4m3 wgmma (QGMMA) does not accumulate in IEEE
 # fp32 (Hopper's FP8 tensor cores keep fewer mantissa bits), which costs 1.9e-3..5.1e-3 on the

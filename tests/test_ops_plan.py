@@ -116,8 +116,14 @@ def test_cpu_tensors_and_bad_shapes_are_named():
         check_qkv(q, None, q)
 
 
-def test_fp8_kv_cache_splits_into_short_shares():
-    assert plan.num_splits(128, 128, 132, kv_fp8=True) == 16  # 8 blocks a share
-    assert plan.num_splits(8, 1024, 132, kv_fp8=True) == 128
-    assert plan.num_splits(16 * 132, 128, 132, kv_fp8=True) == 1  # the grid is full already
-    assert plan.num_splits(1000, 128, 132, kv_fp8=True) == 2  # at most 16 CTAs a SM
+def test_fp8_kv_cache_splits_for_two_warp_groups_a_sm():
+    # the decode shapes of the H100 sweep (16x64 tiles, two warp groups a CTA, 132 SMs)
+    assert plan.num_splits(8, 512, 132, kv_fp8=True, groups=2) == 16  # 1,8/8,32768
+    assert plan.num_splits(8, 128, 132, kv_fp8=True, groups=2) == 16  # 1,32/8,8192
+    assert plan.num_splits(128, 64, 132, kv_fp8=True, groups=2) == 1  # 16,32/8,4096
+    assert plan.num_splits(8, 128, 132, kv_fp8=True) == 33  # one group a CTA: twice the shares
+    assert plan.num_splits(8, 128, 58, kv_fp8=True, groups=2) == 7  # an L4's 58 SMs
+    # never more shares than warp groups can each take a block, never over MAX_SPLITS
+    assert plan.num_splits(1, 3, 132, kv_fp8=True, groups=2) == 2
+    assert plan.num_splits(1, 10**6, 132, kv_fp8=True) == plan.MAX_SPLITS
+    assert plan.num_splits(16 * 132, 128, 132, kv_fp8=True, groups=2) == 1  # a full grid

@@ -270,9 +270,9 @@ def test_kv_fp8_and_split_kv_in_name_and_smem():
                                                                        stages=2))
     kv8 = base.replace(kv_fp8=True)
     assert kv8.name == base.name + "_kvfp8"
-    # the e4m3 ring is half the bytes; the converted 16-bit K and V tiles and the ring's
+    # the e4m3 ring is half the bytes (its codes are converted in registers); the ring's
     # per-key descales (one KB-aligned buffer each for K and V) come on top
-    assert kv8.smem_bytes == base.smem_bytes - 2 * 2 * 64 * 128 + 2 * 64 * 128 * 2 + 2 * 1024
+    assert kv8.smem_bytes == base.smem_bytes - 2 * 2 * 64 * 128 + 2 * 1024
     split = base.replace(split_kv=True)
     assert split.name == base.name + "_split" and split.smem_bytes == base.smem_bytes
 
@@ -283,5 +283,5 @@ def test_other_spec_kinds_round_trip():
         assert spec_from_dict(json.loads(s.to_json())) == s
     with pytest.raises(SpecError, match="unknown kernel op 'x'"):
         spec_from_dict({"op": "x"})
-    with pytest.raises(SpecError, match="rows_per_cta=3"):
-        CombineSpec(rows_per_cta=3)
+    with pytest.raises(SpecError, match="warps=3"):
+        CombineSpec(warps=3)

@@ -244,8 +244,13 @@ def varlen_grid(max_rows: int, heads: int, batch: int, tile_m: int) -> tuple[int
     return (x, 1, batch)
 
 
-def combine_grid(rows: int, heads: int, batch: int, rows_per_cta: int) -> tuple[int, int, int]:
-    return ((batch * heads * rows + rows_per_cta - 1) // rows_per_cta, 1, 1)
+def combine_grid(rows: int, heads: int, batch: int) -> tuple[int, int, int]:
+    """A CTA per (batch, head, row)."""
+    x = batch * heads * rows
+    if x > MAX_GRID_X:
+        raise ValueError(f"{batch} batches x {heads} heads x {rows} rows is {x} CTAs, over "
+                         f"the grid's {MAX_GRID_X}")
+    return (x, 1, 1)
 
 
 def check_against_entry(params: tuple, entry_params) -> None:

@@ -137,7 +137,8 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         splits = 1
         if Sq <= plan.DECODE_MAX_Q and _splits_keys(config, dev):
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
-                                     -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8)
+                                     -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8,
+                                     config.kv_splits)
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
     if mask is not NO_MASK:
         scalars += mask.scalars(softmax_scale)
@@ -164,5 +165,5 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
            (*qkv_args, tensor_arg(o_part), rows_arg(lse_part), *descale_args, *scalars), dev)
     comb = combine_kernel(dev, dtype, D, lse is not None)
     lse_args = () if lse is None else (rows_arg(lse),)
-    launch(comb, combine_grid(Sq, H, B, comb.artifact.spec.rows_per_cta),
+    launch(comb, combine_grid(Sq, H, B),
            (tensor_arg(o_part), rows_arg(lse_part), tensor_arg(out), *lse_args, (splits,)), dev)

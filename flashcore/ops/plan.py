@@ -15,11 +15,10 @@ import math
 
 import torch
 
-from ..spec import TileConfig
+from ..spec import MAX_SPLITS, TileConfig
 from ..tuned.table import BUCKETS, bucket_of, lookup
 
 DECODE_MAX_Q = BUCKETS[0][1]  # the decode bucket's bound
-MAX_SPLITS = 256
 SHARE_OVERHEAD = 2  # key blocks' worth of time a share costs beyond its blocks
 _sm_count: dict[int, int] = {}
 
@@ -54,30 +53,30 @@ def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.as_strided((b, heads_kv, g, *t.shape[3:]), (st[0], g * st[1], st[1], *st[3:]))
 
 
-FP8KV_BLOCKS_PER_SHARE = 8
+FP8KV_WARPS_PER_SM = 2
 
 
 @functools.lru_cache(maxsize=4096)
-def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False) -> int:
+def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False,
+               groups: int = 1) -> int:
     """How many CTAs share each row's ``n_blocks`` key blocks, when ``ctas`` CTAs (one per query
-    tile) would run on a GPU of ``slots`` SMs. One decode CTA a SM keeps the SM's memory pipe
-    full (its K/V stages are in flight); more only add partial results to combine (measured on
-    the H100, 2026-11-23: 16 shares of 1,8,8,32768,128 at 52 µs, 32 at 55, 64 at 59).
+    tile, each of ``groups`` warp groups over their own keys) would run on a GPU of ``slots``
+    SMs. One 16-bit decode CTA a SM keeps the SM's memory pipe full (its K/V stages are in
+    flight); more only add partial results to combine (measured on the H100, 2026-11-23: 16
+    shares of 1,8,8,32768,128 at 52 µs, 32 at 55, 64 at 59).
 
     Time is modelled as waves x (blocks per share + ``SHARE_OVERHEAD``): a share's CTA first
     waits for Q and its first blocks, and its partial result is read again by the combine. The
     fewest shares of the least modelled time win. A grid that already fills the GPU is not
     split (its combine would cost more than a fuller last wave gains).
 
-    An FP8 KV cache's CTAs convert their K/V in shared memory and are bound by their own warp's
-    work, not the memory pipe: they want many short shares, ``FP8KV_BLOCKS_PER_SHARE`` blocks
-    each (H100, 16,32/8,4096: 74 µs with 32 shares of 4 blocks, 203 µs unsplit), until the grid
-    holds 16 CTAs a SM."""
+    An FP8 KV cache's warps convert their e4m3 K/V in registers as well: about
+    ``FP8KV_WARPS_PER_SM`` warp groups a SM, no more, keep it busy (H100, 2026-11-25, 16x64
+    with two groups a CTA: 1,32/8,8192 13.3 µs with 16 shares, 17.1 with 8, 13.2 with 32;
+    16,32/8,4096 55.1 µs unsplit, 56.6 with 2 shares, 58.7 with 4)."""
     if kv_fp8:
-        if ctas >= 16 * slots:
-            return 1
-        return max(1, min(MAX_SPLITS, math.ceil(n_blocks / FP8KV_BLOCKS_PER_SHARE),
-                          16 * slots // ctas))
+        want = round(FP8KV_WARPS_PER_SM * slots / (ctas * groups))
+        return max(1, min(MAX_SPLITS, want, -(-n_blocks // groups)))
     if ctas >= slots:
         return 1
     best, choice = None, 1

@@ -18,7 +18,7 @@ from .arch import (
     SMEM_PER_SM,
 )
 from .attention import PRECISIONS, AttentionSpec
-from .combine import CombineSpec
+from .combine import MAX_SPLITS, CombineSpec
 from .families import DEFAULT_FAMILY, FAMILIES, dsl_arch, family
 from .quantize import QuantizeSpec
 from .serial import SPEC_VERSION
@@ -47,6 +47,7 @@ __all__ = [
     "FAMILIES",
     "FP8_ARCHS",
     "HEAD_DIMS",
+    "MAX_SPLITS",
     "PDL_ARCHS",
     "PRECISIONS",
     "SMEM_PER_BLOCK",

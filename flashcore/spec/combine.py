@@ -8,17 +8,21 @@ from ..errors import SpecError
 from .arch import ARCHS, DTYPE_TAGS, DTYPES, HEAD_DIMS, PDL_ARCHS, arch_tag
 from .serial import SpecData
 
+MAX_SPLITS = 256  # key shares a split-KV call may have: the combine keeps a weight for each
+IN_FLIGHT = 4  # shares a combine thread loads before it adds them up
+
 
 @dataclass(frozen=True)
 class CombineSpec(SpecData):
-    """Merge ``num_splits`` fp32 partial outputs and log-sum-exps of each query row into the
-    output (``dtype``) and, with ``return_lse``, the row's log-sum-exp. A warp per row."""
+    """Merge ``num_splits`` (at most ``MAX_SPLITS``) fp32 partial outputs and log-sum-exps of
+    each query row into the output (``dtype``) and, with ``return_lse``, the row's
+    log-sum-exp. A CTA per row, its ``warps`` sharing the row's shares."""
 
     arch: str = "sm_89"
     dtype: str = "float16"
     head_dim: int = 64
     return_lse: bool = False
-    rows_per_cta: int = 4  # one warp per row
+    warps: int = 4
     op: str = field(default="attention_combine")
 
     def __post_init__(self) -> None:
@@ -35,16 +39,24 @@ class CombineSpec(SpecData):
             raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
         if not isinstance(self.return_lse, bool):
             raise bad(f"return_lse must be a bool, got {self.return_lse!r}")
-        if self.rows_per_cta not in (1, 2, 4, 8):
-            raise bad(f"rows_per_cta={self.rows_per_cta} is not one of (1, 2, 4, 8)")
+        if self.warps not in (1, 2, 4, 8):
+            raise bad(f"warps={self.warps} is not one of (1, 2, 4, 8)")
 
     @property
     def threads(self) -> int:
-        return 32 * self.rows_per_cta
+        return 32 * self.warps
+
+    @property
+    def slots(self) -> int:
+        """Shares read at once: a share's row is ``head_dim / 4`` threads' 16-byte loads."""
+        return self.threads // (self.head_dim // 4)
 
     @property
     def smem_bytes(self) -> int:
-        return 0
+        """Each share's weight (and zeros for a pass of loads that runs past the last share),
+        each slot's partial row, each warp's reduction value."""
+        return 4 * (MAX_SPLITS + IN_FLIGHT * self.slots + self.slots * self.head_dim
+                    + self.warps)
 
     @property
     def programmatic_launch(self) -> bool:
@@ -54,4 +66,4 @@ class CombineSpec(SpecData):
     def name(self) -> str:
         lse = "_lse" if self.return_lse else ""
         return (f"fc_attn_combine_{arch_tag(self.arch)}_{DTYPE_TAGS[self.dtype]}"
-                f"_d{self.head_dim}_r{self.rows_per_cta}{lse}")
+                f"_d{self.head_dim}_w{self.warps}{lse}")

@@ -131,12 +131,12 @@ class MmaSync:
                 and (tn % page_size == 0 or page_size % tn == 0))
 
     def smem_bytes(self, spec: AttentionSpec) -> int:
-        """Dynamic shared memory the kernel allocates (``flashcore/kernels/mma_sync/smem.py``
+        """Dynamic shared memory the kernel allocates (``flashcore/kernels/mma_sync/layouts.py``
         lays it out; the build checks the two agree): the Q tile; K and V tiles per stage and
         key split; for fp8 operands a separate 16-bit output tile (the e4m3 Q buffer is too
-        small to stage it); for an FP8 KV cache the converted 16-bit K and V tiles next to the
-        e4m3 ring, and the ring's per-key descales; with kv_splits > 1 each split's row max and sum and all but one split's fp32
-        output, for the combine."""
+        small to stage it); for an FP8 KV cache the ring's per-key descales (its codes are
+        converted in registers); with kv_splits > 1 each split's row max and sum and all but
+        one split's fp32 output, for the combine."""
         c, d = spec.config, spec.head_dim
         out_bytes = DTYPE_BYTES[spec.dtype]
         ring_bytes = E4M3_BYTES if spec.kv_fp8 else spec.elem_bytes
@@ -145,8 +145,7 @@ class MmaSync:
         total = q + 2 * c.stages * kv
         if spec.precision == "fp8":
             total += _align(c.tile_m * d * out_bytes)
-        if spec.kv_fp8:  # converted K and V, and each stage's per-key descales of K and V
-            total += 2 * _align(c.tile_n * d * spec.elem_bytes * c.kv_splits)
+        if spec.kv_fp8:  # each stage's per-key descales of K and V
             total += 2 * _align(c.tile_n * 4 * c.stages * c.kv_splits)
         if c.kv_splits > 1:
             total += _align(c.kv_splits * 2 * c.tile_m * 4)

@@ -27,10 +27,12 @@ DEFAULT = TileConfig((64, 64), warps=4)
 # Decode (a few query tokens against many keys): one warp per 16 rows, K/V streamed through two
 # stages; the keys are split over CTAs (flashcore.ops.plan)
 DECODE_DEFAULT = TileConfig((16, 64), warps=1, stages=2)
-# An FP8 KV cache (any query length): its e4m3 K/V are converted in shared memory by the CTA's
-# own warps, so it wants small, many CTAs; 16x32 fits an L4 with the converted tiles
-# (H100 sweep, 2026-11-23: 74 µs against 84-95 for 16x64 at 16,32/8,4096)
-FP8KV_DEFAULT = TileConfig((16, 32), warps=1, stages=1)
+# An FP8 KV cache (any query length): its e4m3 K/V are converted in registers, so each warp has
+# more to do than in a 16-bit decode and the keys are shared by two warp groups per CTA as well
+# as across CTAs (flashcore.ops.plan); 81 KB at d128, within an L4's 99 KB (H100 sweep,
+# 2026-11-25, each config at its best share count: 32.9 / 13.3 / 55.1 µs at 1,8,32k,
+# 1,32/8,8k and 16,32/8,4k, against 35.7 / 15.7 / 56.2 for the old 16x32 one-stage default)
+FP8KV_DEFAULT = TileConfig((16, 64), warps=1, stages=2, kv_splits=2)
 # (name, upper bound of seq_q, the shape timed for it: batch, query heads, key/value heads,
 # query tokens, keys)
 BUCKETS = [

@@ -18,7 +18,8 @@ descales per token for Q and K and per (batch, head) for V; each key's descale m
 column of scores, each query's folds into its row's exp2 scale; P comes out of its exp2 times
 ``P_SCALE`` for its e4m3 conversion, the row sums with it, so O / sum needs only V's descale;
 Vᵀ's keys are stored permuted within each 32 so P's registers serve as the A operand as they
-are), ``kv_fp8`` (an e4m3 KV cache dequantised in shared memory), ``split_kv`` (fp32 partial
+are), ``kv_fp8`` (an e4m3 KV cache whose codes ldmatrix reads and the
+MMAs' fragments convert in registers, ``e4m3_operands.py``), ``split_kv`` (fp32 partial
 results per share of the keys, for the combine kernel), causal (top-left, torch's
 ``is_causal``), LSE.
 

@@ -10,6 +10,7 @@ from ..common.mask import mask_scores
 from ..common.mma import gemm_rs, gemm_ss
 from ..common.softmax import OnlineSoftmax
 from .cta import Cta
+from .e4m3_operands import gemm_codes
 from .pipeline import after_block, after_scores, before_scores
 
 
@@ -26,8 +27,10 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
         k_descale = key_descales(cta.score_coords(n_block), cta.gKd, cta.seqlen_k)
 
     kv_scales = before_scores(cta, n_block, slot, first)
-    stage = cta.stage(slot)
-    gemm_ss(cta.lay.tiled_mma, acc_S, cta.q, cta.q.smem, cta.k, cta.k.stage(stage))
+    if cutlass.const_expr(cta.lay.kv_fp8):
+        gemm_codes(cta.lay.tiled_mma, acc_S, cta.q_frag, cta.k, cta.k.stage(slot))
+    else:
+        gemm_ss(cta.lay.tiled_mma, acc_S, cta.q, cta.q.smem, cta.k, cta.k.stage(slot))
     after_scores(cta, n_block)
 
     S = mn_view(acc_S)
@@ -43,8 +46,11 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
     if cutlass.const_expr(cta.lay.kv_fp8):  # P·(v8 · v_descale) = (P · v_descale)·v8, per key
         scale_columns(S, kv_scales[1])
 
-    gemm_rs(cta.lay.tiled_mma, cta.acc_O, probabilities_as_operand(cta, acc_S), cta.vt,
-            cta.vt.stage(stage))
+    p_frag = probabilities_as_operand(cta, acc_S)
+    if cutlass.const_expr(cta.lay.kv_fp8):
+        gemm_codes(cta.lay.tiled_mma, cta.acc_O, p_frag, cta.vt, cta.vt.stage(slot))
+    else:
+        gemm_rs(cta.lay.tiled_mma, cta.acc_O, p_frag, cta.vt, cta.vt.stage(slot))
     after_block(cta, n_block, slot)
 
 

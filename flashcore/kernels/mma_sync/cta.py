@@ -12,6 +12,7 @@ from ..common.block_info import UNBOUNDED, KeyBounds, key_range
 from ..common.fragments import mn_view
 from ..common.grid import kv_head_of, tile_coords
 from ..common.mma import SmemOperand
+from .e4m3_operands import E4m3Operand, output_columns, permuted, query_columns
 from .layouts import KernelLayouts
 from .sequences import Sequences
 
@@ -61,22 +62,20 @@ class Cta:
         self.sK_ring = storage.sK.get_tensor(lay.sK_ring)[None, None, None, g]  # (keys, d, stage)
         self.sV_ring = storage.sV.get_tensor(lay.sV_ring)[None, None, None, g]
         if cutlass.const_expr(lay.kv_fp8):
-            sK = storage.sK16.get_tensor(lay.sK)[None, None, None, g]  # one stage
-            sV = storage.sV16.get_tensor(lay.sV)[None, None, None, g]
             scales = cute.make_layout((tn, c.stages, c.kv_splits))
             self.sKd = storage.sKd.get_tensor(scales)[None, None, g]  # (keys, stage)
             self.sVd = storage.sVd.get_tensor(scales)[None, None, g]
-            self.sK16, self.sV16 = sK[None, None, 0], sV[None, None, 0]
+            # the codes as 16-bit elements: K (keys, d / 2, stage), Vᵀ (d / 2, keys, stage)
+            sK = storage.sK.get_tensor(lay.sK_codes, dtype=lay.op_dtype)[None, None, None, g]
+            sV = storage.sV.get_tensor(lay.sK_codes, dtype=lay.op_dtype)[None, None, None, g]
+            sVt = transposed(sV, d // 2, tn)
         else:
-            sK, sV = self.sK_ring, self.sV_ring
+            sK, sVt = self.sK_ring, self.sV_ring  # fp8's V is already (head_dim, keys, stage)
+            if cutlass.const_expr(not lay.fp8):
+                sVt = transposed(self.sV_ring, d, tn)  # V as (head_dim, keys): P·V's B operand
         if cutlass.const_expr(lay.fp8):
-            sVt = sV  # already (head_dim, keys, stage)
             self.sO = storage.sO.get_tensor(lay.sO)
         else:
-            # V read as (head_dim, keys): the B operand of P·V
-            stages = cute.size(sV, mode=[2])
-            sVt = cute.composition(sV, cute.make_layout((d, tn, stages),
-                                                        stride=(tn, 1, tn * d)))
             self.sO = cute.make_tensor(self.sQ.iterator, lay.sO)  # Q's buffer, free by then
 
         # ---- global->shared copy partitions ------------------------------------------------------
@@ -108,22 +107,37 @@ class Cta:
             self.gVd = mVd[batch, self.kv_head, None] if self.lay.kv_fp8 else None
 
     def mma_operands(self, sK, sVt):
-        """The MMA operands (Q, K and Vᵀ from shared memory) and the output accumulator."""
-        lay = self.lay
+        """The MMA operands (Q, K and Vᵀ from shared memory; for an FP8 KV cache Q's permuted
+        fragment in registers and the K and V codes) and the output accumulator."""
+        lay, c, d = self.lay, self.config, self.spec.head_dim
         mma = lay.tiled_mma
-        self.thr_mma = mma.get_slice(self.tidx)
-        ld_a, ld_v = lay.ldmatrix_ops()
-        frag = self.thr_mma
-        self.q = SmemOperand(mma, cute.make_tiled_copy_A, ld_a, lay.op_dtype, self.sQ,
-                             frag.make_fragment_A(frag.partition_A(self.sQ)), self.tidx)
-        self.k = SmemOperand(mma, cute.make_tiled_copy_B, ld_a, lay.op_dtype, sK,
-                             frag.make_fragment_B(frag.partition_B(sK[None, None, 0])), self.tidx)
-        self.vt = SmemOperand(mma, cute.make_tiled_copy_B, ld_v, lay.op_dtype, sVt,
-                              frag.make_fragment_B(frag.partition_B(sVt[None, None, 0])),
-                              self.tidx)
-        shape = frag.partition_shape_C((self.config.tile_m, self.spec.head_dim))
-        self.acc_O = cute.make_rmem_tensor(shape, cutlass.Float32)
+        self.thr_mma = frag = mma.get_slice(self.tidx)
+        if cutlass.const_expr(lay.kv_fp8):
+            # Q's fragment, read once (the prologue) in the head-dim order of the K codes
+            self.q_src = frag.partition_A(permuted(self.sQ, query_columns(c.tile_m, d)))
+            self.q_frag = frag.make_fragment_A(self.q_src)
+            self.k = E4m3Operand(mma, sK, False, lay.op_dtype, (c.tile_n, d), self.tidx)
+            self.vt = E4m3Operand(mma, sVt, True, lay.op_dtype, (d, c.tile_n), self.tidx)
+        else:
+            ld_a, ld_v = lay.ldmatrix_ops()
+            self.q = SmemOperand(mma, cute.make_tiled_copy_A, ld_a, lay.op_dtype, self.sQ,
+                                 frag.make_fragment_A(frag.partition_A(self.sQ)), self.tidx)
+            self.k = SmemOperand(mma, cute.make_tiled_copy_B, ld_a, lay.op_dtype, sK,
+                                 frag.make_fragment_B(frag.partition_B(sK[None, None, 0])),
+                                 self.tidx)
+            self.vt = SmemOperand(mma, cute.make_tiled_copy_B, ld_v, lay.op_dtype, sVt,
+                                  frag.make_fragment_B(frag.partition_B(sVt[None, None, 0])),
+                                  self.tidx)
+        self.acc_O = cute.make_rmem_tensor(frag.partition_shape_C((c.tile_m, d)),
+                                           cutlass.Float32)
         self.acc_O.fill(0.0)
+
+    def output_view(self, tile: cute.Tensor) -> cute.Tensor:
+        """A (tile_m, head_dim) output tile seen in the column order of ``acc_O`` (permuted
+        for an FP8 KV cache, ``e4m3_operands.output_columns``)."""
+        if cutlass.const_expr(self.lay.kv_fp8):
+            return permuted(tile, output_columns(self.config.tile_m, self.spec.head_dim))
+        return tile
 
     def key_share(self, split, num_splits, window_left, window_right):
         """The key blocks this CTA (group) walks, ``n_hi - 1`` down to ``n_lo``, the lowest that
@@ -163,7 +177,9 @@ class Cta:
             cute.make_identity_tensor((self.config.tile_m, self.spec.head_dim))))
         return [rows[r, 0][0] for r in range(cute.size(rows, mode=[0]))]
 
-    def stage(self, slot):
-        """The K/V stage the MMAs read for ring slot ``slot`` (always 0 when an FP8 KV cache is
-        converted into a single 16-bit tile)."""
-        return 0 if self.lay.kv_fp8 else slot
+
+def transposed(tile: cute.Tensor, cols: int, rows: int) -> cute.Tensor:
+    """A (rows, cols, stages) row-major ring read as (cols, rows, stages)."""
+    stages = cute.size(tile, mode=[2])
+    return cute.composition(tile, cute.make_layout((cols, rows, stages),
+                                                   stride=(rows, 1, rows * cols)))

@@ -84,7 +84,7 @@ def store_output(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
                                                      lay.out_dtype), lay.tiled_mma)
     r2s_thr = r2s.get_slice(cta.tidx)
     group_sync(cta, 0)  # every warp is done reading sQ (O may reuse it)
-    cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cta.sO))
+    cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cta.output_view(cta.sO)))
     group_sync(cta, 0)
 
     gO = cute.local_tile(cta.seqs.query_rows(mO, batch, head), (c.tile_m, d), (m_block, 0))
@@ -108,8 +108,8 @@ def store_partials(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
     at = split * mQ.shape[0] + batch
     normalise(cta, softmax, o_scale)
     store_lse(cta, softmax, mLSE[at, head, None], m_block)
-    gO = mn_view(cta.thr_mma.partition_C(
-        cute.local_tile(mO[at, head, None, None], (c.tile_m, d), (m_block, 0))))
+    gO = mn_view(cta.thr_mma.partition_C(cta.output_view(
+        cute.local_tile(mO[at, head, None, None], (c.tile_m, d), (m_block, 0)))))
     cO = mn_view(cta.thr_mma.partition_C(cute.local_tile(
         cute.make_identity_tensor((cta.seqlen_q, d)), (c.tile_m, d), (m_block, 0))))
     O = mn_view(cta.acc_O)

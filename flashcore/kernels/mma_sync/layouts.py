@@ -48,11 +48,11 @@ class KernelLayouts:
                                               (d, tn, *staged), (0, 1, 2, 3))
         else:
             self.sV_ring = self.sK_ring
-        # the tiles the MMAs read: the ring itself, or (FP8 KV cache) one 16-bit tile per split
-        # that each stage is converted into
-        self.sK = (cute.tile_to_shape(atom(self.op_dtype), (tn, d, 1, c.kv_splits),
-                                      (0, 1, 2, 3)) if self.kv_fp8 else self.sK_ring)
-        self.sV = self.sK if self.kv_fp8 else self.sV_ring
+        # an FP8 KV cache's ring again, as 16-bit elements of two codes each (the same bytes
+        # under the same swizzle): what ldmatrix reads (``e4m3_operands.py``)
+        self.sK_codes = (cute.tile_to_shape(
+            swizzled_row_atom(16, cute.size(ring_atom.outer.shape[1]) // 2),
+            (tn, d // 2, *staged), (0, 1, 2, 3)) if self.kv_fp8 else None)
         self.sO = cute.tile_to_shape(swizzled_row_atom(16, 64), (tm, d), (0, 1))
         self.g2s_q = g2s_copy(self.op_dtype, cute.size(atom(self.op_dtype).outer.shape[1]), gt)
         self.g2s_k = g2s_copy(self.ring_dtype, cute.size(ring_atom.outer.shape[1]), gt)
@@ -89,7 +89,7 @@ class KernelLayouts:
         op, ring, out = self.op_dtype, self.ring_dtype, self.out_dtype
         fp8, kv_fp8, splits = self.fp8, self.kv_fp8, c.kv_splits
         n_q, n_k, n_v = (cute.cosize(x) for x in (self.sQ, self.sK_ring, self.sV_ring))
-        n_k16, n_o = cute.cosize(self.sK), cute.cosize(self.sO)
+        n_o = cute.cosize(self.sO)
         n_scale = c.tile_n * c.stages * splits
         n_ml = splits * 2 * c.tile_m  # per split: row max and row sum
         n_acc = (splits - 1) * c.tile_m * spec.head_dim  # all splits but the first: fp32 O
@@ -100,9 +100,7 @@ class KernelLayouts:
             sQ: Align[Mem[op, n_q], 1024]
             sK: Align[Mem[ring, n_k], 1024]
             sV: Align[Mem[ring, n_v], 1024]
-            if kv_fp8:  # converted K and V; per-key descales of each stage
-                sK16: Align[Mem[op, n_k16], 1024]
-                sV16: Align[Mem[op, n_k16], 1024]
+            if kv_fp8:  # per-key descales of each stage
                 sKd: Align[Mem[cutlass.Float32, n_scale], 1024]
                 sVd: Align[Mem[cutlass.Float32, n_scale], 1024]
             if fp8:  # e4m3 Q cannot hold the 16-bit output tile: O gets its own buffer

@@ -6,10 +6,10 @@ Three schedules, chosen by the spec:
   issue K(n-1) over K(n), softmax, P·V. The first block's V is issued with its K.
 * ``stages > 1``: K and V of each block are one cp.async group, issued ``stages`` blocks ahead
   into a ring; a stage is refilled once every warp is done with it.
-* FP8 KV cache: e4m3 K and V (and their per-key descales) arrive in the ring as above; when a
-  block is due its codes are converted (exactly) into one 16-bit K and V tile that the MMAs read,
-  which frees its ring stage at once for the block ``stages`` ahead; the descales go to
-  registers and scale the block's scores (K) and probabilities (V).
+* FP8 KV cache: the ring schedule (any ``stages``) of e4m3 K and V and their per-key descales;
+  the MMAs convert the codes in registers (``e4m3_operands.py``), the descales go to registers
+  and scale the block's scores (K) and probabilities (V). Q has a group of its own, waited for
+  in the prologue: its fragment is read into registers once, in the order the K codes need.
 
 Every block commits exactly one cp.async group (possibly empty), so ``wait_group(stages - 1)``
 always means "the oldest block in flight has landed".
@@ -101,10 +101,13 @@ def issue_scales(cta: Cta, g_scale, s_scale, n_block, slot):
 @cute.jit
 def prologue(cta: Cta):
     """Issue Q (the first warp group loads it for all) and this group's first K/V blocks."""
+    kv_fp8 = cta.lay.kv_fp8
     if cta.group == 0:
         load_rows(cta.lay.g2s_q, cta.tQgQ, cta.tQsQ, cta.tQcQ, cta.seqlen_q)
+    if cutlass.const_expr(kv_fp8):
+        cute.arch.cp_async_commit_group()
     n_last = cta.n_hi - 1
-    if cutlass.const_expr(cta.config.stages == 1 and not cta.lay.kv_fp8):
+    if cutlass.const_expr(cta.config.stages == 1 and not kv_fp8):
         # Q and the first K, then the first V, as two groups (a short problem has few blocks
         # per CTA; each would otherwise wait one more DRAM round trip for its V)
         if cta.n_hi > cta.n_lo:
@@ -114,15 +117,20 @@ def prologue(cta: Cta):
             issue_v(cta, n_last, 0, True)
         cute.arch.cp_async_commit_group()
     else:
-        # the first `stages` blocks, one group each (Q joins the first)
+        # the first `stages` blocks, one group each (Q joins the first, unless it has its own)
         for i in cutlass.range_constexpr(cta.config.stages):
             if n_last - i >= cta.n_lo:
                 issue_block(cta, n_last - i, i, i == 0)
             cute.arch.cp_async_commit_group()
-    if cutlass.const_expr(cta.config.kv_splits > 1):
+    if cutlass.const_expr(kv_fp8):
+        # Q's group is the oldest: once it has landed, its fragment goes to registers while
+        # the blocks are in flight
+        cute.arch.cp_async_wait_group(cta.config.stages)
+        cute.arch.sync_threads()
+        cute.autovec_copy(cta.q_src, cta.q_frag)  # plain loads, once per CTA
+    elif cutlass.const_expr(cta.config.kv_splits > 1):
         # the first group's loads hold Q for everyone: they must land before anyone reads it
-        cute.arch.cp_async_wait_group(1 if cta.config.stages == 1 and not cta.lay.kv_fp8
-                                      else cta.config.stages - 1)
+        cute.arch.cp_async_wait_group(1 if cta.config.stages == 1 else cta.config.stages - 1)
         cute.arch.sync_threads()
 
 
@@ -132,17 +140,9 @@ def before_scores(cta: Cta, n_block, slot, first: cutlass.Constexpr):
     For an FP8 KV cache returns this thread's (K, V) descales of its score columns."""
     stages = cta.config.stages
     if cutlass.const_expr(cta.lay.kv_fp8):
-        cute.arch.cp_async_wait_group(stages - 1)
+        cute.arch.cp_async_wait_group(stages - 1)  # block n's group is the oldest in flight
         group_sync(cta, cta.group)
-        scales = column_scales(cta, slot)
-        dequantize(cta, cta.sK_ring[None, None, slot], cta.sK16)
-        dequantize(cta, cta.sV_ring[None, None, slot], cta.sV16)
-        group_sync(cta, cta.group)
-        # the stage is free already: refill it with the block `stages` ahead
-        if n_block - stages >= cta.n_lo:
-            issue_block(cta, n_block - stages, slot, False)
-        cute.arch.cp_async_commit_group()
-        return scales
+        return column_scales(cta, slot)
     elif cutlass.const_expr(stages > 1):
         cute.arch.cp_async_wait_group(stages - 1)  # block n's group is the oldest in flight
         group_sync(cta, cta.group)
@@ -171,7 +171,7 @@ def after_scores(cta: Cta, n_block):
 @cute.jit
 def after_block(cta: Cta, n_block, slot):
     """Ring schedule: every warp is done with this stage; refill it with block n - stages."""
-    if cutlass.const_expr(cta.config.stages > 1 and not cta.lay.kv_fp8):
+    if cutlass.const_expr(cta.config.stages > 1 or cta.lay.kv_fp8):
         group_sync(cta, cta.group)
         if n_block - cta.config.stages >= cta.n_lo:
             issue_block(cta, n_block - cta.config.stages, slot, False)
@@ -192,25 +192,3 @@ def column_scales(cta: Cta, slot):
         k_scale[j] = cta.sKd[key, slot]
         v_scale[j] = cta.sVd[key, slot] * cta.lay.kv_v_scale
     return k_scale, v_scale
-
-
-@cute.jit
-def dequantize(cta: Cta, src: cute.Tensor, dst: cute.Tensor):
-    """e4m3 (keys, head_dim) tile -> the 16-bit tile ``dst``, 16 values (one 16-byte chunk of
-    ``src``) per step of each thread. The codes are exact in 16 bits; each key's descale is
-    applied to its scores (K) and its probabilities (V) in fp32, where it is cheap."""
-    d = cta.spec.head_dim
-    per_row = d // 16
-    chunks = cta.config.tile_n * per_row  # a multiple of the group's threads (spec validation)
-    op = cta.lay.op_dtype
-    for i in cutlass.range_constexpr(chunks // cta.config.group_threads):
-        c = cta.tidx + i * cta.config.group_threads
-        row, col = c // per_row, c % per_row
-        e4m3 = cute.make_rmem_tensor((16,), cta.lay.ring_dtype)
-        cute.autovec_copy(cute.local_tile(src[row, None], (16,), (col,)), e4m3)
-        out = cute.make_rmem_tensor((16,), op)
-        if cutlass.const_expr(op == cutlass.Float16):
-            out.store(e4m3.load().to(op))  # cvt.rn.f16x2.e4m3x2
-        else:
-            out.store(e4m3.load().to(cutlass.Float32).to(op))
-        cute.autovec_copy(out, cute.local_tile(dst[row, None], (16,), (col,)))
