@@ -139,13 +139,11 @@ def before_scores(cta: Cta, n_block, slot, first: cutlass.Constexpr):
     """Block ``n_block``'s K (and for the ring schedules its V) is in the tiles the MMAs read.
     For an FP8 KV cache returns this thread's (K, V) descales of its score columns."""
     stages = cta.config.stages
-    if cutlass.const_expr(cta.lay.kv_fp8):
+    if cutlass.const_expr(stages > 1 or cta.lay.kv_fp8):  # the ring schedule
         cute.arch.cp_async_wait_group(stages - 1)  # block n's group is the oldest in flight
         group_sync(cta, cta.group)
-        return column_scales(cta, slot)
-    elif cutlass.const_expr(stages > 1):
-        cute.arch.cp_async_wait_group(stages - 1)  # block n's group is the oldest in flight
-        group_sync(cta, cta.group)
+        if cutlass.const_expr(cta.lay.kv_fp8):
+            return column_scales(cta, slot)
     elif cutlass.const_expr(first):
         cute.arch.cp_async_wait_group(1)  # K(n) has landed; V(n) may still be in flight
         group_sync(cta, cta.group)
