@@ -5,7 +5,9 @@ graph, one table per shape. Writes JSON to $OUT.
     python scripts/decode_sweep.py [--quick] [--fp8kv-only] [--dtypes float16 bfloat16]
 
 ``--combine-probe`` also times each tuned split call with its combine launch left out (the
-output is then wrong: a timing probe of what the second kernel costs, nothing else).
+output is then wrong: a timing probe of what the second kernel costs, nothing else). Each
+shape also times the benchmark's read floors (``flashcore.tuning.peers.read_floor``): one
+launch that only reads as many bytes as K and V hold, 16-bit and e4m3.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
 from flashcore.spec import TileConfig
 from flashcore.tuning.bench import DECODE, Shape
-from flashcore.tuning.peers import _fa4, _sdpa
+from flashcore.tuning.peers import _fa4, _sdpa, read_floor
 from flashcore.tuning.timing import n_sets, time_kernel
 
 FP16_CONFIGS = [TileConfig((16, t), warps=1, stages=s) for t in (32, 64, 128) for s in (1, 2, 3)]
@@ -79,6 +81,8 @@ def sweep(shape: Shape, a, peers) -> dict:
         with ctx:
             res[name] = timed(lambda q, k, v, fn=fn: fn(q, k, v, False), sets)
     res["fc tuned"] = timed(lambda q, k, v: attention(q, k, v), sets)
+    for name, floor in (("read floor", read_floor()), ("read floor e4m3", read_floor(0.5))):
+        res[name] = timed(lambda q, k, v, f=floor: f(q, k, v, False), sets)
     if a.combine_probe:
         with without_combine():
             res["fc tuned, split kernel only"] = timed(lambda q, k, v: attention(q, k, v), sets)
@@ -107,7 +111,8 @@ def sweep(shape: Shape, a, peers) -> dict:
 
 def show(shape: Shape, res: dict) -> None:
     floor16, floor8 = shape.min_bytes() / TB_S, fp8kv_bytes(shape) / TB_S
-    peer = min((v for k, v in res.items() if not k.startswith("fc") and isinstance(v, float)),
+    peer = min((v for k, v in res.items()
+                if not k.startswith(("fc", "read floor")) and isinstance(v, float)),
                default=float("nan"))
     ours16 = res.get("fc tuned")
     print(f"\n{shape.label}: floor fp16 {floor16:.1f} us, fp8 KV {floor8:.1f} us (3.0 TB/s); "

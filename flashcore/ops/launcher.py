@@ -156,9 +156,13 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
             return
         launch(kern, grid, (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
         return
-    # split-KV across CTAs: fp32 partials of each share, then the combine kernel
-    o_part = torch.empty((splits * B, H, Sq, D), dtype=torch.float32, device=q.device)
-    lse_part = torch.empty((splits * B, H, Sq), dtype=torch.float32, device=q.device)
+    # split-KV across CTAs: fp32 partials of each share, then the combine kernel; one
+    # allocation holds the outputs and, after them, the LSEs (an eager decode call pays ~3 us
+    # a torch.empty)
+    rows = splits * B * H * Sq
+    work = torch.empty(rows * (D + 1), dtype=torch.float32, device=q.device)
+    o_part = work[:rows * D].view(splits * B, H, Sq, D)
+    lse_part = work[rows * D:].view(splits * B, H, Sq)
     kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True, masks,
                          False, serving.page_size)
     launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),

@@ -6,8 +6,10 @@
     python -m flashcore.bench --out benchmarks/results
 
 For each shape: kernel time (median over CUDA-graph replays of several launches, inputs rotated so
-the L2 cache does not flatter), and at the mission shape the eager call time (median per call
-with CUDA events, host overhead included). Peers: torch SDPA forced to each backend (``enable_gqa`` where K/V have fewer heads),
+the L2 cache does not flatter; ``--rounds N`` times every implementation N times in turn and
+keeps the median), and at the mission shape the eager call time (median per call with CUDA
+events, host overhead included). Decode shapes also get read floors: one launch that only reads
+K's and V's bytes (16-bit, and e4m3), what streaming the cache costs on this GPU. Peers: torch SDPA forced to each backend (``enable_gqa`` where K/V have fewer heads),
 FlashAttention-4 when importable, NVIDIA's CuTe DSL FA2 example when ``FLASHCORE_NV_FA2`` names a
 copy. Writes a JSON record (flashcore's source hash, git SHA, GPU, driver, versions, every figure)
 and a PNG chart, and prints a table.
@@ -21,6 +23,7 @@ import datetime
 import importlib.metadata
 import json
 import platform
+import statistics
 import subprocess
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +40,7 @@ from .peers import (
     fp8_kernel_only,
     fp8_kv_cache,
     implementations,
+    read_floor,
 )
 from .timing import n_sets, time_eager, time_kernel
 
@@ -147,27 +151,50 @@ def _parse_shape(text: str) -> Shape:
                  kv_heads=int(kv) if kv else None, seq_q=int(sq) if sq else None)
 
 
-def measure(shapes: list[Shape], impls: dict[str, Impl], eager: bool = True) -> list[Result]:
+def _applies(name: str, shape: Shape) -> bool:
+    """The FP8 KV cache and the read floors are for decode; pre-expanded K/V for GQA prefill."""
+    if "fp8kv" in name or name.startswith("read-floor"):
+        return shape.decode
+    if "expanded" in name:
+        return not shape.decode and shape.hkv != shape.heads
+    return True
+
+
+def measure(shapes: list[Shape], impls: dict[str, Impl], eager: bool = True,
+            rounds: int = 1) -> list[Result]:
+    """Each shape's implementations timed in turn, ``rounds`` times over (every other round
+    in reverse order, ABBA, so a drift in clocks or temperature favours no one; the median
+    kept, each round's figure in ``extra["rounds_us"]``): a GPU at its power cap runs the
+    same kernel 3-8% apart from minute to minute, and alternating keeps a close pair's
+    comparison from riding on which came first."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     results = []
     for shape in shapes:
         sets = [shape.inputs() for _ in range(n_sets(int(shape.min_bytes()), l2))]
-        for name, fn in impls.items():
-            r = Result(shape, name)
-            if ("fp8kv" in name and not shape.decode) or (
-                    "expanded" in name and (shape.decode or shape.hkv == shape.heads)):
-                continue  # the FP8 KV cache is for decode; pre-expanded K/V for GQA prefill
+        mine = {name: Result(shape, name) for name in impls if _applies(name, shape)}
+        times: dict[str, list[float]] = {name: [] for name in mine}
+        for turn in range(rounds):
+            for name, r in (reversed if turn % 2 else iter)(list(mine.items())):
+                if r.error:
+                    continue
+                fn = impls[name]
 
-            def call(q, k, v, fn=fn, causal=shape.causal):
-                return fn(q, k, v, causal)
+                def call(q, k, v, fn=fn, causal=shape.causal):
+                    return fn(q, k, v, causal)
 
-            try:
-                with getattr(fn, "context", contextlib.nullcontext)():
-                    r.kernel_us = time_kernel(call, sets)
-                    if eager and shape == MISSION:  # host overhead shows only at small shapes
-                        r.eager_us = time_eager(call, sets)
-            except Exception as e:  # a peer without support for this shape: record, go on
-                r.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                try:
+                    with getattr(fn, "context", contextlib.nullcontext)():
+                        times[name].append(time_kernel(call, sets))
+                        if eager and shape == MISSION and turn == 0:  # host overhead shows
+                            r.eager_us = time_eager(call, sets)  # only at small shapes
+                except Exception as e:  # a peer without support for this shape: record, go on
+                    r.error = (f"{type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+        for name, r in mine.items():
+            if times[name] and not r.error:
+                r.kernel_us = statistics.median(times[name])
+                if rounds > 1:
+                    r.extra["rounds_us"] = times[name]
             results.append(r)
         del sets
         torch.cuda.empty_cache()
@@ -304,6 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wgmma", action="store_true",
                     help="also the Hopper families (sm_90): wgmma tiles 128x128 and 128x64, 2 "
                          "and 3 stages; wgmma_ws 128 and 192 query rows")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each shape's implementations this many times in turn, keep the "
+                         "median (close comparisons: 3)")
     ap.add_argument("--shapes", default=None,
                     help="B,H,S,D[,causal] or B,Hq/Hkv,SqxSk,D[,causal], separated by ';'")
     a = ap.parse_args(argv)
@@ -315,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         ours["flashcore-no-pdl"] = _flashcore_plain(**tile)
     ours["flashcore-fp8kv"] = fp8_kv_cache()
     ours["flashcore-kv-expanded"] = _flashcore_kv_expanded()
+    ours["read-floor"] = read_floor()  # decode shapes: not attention, the cost of one read
+    ours["read-floor-fp8kv"] = read_floor(0.5)
     if a.wgmma:
         for tn, stages in ((128, 2), (128, 3), (64, 2), (64, 3)):
             ours[f"flashcore-wgmma-n{tn}-s{stages}"] = _flashcore(
@@ -333,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             + GQA_PREFILL
     else:
         shapes = suite(a.quick)
-    results = measure(shapes, implementations(ours), eager=not a.no_eager)
+    results = measure(shapes, implementations(ours), eager=not a.no_eager,
+                      rounds=a.rounds)
     path = record(results, Path(a.out))
     print(table(results))
     print(f"record: {path}")

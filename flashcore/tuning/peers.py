@@ -132,6 +132,24 @@ def fp8_kv_cache() -> Impl:
     return run
 
 
+def read_floor(fraction: float = 1.0) -> Impl:
+    """Not attention: one launch that reads ``fraction`` of K's and V's bytes once (torch's sum
+    over one 16-bit buffer that size, made beforehand; 0.5: the bytes of an e4m3 cache). What a
+    kernel that streams the cache costs on this GPU, launch and ramp included, beside the
+    bytes-over-bandwidth floor: a memory-bound decode cannot be expected to beat it by much."""
+
+    def make(q, k, v):
+        n = int(fraction * (k.numel() * k.element_size() + v.numel() * v.element_size())) // 2
+        return torch.randn(n, dtype=torch.float16, device=k.device)
+
+    get = _prepared_once(make)
+
+    def run(q, k, v, causal):
+        return get(q, k, v).sum(dtype=torch.float32)
+
+    return run
+
+
 def _nvidia_fa2_example() -> Impl | None:
     """NVIDIA's CuTe DSL FA2 example (``FlashAttentionForwardAmpere`` in NVIDIA/cutlass
     examples/python/CuTeDSL/.../flash_attention_v2.py), from a copy the user fetched and named in
