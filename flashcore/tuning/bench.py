@@ -9,10 +9,11 @@ For each shape: kernel time (median over CUDA-graph replays of several launches,
 the L2 cache does not flatter; ``--rounds N`` times every implementation N times in turn and
 keeps the median), and at the mission shape the eager call time (median per call with CUDA
 events, host overhead included). Decode shapes also get read floors: one launch that only reads
-K's and V's bytes (16-bit, and e4m3), what streaming the cache costs on this GPU. Peers: torch SDPA forced to each backend (``enable_gqa`` where K/V have fewer heads),
-FlashAttention-4 when importable, NVIDIA's CuTe DSL FA2 example when ``FLASHCORE_NV_FA2`` names a
-copy. Writes a JSON record (flashcore's source hash, git SHA, GPU, driver, versions, every figure)
-and a PNG chart, and prints a table.
+K's and V's bytes (16-bit, and e4m3), what streaming the cache costs on this GPU. Peers: torch
+SDPA forced to each backend (``enable_gqa`` where K/V have fewer heads), FlashAttention-4 when
+importable, NVIDIA's CuTe DSL FA2 example when ``FLASHCORE_NV_FA2`` names a copy. Writes a JSON
+record (flashcore's source hash, git SHA, GPU, driver, versions, every figure) and a PNG chart,
+and prints a table.
 """
 
 from __future__ import annotations
@@ -174,7 +175,10 @@ def measure(shapes: list[Shape], impls: dict[str, Impl], eager: bool = True,
         mine = {name: Result(shape, name) for name in impls if _applies(name, shape)}
         times: dict[str, list[float]] = {name: [] for name in mine}
         for turn in range(rounds):
-            for name, r in (reversed if turn % 2 else iter)(list(mine.items())):
+            order = list(mine.items())
+            if turn % 2:
+                order.reverse()
+            for name, r in order:
                 if r.error:
                     continue
                 fn = impls[name]
