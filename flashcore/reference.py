@@ -196,10 +196,11 @@ def attention_fp8(
     tile: tuple[int, int] | None = None,
     kv_splits: int = 1,
     num_splits: int = 1,
+    k_scale: str = "token",
 ) -> torch.Tensor:
     """Float64 attention of the FP8 kernel's quantised computation: q and k quantised per token
-    and v per head as the quantiser does (same scales, e4m3 rounding), and, with ``round_p``, P
-    rounded to e4m3 after scaling by P_SCALE.
+    (k per (batch, head) with ``k_scale="head"``) and v per head as the quantiser does (same
+    scales, e4m3 rounding), and, with ``round_p``, P rounded to e4m3 after scaling by P_SCALE.
 
     With ``tile=None`` P is rounded relative to the final row max (the kernel uses the running
     max, so the two differ by up to a few percent) and the result is not rounded further. With
@@ -207,10 +208,12 @@ def attention_fp8(
     (``attention_fp8_online``) and the result is rounded to q's dtype, as the kernel's output is;
     either way float64 is returned.
     """
-    codes = [quantize_e4m3(t, g) for t, g in ((q, "token"), (k, "token"), (v, "head"))]
+    codes = [quantize_e4m3(t, g) for t, g in ((q, "token"), (k, k_scale), (v, "head"))]
     if tile is not None:
         dev = torch.device(device) if device is not None else torch.device("cpu")
         (qc, qd), (kc, kd), (vc, vd) = ((c.to(dev), d.to(dev)) for c, d in codes)
+        if kd.dim() == 2:  # one descale per head: every key's (the kernel folds it per row)
+            kd = kd.unsqueeze(-1).expand(*kd.shape, kc.shape[2])
         out = attention_fp8_online(qc, qd, kc, kd, vc, vd, causal=causal,
                                    softmax_scale=softmax_scale, tile=tile, kv_splits=kv_splits,
                                    num_splits=num_splits, round_p=round_p)

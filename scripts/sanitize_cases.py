@@ -2,7 +2,8 @@
 scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks its result against
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
-    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|fp8-paged|wgmma|wgmma-fp8|serving]
+    python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
+                                      fp8-paged|wgmma|wgmma-fp8|fp8-khead|serving]
 """
 
 from __future__ import annotations
@@ -243,6 +244,29 @@ def wgmma_fp8_cases():
                         v, causal, tol=0.1)
 
 
+def fp8_khead_cases():
+    # FP8 operands with K descaled per (batch, head) (folded into the rows' exp2 scales): the
+    # warp-specialised family's tuned tiles on sm_90, the mma_sync family's prefill and split
+    # decode everywhere; ragged, GQA, S = 1, causal rows with no key
+    from flashcore.spec import TileConfig
+
+    configs = [TileConfig((64, 64)), TileConfig((16, 64), warps=1)]
+    if arch_of(torch.cuda.current_device()) == "sm_90":
+        configs += [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                    TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+    for config in configs:
+        for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
+                                  (130, 257, 128, False), (1, 700, 128, True)):
+            q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk + d)
+            q8, qd = quantize_fp8(q, granularity="token")
+            k8, kd = quantize_fp8(k)
+            vt8, vd = quantize_fp8(v, transpose=True)
+            out = attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, config=config,
+                                num_splits=3 if config.tile == (16, 64) else None)
+            yield check(f"fp8 khead {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k,
+                        v, causal, tol=0.1)
+
+
 def causal_order_cases():
     # causal grids of 18 (batch, head) pairs: two full sections of 8 and a tail of 2
     # (kernels/common/tile_order.py), ragged, GQA; every family whose grid takes that order.
@@ -310,7 +334,8 @@ def main() -> int:
                                                     (1, 32, 8, 1, 2049, 128))),
              "decode": decode_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases,
-             "wgmma-fp8": wgmma_fp8_cases, "causal-order": causal_order_cases,
+             "wgmma-fp8": wgmma_fp8_cases, "fp8-khead": fp8_khead_cases,
+             "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]
     results = list(cases())
     torch.cuda.synchronize()

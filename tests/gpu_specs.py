@@ -135,7 +135,7 @@ def wgmma_specs(arch: str) -> list:
     both = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "causal": [False, True],
             "return_lse": [False, True]}
     specs = _specs(arch, WGMMA_CONFIGS, **both)
-    specs += _specs(arch, WGMMA_FP8_CONFIGS, precision="fp8", **both)
+    specs += _specs(arch, WGMMA_FP8_CONFIGS, precision="fp8", k_scale=["token", "head"], **both)
     for bucket, d, causal, feature in itertools.product(
             [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), FALLBACK_FEATURES):
         config = _tuned(arch, bucket, d, causal, features=tuple(feature.items()))
@@ -214,6 +214,12 @@ def fp8_specs(arch: str) -> list:
             specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8")], dtype=DTYPES,
                             head_dim=d, causal=causal, precision="fp8",
                             return_lse=[False, True], split_kv=[False, True])
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8khead")], dtype=DTYPES,
+                            head_dim=d, causal=causal, precision="fp8", k_scale="head",
+                            return_lse=[False, True], split_kv=[False, True])
+    # test_fp8_key_descaled_per_head's explicit tiles (and the sanitizer's fp8-khead cases)
+    specs += _specs(arch, [TileConfig((64, 64)), TileConfig((16, 64), warps=1)], k_scale="head",
+                    return_lse=[False, True], split_kv=[False, True], **fp8)
     return specs
 
 

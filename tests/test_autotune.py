@@ -49,6 +49,22 @@ def test_lookup_reads_the_bucket_winner_and_defaults_elsewhere(tables):
     assert table.lookup("sm_90", 64, False, "decode") == table.DECODE_DEFAULT
 
 
+def test_fp8_with_k_per_head_takes_its_own_entry_or_the_fp8_one(tables):
+    ws = {"tile": [192, 128], "warps": 12, "stages": 2, "family": "wgmma_ws"}
+    tables("sm_90", {
+        "d64-causal-long-fp8": {"config": {"tile": [192, 64], "warps": 12, "stages": 3,
+                                           "family": "wgmma_ws"}},
+        "d64-causal-long-fp8khead": {"config": ws},
+        "d64-full-long-fp8": {"config": ws},
+    })
+    assert table.lookup("sm_90", 64, True, "long", "fp8khead").tile == (192, 128)
+    assert table.lookup("sm_90", 64, True, "long", "fp8").tile == (192, 64)
+    assert table.lookup("sm_90", 64, False, "long", "fp8khead") == TileConfig.from_dict(ws)
+    assert table.lookup("sm_90", 64, False, "short", "fp8khead") == table.DEFAULT
+    specs = table.winner_specs("sm_90", precisions=("fp8khead",))
+    assert [(s.precision, s.k_scale) for s in specs.values()] == [("fp8", "head")]
+
+
 def test_ada_borrows_the_hopper_table_until_it_has_its_own(tables):
     tables("sm_90", {"d64-full-short-fp16": {"config": {"tile": [32, 64], "warps": 2,
                                                         "kv_splits": 2}}})

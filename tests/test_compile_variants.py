@@ -20,6 +20,9 @@ SPECS = [
                   causal=True, return_lse=True),
     AttentionSpec(arch="sm_89", head_dim=64, config=TileConfig((32, 64), warps=2, kv_splits=2),
                   precision="fp8", split_kv=True),
+    # FP8 operands with K descaled per (batch, head): the L4's native e4m3 mma.sync
+    AttentionSpec(arch="sm_89", head_dim=128, config=TileConfig((64, 64)), precision="fp8",
+                  k_scale="head", causal=True, return_lse=True),
     CombineSpec(arch="sm_89", dtype="bfloat16", head_dim=128, return_lse=True),
     CombineSpec(arch="sm_90", head_dim=64),
 ]
@@ -34,7 +37,7 @@ def _ptx_body(art) -> str:
     return art.ptx[art.ptx.index(".entry"):]
 
 
-@pytest.mark.parametrize("spec", SPECS[:4], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS[:5], ids=lambda s: s.name)
 def test_attention_variants(artifacts, spec):
     art = artifacts[spec]
     body = _ptx_body(art)
@@ -62,11 +65,23 @@ def test_attention_variants(artifacts, spec):
         assert not re.search(r"\bSTS\S* \[[^]]+\], R\d", key_loop_ops)
         dt = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
         assert re.search(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{dt}\.{dt}\.f32", body)
+    if spec.precision == "fp8":
+        # per-token K descales are loaded in the key loop (4-byte global loads); a per-head
+        # one is a (batch, heads) parameter folded into the rows' exp2 scales before it
+        per_key = spec.k_scale == "token"
+        k_param = {p.name: p for p in attention_params(spec)}["k_descale"]
+        assert k_param.dynamic_shapes == (3 if per_key else 2)
+        text = sass(art.cubin)
+        lines = text.splitlines()
+        key_loop = max(loop_bodies(text), key=lambda fl: fl[1] - fl[0])
+        key_loop_ops = "\n".join(lines[key_loop[0]:key_loop[1]])
+        assert "HMMA" in key_loop_ops or "QMMA" in key_loop_ops
+        assert bool(re.search(r"\bLDG\.E(\.CONSTANT)? ", key_loop_ops)) == per_key
     if spec.arch == "sm_90":
         assert body.index("griddepcontrol.wait;") < body.index("cp.async")
 
 
-@pytest.mark.parametrize("spec", SPECS[4:], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS[5:], ids=lambda s: s.name)
 def test_combine_kernel(artifacts, spec):
     art = artifacts[spec]
     body = _ptx_body(art)

@@ -202,6 +202,27 @@ def test_online_without_p_rounding_is_exact_softmax(
 
 
 @pytest.mark.parametrize("causal", [False, True])
+def test_per_head_k_simulation_quantises_k_per_head(causal):
+    """``k_scale="head"``: the replay quantises K with one scale per (batch, head) and, without
+    P's rounding, is exact attention of those dequantised codes; an outlier token costs the
+    other keys precision (a per-token K keeps them closer to exact attention)."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 3, s, 64, generator=g).half() for s in (70, 150, 150))
+    k[:, :, 7] *= 100.0
+    got = reference.attention_fp8(q, k, v, causal=causal, tile=(64, 64), round_p=False,
+                                  k_scale="head")
+    codes = [reference.quantize_e4m3(t, g) for t, g in ((q, "token"), (k, "head"), (v, "head"))]
+    assert codes[1][1].shape == (2, 3)
+    want = reference.attention(*(reference.dequantize_e4m3(*c) for c in codes), causal=causal)
+    assert _rel(got, want.to(q.dtype).double()) < 1e-12
+    others = torch.ones(150, dtype=torch.bool)
+    others[7] = False
+    per_head = reference.dequantize_e4m3(*codes[1])[:, :, others]
+    per_token = reference.dequantize_e4m3(*reference.quantize_e4m3(k, "token"))[:, :, others]
+    assert _rel(per_token, k[:, :, others]) < _rel(per_head, k[:, :, others])
+
+
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("tile", [(64, 64), (128, 128)])
 def test_online_with_one_key_block_rounds_p_as_the_final_max_reference(causal, tile):
     # every row meets its final max in its first (only) block, so P rounds identically

@@ -25,8 +25,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
-from flashcore.ops import attention
+from flashcore.ops import attention, plan
 from flashcore.ops.fp8 import attention_fp8, key_permutation, padded_keys, quantize_fp8
+from flashcore.runtime.device import arch_of
+from flashcore.spec import TileConfig
 from tests.gpu_utils import FP8_SPLIT_CONFIGS, attention_shapes, requires_cuda, skip_unless_fits
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -231,3 +233,49 @@ def test_fp8_decode_split_over_ctas(splits, causal):
         sim = reference.attention_fp8(q, k, v, causal=causal, tile=(16, 64), num_splits=splits)
         rel, _ = _metrics(out, sim)
         assert rel <= SIM_TOL, f"vs simulated quantisation {rel:.3g}"
+
+
+@pytest.mark.parametrize("tile,splits", [((64, 64), None), (None, None), ((16, 64), 3)],
+                         ids=["64x64", "tuned", "decode-split3"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+def test_fp8_key_descaled_per_head(tile, splits, causal, d):
+    """K quantised per (batch, head) (``quantize_fp8``'s default granularity): its descale is
+    folded into each row's exp2 scale, and the kernel matches the simulation of per-head K.
+    Keys of magnitudes 1e-2 .. 30 (one head's outlier token sets every key's scale), GQA,
+    ragged lengths, LSE; outputs poisoned."""
+    g = torch.Generator(device="cuda").manual_seed(d * 7 + causal)
+    sq = 1 if splits else 333
+    q = torch.randn(2, 4, sq, d, device="cuda", generator=g, dtype=torch.float16)
+    k, v = (torch.randn(2, 2, 700, d, device="cuda", generator=g, dtype=torch.float16)
+            for _ in range(2))
+    k[:, :, 5] *= 30.0  # an outlier token: per head, the other keys lose bits, not range
+    k[:, 1] *= 1e-2
+    scale = 1.0 / (d**0.5 * 10.0)  # the outlier's logits stay O(1)
+    q8, qd = quantize_fp8(q, granularity="token")
+    k8, kd = quantize_fp8(k)  # per (batch, head)
+    vt8, vd = quantize_fp8(v, transpose=True)
+    assert kd.shape == (2, 2)
+    config = None if tile is None else TileConfig(tile, warps=1 if tile == (16, 64) else 4)
+    out = torch.full_like(q, float("nan"))
+    res = attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=scale,
+                        return_lse=True, config=config, num_splits=splits, out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+    ke, ve = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    ran = config or plan.tuned_config(arch_of(0), d, causal, sq, "fp8khead")
+    sim = reference.attention_fp8(q, ke, ve, causal=causal, softmax_scale=scale, tile=ran.tile,
+                                  num_splits=splits or 1, k_scale="head")
+    rel, _ = _metrics(out, sim)
+    # the warp-specialised family's e4m3 wgmma accumulates with fewer bits (test_gpu_wgmma)
+    tol = 1e-2 if ran.family == "wgmma_ws" else SIM_TOL
+    assert rel <= tol, f"vs simulated per-head K quantisation {rel:.3g}"
+    # the row sums add unrounded P: the LSE is exact attention's over the dequantised inputs
+    deq = [reference.dequantize_e4m3(*reference.quantize_e4m3(t, g))
+           for t, g in ((q, "token"), (ke, "head"), (ve, "head"))]
+    deq_lse = reference.attention(*deq, causal=causal, softmax_scale=scale, return_lse=True,
+                                  device="cuda")[1]
+    assert (res[1].double() - deq_lse).abs().max() < 2e-2
+    with pytest.raises(ValueError, match=r"k_descale must be float32 of shape \(2, 2, 700\) or "
+                                         r"\(2, 2\)"):
+        attention_fp8(q8, k8, vt8, qd, kd[:, :1], vd)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.errors import SpecError
 from flashcore.ops import attention
+from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from tests.gpu_utils import (
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
@@ -162,31 +163,33 @@ def _rel_l2(out, ref) -> float:
     causal=st.booleans(),
     config=st.sampled_from(FP8_CONFIGS),
     return_lse=st.booleans(),
+    k_scale=st.sampled_from(["token", "head"]),
     log_mag=st.floats(-3, 4),
     logit_gain=st.sampled_from([1.0, 1.0, 100.0]),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(b=1, hkv=2, group=2, sq=300, sk=1000, d=128, dtype="float16", causal=True,
-         config=FP8_CONFIGS[0], return_lse=True, log_mag=0.0, logit_gain=1.0,
+         config=FP8_CONFIGS[0], return_lse=True, k_scale="head", log_mag=0.0, logit_gain=1.0,
          seed=1)  # ragged keys
 @example(b=2, hkv=1, group=1, sq=1, sk=1, d=64, dtype="bfloat16", causal=False,
-         config=FP8_CONFIGS[1], return_lse=True, log_mag=3.0, logit_gain=1.0, seed=2)
+         config=FP8_CONFIGS[1], return_lse=True, k_scale="token", log_mag=3.0, logit_gain=1.0, seed=2)
 @example(b=1, hkv=1, group=4, sq=1, sk=700, d=128, dtype="float16", causal=False,
-         config=FP8_CONFIGS[2], return_lse=False, log_mag=0.0, logit_gain=1.0,
+         config=FP8_CONFIGS[2], return_lse=False, k_scale="token", log_mag=0.0, logit_gain=1.0,
          seed=3)  # decode, packed GQA
 @example(b=1, hkv=2, group=1, sq=500, sk=333, d=64, dtype="bfloat16", causal=True,
-         config=FP8_CONFIGS[3], return_lse=True, log_mag=-2.0, logit_gain=1.0,
+         config=FP8_CONFIGS[3], return_lse=True, k_scale="head", log_mag=-2.0, logit_gain=1.0,
          seed=4)  # rows with no key
 @example(b=1, hkv=2, group=2, sq=700, sk=1200, d=128, dtype="float16", causal=False,
-         config=FP8_CONFIGS[0], return_lse=True, log_mag=1.0, logit_gain=100.0,
+         config=FP8_CONFIGS[0], return_lse=True, k_scale="head", log_mag=1.0, logit_gain=100.0,
          seed=5)  # logits of hundreds
 @example(b=2, hkv=2, group=2, sq=450, sk=450, d=64, dtype="float16", causal=True,
-         config=FP8_CONFIGS[4], return_lse=True, log_mag=0.0, logit_gain=1.0,
+         config=FP8_CONFIGS[4], return_lse=True, k_scale="token", log_mag=0.0, logit_gain=1.0,
          seed=6)  # the d64 causal winner, rows ragged against its 192-row tile
 def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, causal, config,
-                                             return_lse, log_mag, logit_gain, seed):
+                                             return_lse, k_scale, log_mag, logit_gain, seed):
     """The e4m3 kernel against ``reference.attention_fp8`` replaying its tile's block walk
-    (same scales, e4m3 roundings of Q, K, V and of P against the running max), within the
+    (same scales, e4m3 roundings of Q, K, V and of P against the running max; K descaled per
+    token, or per head with its descale in the rows' exp2 scales), within the
     bound the tensor cores' FP8 accumulation allows (``FP8_SIM_TOL``), and as close to exact
     attention as the replay; inputs of any magnitude (1e-3 .. 1e4) stay finite. The row sums'
     logs (LSE) are those of the exact attention of the quantised inputs, -inf exactly where a
@@ -202,16 +205,28 @@ def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, ca
         rows = torch.rand(b, hq, sq, 1, device="cuda", generator=g) * 0.8 + 0.2
         q = (q.float() * rows).to(dt)
     out = torch.full_like(q, float("nan"))
-    res = attention(q, k, v, causal=causal, softmax_scale=scale, precision="fp8", config=config,
-                    return_lse=return_lse, out=out)
+    if k_scale == "token":  # as attention(precision="fp8") quantises
+        res = attention(q, k, v, causal=causal, softmax_scale=scale, precision="fp8",
+                        config=config, return_lse=return_lse, out=out)
+    else:
+        (q8, qd), (k8, kd), (vt8, vd) = (quantize_fp8(q, granularity="token"), quantize_fp8(k),
+                                         quantize_fp8(v, transpose=True))
+        res = attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, softmax_scale=scale,
+                            return_lse=return_lse, out_dtype=dt, config=config, out=out)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "NaN/Inf or unwritten elements in the FP8 output"
     kx, vx = (t.repeat_interleave(group, dim=1) for t in (k, v))  # per-token/head scales kept
     sim = reference.attention_fp8(q, kx, vx, causal=causal, softmax_scale=scale,
-                                  tile=config.tile, device=q.device)
+                                  tile=config.tile, device=q.device, k_scale=k_scale)
     # QGMMA's accumulation error is relative to the scores: logits of hundreds move p by
     # percents, so those examples are held to 0.1 (a wrong max or exp2 argument is O(1))
     tol, margin = (FP8_SIM_TOL, FP8_EXACT_MARGIN) if logit_gain == 1.0 else (0.1, 0.1)
+    if sk < 128:
+        # a P whose exp2 lies at an e4m3 rounding boundary can round the other way in the
+        # kernel (ex2.approx in fp32) than in the replay: one code, 6-12% of that P; among few
+        # keys it moves its row by percents (H100, 2026-11-25: 32 keys, bf16, one row of four
+        # 2.0% off, the rest <= 4e-4: rel L2 1.07e-2; from exact attention 0.0545, the replay 0.0559)
+        tol *= 2
     err = _rel_l2(out, sim)
     assert err <= tol, f"vs simulated quantisation: rel L2 {err:.3g}"
     exact, exact_lse = reference.attention(q, kx, vx, causal=causal, softmax_scale=scale,

@@ -148,6 +148,18 @@ def test_fp8_needs_fp8_arch():
         AttentionSpec(arch="sm_89", precision="fp8", kv_fp8=True)
 
 
+def test_k_scale_is_for_fp8_operands_and_named():
+    per_head = AttentionSpec(arch="sm_89", precision="fp8", k_scale="head")
+    per_token = AttentionSpec(arch="sm_89", precision="fp8")
+    assert per_token.k_scale == "token" and per_head.name == per_token.name + "_khead"
+    assert per_head.content_hash != per_token.content_hash
+    assert AttentionSpec.from_json(per_head.to_json()) == per_head
+    with pytest.raises(SpecError, match="k_scale='head' is for precision='fp8'"):
+        AttentionSpec(arch="sm_89", k_scale="head")
+    with pytest.raises(SpecError, match="k_scale='channel' is not supported"):
+        AttentionSpec(arch="sm_89", precision="fp8", k_scale="channel")
+
+
 def test_uneven_copy_split_rejected():
     # 32 keys of d64 e4m3 K are 128 16-byte copies: 256 threads cannot share them
     with pytest.raises(SpecError, match="K/V tile.*cannot share evenly"):
@@ -197,9 +209,10 @@ def test_hash_is_sha256_of_canonical_json():
 def test_hash_pinned():
     # The cache is keyed by these; if this fails, a spec change alters every cache key. Update
     # the value only on purpose (old caches then miss, which is safe). Last: TileConfig, family,
-    # kv_fp8 and split_kv; then mask_align, window, softcap; then varlen, paged_kv; page_size.
+    # kv_fp8 and split_kv; then mask_align, window, softcap; then varlen, paged_kv; page_size;
+    # k_scale.
     assert AttentionSpec().name == "fc_attn_fwd_sm89_f16_d64_m64n64_w4_s1"
-    assert AttentionSpec().content_hash == "c393f874a23f11b9"
+    assert AttentionSpec().content_hash == "1a717e142f359ad2"
 
 
 @given(st.fixed_dictionaries({k: st.sampled_from(v) for k, v in CHOICES.items()}))

@@ -97,6 +97,15 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def fp8_descale_params(spec) -> list:
+    """FP8 operands' float32 descales: Q per token (batch, heads, seq), K per token or (with
+    ``k_scale="head"``) per (batch, heads), V per (batch, heads)."""
+    per_token_k = getattr(spec, "k_scale", "token") == "token"
+    return [TensorParam("q_descale", 3, 2),
+            TensorParam("k_descale", 3, 2) if per_token_k else TensorParam("k_descale", 2, 1),
+            TensorParam("v_descale", 2, 1)]
+
+
 def tma_attention_params(spec) -> tuple:
     """The warp-specialised Hopper kernel's parameters (``flashcore.kernels.wgmma_ws``): Q, K and
     V as TMA descriptors, each followed by its coordinate tensor's (seq, heads, batch); then O,
@@ -119,8 +128,7 @@ def tma_attention_params(spec) -> tuple:
     if spec.return_lse:
         params.append(TensorParam("lse", 3, 2))
     if fp8:
-        params += [TensorParam("q_descale", 3, 2), TensorParam("k_descale", 3, 2),
-                   TensorParam("v_descale", 2, 1)]
+        params += fp8_descale_params(spec)
     return (*params, ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"))
 
 
@@ -132,10 +140,11 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     heads, head_dim, seq_k padded to a multiple of 128, keys permuted within each 32, see
     ``flashcore.ops.fp8``). With ``split_kv``, O and LSE are fp32 workspaces of
     num_splits · batch rows of batches. LSE and the descales: (batch, heads, seq) float32 with a
-    unit last stride, or (batch, heads) for FP8 V. Then the exp2 softmax scale, the query rows
-    per token (``q_group``: > 1 when a K/V head's query heads are packed into rows) and the
-    number of key shares (split-KV across CTAs; 1 otherwise); with a window its left and right
-    sizes (``flashcore.kernels.common.block_info.UNBOUNDED`` for a side without one), with
+    unit last stride, or (batch, heads) for FP8 V (and K with ``k_scale="head"``). Then the
+    exp2 softmax scale, the query rows per token (``q_group``: > 1 when a K/V head's query
+    heads are packed into rows) and the number of key shares (split-KV across CTAs; 1
+    otherwise); with a window its left and right sizes
+    (``flashcore.kernels.common.block_info.UNBOUNDED`` for a side without one), with
     soft-capping scale / cap and cap / scale.
 
     Serving layouts: with ``varlen`` Q and O (and K and V unless paged) are packed batches viewed
@@ -151,8 +160,7 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     if spec.return_lse or spec.split_kv:
         params.append(TensorParam("lse", 3, 2))
     if spec.precision == "fp8":
-        params += [TensorParam("q_descale", 3, 2), TensorParam("k_descale", 3, 2),
-                   TensorParam("v_descale", 2, 1)]
+        params += fp8_descale_params(spec)
     elif spec.kv_fp8 and getattr(spec, "paged_kv", False):  # (pages, heads, page_size), any strides
         params += [TensorParam("k_descale", 3, 3), TensorParam("v_descale", 3, 3)]
     elif spec.kv_fp8:

@@ -95,7 +95,7 @@ def _attention_args(spec: AttentionSpec) -> tuple:
     lse = rows() if (spec.return_lse or spec.split_kv) else None
     qd = kd = vd = None
     if fp8:
-        qd, kd, vd = rows(), rows(), per_head()
+        qd, kd, vd = rows(), rows() if spec.k_scale == "token" else per_head(), per_head()
     elif spec.kv_fp8:
         kd, vd = (_page_scales(), _page_scales()) if spec.paged_kv else (rows(), rows())
     window = (cutlass.Int32(1), cutlass.Int32(1)) if spec.window else (None, None)

@@ -152,14 +152,14 @@ def run_fp8(
     if out_dtype not in DTYPE_NAMES:
         raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
     qd = check_fp8_descale("q_descale", q_descale, (B, H, Sq), q8.device)
-    kd = check_fp8_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device)
+    kd = check_fp8_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device, (B, Hkv))
     vd = check_fp8_descale("v_descale", v_descale, (B, Hkv), q8.device)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D)
     device = q8.get_device()
     arch = arch_of(device)
     if config is None:
-        config = plan.tuned_config(arch, D, causal, Sq, "fp8",
+        config = plan.tuned_config(arch, D, causal, Sq, "fp8" if kd.dim() == 3 else "fp8khead",
                                    mask.features + _split_feature(num_splits))
     if arch == "sm_90" and config.family != "wgmma_ws" and device not in _warned:
         _warned.add(device)

@@ -3,7 +3,9 @@
 ``quantize_fp8`` scales by 448 / amax, so no finite input saturates however large it is: Q and K
 per token (an outlier token costs precision only to itself), V per (batch, head). ``attention_fp8``
 takes tensors in the form it returns (the form a serving engine keeps its KV cache in): Q and K as
-(batch, heads, seq, head_dim) e4m3 with float32 (batch, heads, seq) descales, V transposed to
+(batch, heads, seq, head_dim) e4m3 with float32 (batch, heads, seq) descales (K's may be one per
+(batch, head), ``quantize_fp8(k)``: the kernel then folds it into each row's exp2 scale, and no
+score is multiplied by its key's descale: faster on Hopper), V transposed to
 (batch, heads, head_dim, seq_k padded to a multiple of 128) with keys permuted within each group of
 32 (``key_permutation``) and a float32 (batch, heads) descale.
 

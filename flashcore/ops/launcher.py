@@ -44,20 +44,21 @@ _kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
 
 def loaded_kernel(device: int, *fields) -> Any:
     """The loaded attention kernel of ``AttentionSpec(arch, *fields)`` (dtype, head_dim, config,
-    causal, return_lse, precision, kv_fp8, split_kv, (mask_align, window, softcap), varlen,
-    page_size) on CUDA device index ``device``, built once (the key is a plain tuple: every call
-    looks it up). ``page_size`` > 0 reads a paged cache: the page size is compiled in when the
-    family can copy such pages whole, else the kernel gathers any page size."""
+    causal, return_lse, (precision, k_scale), kv_fp8, split_kv, (mask_align, window, softcap),
+    varlen, page_size) on CUDA device index ``device``, built once (the key is a plain tuple:
+    every call looks it up). ``page_size`` > 0 reads a paged cache: the page size is compiled in
+    when the family can copy such pages whole, else the kernel gathers any page size."""
     key = (device, *fields)
     k = _kernels.get(key)
     if k is None:
-        (dtype, head_dim, config, causal, return_lse, precision, kv_fp8, split_kv, masks,
+        (dtype, head_dim, config, causal, return_lse, operands, kv_fp8, split_kv, masks,
          varlen, page_size) = fields
         align, window, softcap = masks
+        precision, k_scale = operands
         spec = AttentionSpec(
             arch=arch_of(device), dtype=dtype, head_dim=head_dim, config=config, causal=causal,
-            return_lse=return_lse, precision=precision, kv_fp8=kv_fp8, split_kv=split_kv,
-            mask_align=align, window=window, softcap=softcap, varlen=varlen,
+            return_lse=return_lse, precision=precision, k_scale=k_scale, kv_fp8=kv_fp8,
+            split_kv=split_kv, mask_align=align, window=window, softcap=softcap, varlen=varlen,
             paged_kv=page_size > 0)
         if page_size and family(spec.family).copies_whole_pages(spec, page_size):
             spec = spec.replace(page_size=page_size)
@@ -131,6 +132,8 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         lse = None if lse is None else plan.packed(lse, Hkv)
         H, Sq = Hkv, q_group
     descale_args = tuple(_descale_arg(t, serving.paged) for t in descales)
+    # FP8 operands: K's descales per token (B, H, S) or per head (B, H)
+    operands = (precision, "head" if precision == "fp8" and descales[1].dim() == 2 else "token")
     dtype = DTYPE_NAMES[out.dtype]
     splits = num_splits
     if splits is None:
@@ -145,7 +148,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     scalars += serving.tables
     masks = mask.spec_fields
     if splits == 1:
-        kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, precision, kv_fp8,
+        kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, operands, kv_fp8,
                              False, masks, serving.varlen, serving.page_size)
         lse_args = () if lse is None else (rows_arg(lse),)
         grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
@@ -163,7 +166,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     work = torch.empty(rows * (D + 1), dtype=torch.float32, device=q.device)
     o_part = work[:rows * D].view(splits * B, H, Sq, D)
     lse_part = work[rows * D:].view(splits * B, H, Sq)
-    kern = loaded_kernel(dev, dtype, D, config, causal, False, precision, kv_fp8, True, masks,
+    kern = loaded_kernel(dev, dtype, D, config, causal, False, operands, kv_fp8, True, masks,
                          False, serving.page_size)
     launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
            (*qkv_args, tensor_arg(o_part), rows_arg(lse_part), *descale_args, *scalars), dev)

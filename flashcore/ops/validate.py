@@ -116,11 +116,15 @@ def check_fp8_operand(name: str, t: torch.Tensor, shape: tuple) -> None:
                          f"base and strides; got strides {st}")
 
 
-def check_fp8_descale(name: str, t: torch.Tensor, shape: tuple, device) -> torch.Tensor:
-    """An ``attention_fp8`` descale: float32 of ``shape`` on ``device``; returned contiguous."""
+def check_fp8_descale(name: str, t: torch.Tensor, shape: tuple, device,
+                      per_head: tuple | None = None) -> torch.Tensor:
+    """An ``attention_fp8`` descale: float32 of ``shape`` (or of ``per_head``, where one per
+    (batch, head) is taken too) on ``device``; returned contiguous."""
+    shapes = (shape,) if per_head is None else (shape, per_head)
     if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32
-            or tuple(t.shape) != shape or t.device != device):
-        raise ValueError(f"attention_fp8: {name} must be float32 of shape {shape} on {device}, "
+            or tuple(t.shape) not in shapes or t.device != device):
+        want = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"attention_fp8: {name} must be float32 of shape {want} on {device}, "
                          f"got {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
     return t.contiguous()
 

@@ -31,6 +31,9 @@ PRECISIONS = ("fp16", "fp8")  # MMA operand precision: the input dtype, or float
 # where the causal diagonal (and a window's edges) sit when S_q != S_k: top-left (torch's
 # is_causal: query i sees keys <= i) or bottom-right (the last query sees the last key)
 MASK_ALIGNS = ("top_left", "bottom_right")
+# FP8 operands: K's descale per key (an outlier token costs precision only to itself) or one per
+# (batch, K/V head), which folds into each row's exp2 scale (no per-score multiply or load)
+K_SCALES = ("token", "head")
 WINDOW_UNBOUNDED = 1 << 30  # a window side without a limit, as the kernel takes it (int32-safe)
 
 
@@ -39,7 +42,8 @@ class AttentionSpec(SpecData):
     """One forward attention kernel.
 
     ``dtype`` is the query and output dtype. ``precision="fp8"`` multiplies float8_e4m3fn Q, K
-    and Vᵀ (m16n8k32) that ``flashcore.ops.fp8.quantize_fp8`` produced. ``kv_fp8`` reads K and
+    and Vᵀ (m16n8k32) that ``flashcore.ops.fp8.quantize_fp8`` produced, K descaled per token
+    or (``k_scale="head"``) per (batch, head). ``kv_fp8`` reads K and
     V as an e4m3 KV cache (dense or paged) with per-key descales and multiplies in ``dtype`` (dequantised in
     shared memory). ``split_kv`` writes fp32 partial outputs of one share of the keys per CTA
     (flash-decoding); a combine kernel (``CombineSpec``) merges them. Every kernel serves
@@ -65,6 +69,9 @@ class AttentionSpec(SpecData):
     precision: str = field(default="fp16", metadata={"help": "MMA operand precision",
                                                      "choices": PRECISIONS})
     kv_fp8: bool = field(default=False, metadata={"help": "K/V are an e4m3 cache with per-token scales"})
+    k_scale: str = field(default="token", metadata={
+        "help": "precision='fp8': K's descale per token or per (batch, head)",
+        "choices": K_SCALES})
     split_kv: bool = field(default=False, metadata={"help": "write per-CTA partials for a combine"})
     mask_align: str = field(default="top_left", metadata={
         "help": "causal/window diagonal: top_left (torch's is_causal) or bottom_right",
@@ -142,6 +149,11 @@ class AttentionSpec(SpecData):
         if self.softcap and self.precision == "fp8":
             raise bad("softcap=True needs the true logits, which the FP8 kernel never forms "
                       "(its query descales fold into the exp2 scale); use precision='fp16'")
+        if self.k_scale not in K_SCALES:
+            raise bad(f"k_scale={self.k_scale!r} is not supported; choose one of {K_SCALES}")
+        if self.k_scale != "token" and self.precision != "fp8":
+            raise bad(f"k_scale={self.k_scale!r} is for precision='fp8' (K's e4m3 descales); "
+                      "leave it 'token'")
         if self.precision == "fp8" and self.kv_fp8:
             raise bad("kv_fp8=True is for 16-bit operands; precision='fp8' already reads e4m3 K/V")
         if (self.varlen or self.paged_kv) and self.precision == "fp8":
@@ -225,7 +237,8 @@ class AttentionSpec(SpecData):
         parts = ["fc_attn_fwd", arch_tag(self.arch), DTYPE_TAGS[self.dtype],
                  f"d{self.head_dim}", self.config.tag]
         flags = [("causal", self.causal), ("lse", self.return_lse),
-                 (self.precision, self.precision != "fp16"), ("kvfp8", self.kv_fp8),
+                 (self.precision, self.precision != "fp16"), ("khead", self.k_scale == "head"),
+                 ("kvfp8", self.kv_fp8),
                  ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
                  ("varlen", self.varlen),

@@ -52,8 +52,18 @@ def bucket_of(seqlen: int) -> str:
 
 
 def key(head_dim: int, causal: bool, bucket: str, precision: str = "fp16") -> str:
-    """Table key; ``precision`` is fp16, fp8 (e4m3 operands) or fp8kv (an e4m3 KV cache)."""
+    """Table key; ``precision`` is fp16, fp8 (e4m3 operands), fp8khead (e4m3 operands, K
+    descaled per head) or fp8kv (an e4m3 KV cache)."""
     return f"d{head_dim}-{'causal' if causal else 'full'}-{bucket}-{precision}"
+
+
+# a key's precision as spec fields
+PRECISION_FIELDS = {"fp16": {"precision": "fp16"}, "fp8": {"precision": "fp8"},
+                    "fp8khead": {"precision": "fp8", "k_scale": "head"},
+                    "fp8kv": {"precision": "fp16", "kv_fp8": True}}
+# a precision without an entry of its own in a bucket takes this one's (the same kernels serve
+# K descaled per head: one scale fewer to apply)
+BORROWED_PRECISIONS = {"fp8khead": "fp8"}
 
 
 @dataclass(frozen=True)
@@ -121,19 +131,19 @@ def lookup(arch: str, head_dim: int, causal: bool, bucket: str,
 def _entry(arch: str, head_dim: int, causal: bool, bucket: str, precision: str) -> Tuned:
     default = (FP8KV_DEFAULT if precision == "fp8kv" else
                DECODE_DEFAULT if bucket == "decode" else DEFAULT)
-    return entries(table_arch(arch)).get(key(head_dim, causal, bucket, precision),
-                                         Tuned(default))
+    table = entries(table_arch(arch))
+    borrowed = BORROWED_PRECISIONS.get(precision)
+    if borrowed and key(head_dim, causal, bucket, precision) not in table:
+        precision = borrowed
+    return table.get(key(head_dim, causal, bucket, precision), Tuned(default))
 
 
 @cache
 def _builds(arch: str, head_dim: int, causal: bool, precision: str, config: TileConfig,
             features: tuple) -> bool:
-    fields = dict(features)
-    if precision == "fp8kv":
-        precision, fields["kv_fp8"] = "fp16", True
+    fields = {**dict(features), **PRECISION_FIELDS[precision]}
     try:
-        AttentionSpec(arch=arch, head_dim=head_dim, causal=causal, precision=precision,
-                      config=config, **fields)
+        AttentionSpec(arch=arch, head_dim=head_dim, causal=causal, config=config, **fields)
     except SpecError:
         return False
     return True
@@ -154,7 +164,7 @@ def winner_specs(arch: str, build_arch: str | None = None,
             if config is None or (config.family and target not in family(config.family).archs):
                 continue
             out[name + suffix] = AttentionSpec(arch=target, head_dim=int(d[1:]), config=config,
-                                               causal=mask == "causal", precision=prec)
+                                               causal=mask == "causal", **PRECISION_FIELDS[prec])
     return out
 
 

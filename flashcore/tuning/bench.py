@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tile", type=int, nargs=2, default=None,
                     help="force our tile (default: the tuned config)")
     ap.add_argument("--fp8", action="store_true",
-                    help="also our FP8 path (with and without quantising)")
+                    help="also our FP8 path (with and without quantising; the kernel alone with K "
+                         "descaled per token and per head)")
     ap.add_argument("--wgmma", action="store_true",
                     help="also the Hopper families (sm_90): wgmma tiles 128x128 and 128x64, 2 "
                          "and 3 stages; wgmma_ws 128 and 192 query rows")
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.fp8:
         ours["flashcore-fp8"] = _flashcore(precision="fp8", **tile)
         ours["flashcore-fp8-kernel"] = fp8_kernel_only()
+        ours["flashcore-fp8-kernel-khead"] = fp8_kernel_only(k_scale="head")
     if a.shapes:
         shapes = [_parse_shape(x) for x in a.shapes.split(";")]
     elif a.decode:

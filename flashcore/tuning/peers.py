@@ -100,12 +100,13 @@ def _flashcore_kv_expanded() -> Impl:
     return run
 
 
-def fp8_kernel_only(config=None) -> Impl:
-    """The FP8 attention kernel alone, on inputs quantised once. ``config=None``: tuned."""
+def fp8_kernel_only(config=None, k_scale: str = "token") -> Impl:
+    """The FP8 attention kernel alone, on inputs quantised once (K per token, or per head with
+    ``k_scale="head"``). ``config=None``: tuned."""
     from ..ops.fp8 import attention_fp8, quantize_fp8
 
     get = _prepared_once(lambda q, k, v: (*quantize_fp8(q, granularity="token"),
-                                           *quantize_fp8(k, granularity="token"),
+                                           *quantize_fp8(k, granularity=k_scale),
                                            *quantize_fp8(v, transpose=True)))
 
     def run(q, k, v, causal):

@@ -1,7 +1,8 @@
 """FP8 (e4m3) operands' scales, shared by the kernel families that multiply e4m3 Q, K and Vᵀ.
 
-The quantisers give Q and K a descale per token and V one per (batch, head). A query's descale
-folds into its row's exp2 scale, a key's multiplies its column of scores; P comes out of its
+The quantisers give Q and K a descale per token and V one per (batch, head) (K one per (batch,
+head) too with ``k_scale="head"``). A query's descale folds into its row's exp2 scale, and so
+does a per-head K descale; a per-token one multiplies its column of scores; P comes out of its
 exp2 times ``P_SCALE`` (``OnlineSoftmax``'s ``p_log2``) for its e4m3 conversion, and the row sums
 with it, so O / sum needs only V's descale (``flashcore.reference.attention_fp8_online`` replays
 this in float64).
@@ -18,15 +19,20 @@ P_SCALE = 256.0
 
 
 @cute.jit
-def fold_query_descales(tile, softmax: OnlineSoftmax, q_descales: cute.Tensor, scale_log2):
+def fold_query_descales(tile, softmax: OnlineSoftmax, q_descales: cute.Tensor, scale_log2,
+                        k_descale=None):
     """Each row's exp2 scale times its query's descale (``q_descales``: the rows of this batch
-    and head). ``tile``: the CTA's view (``config``, ``m_block``, ``row_coords()``,
-    ``seqlen_q``)."""
+    and head) and, for K descaled per head (``k_descale``, a scalar), K's: a positive factor
+    common to a row's scores scales its max with them, so the softmax takes it in its exp2.
+    ``tile``: the CTA's view (``config``, ``m_block``, ``row_coords()``, ``seqlen_q``)."""
     rows, row_scale = tile.row_coords(), softmax.row_scale
+    scale = scale_log2
+    if cutlass.const_expr(k_descale is not None):
+        scale = scale_log2 * k_descale
     for r in cutlass.range_constexpr(len(rows)):
         row = tile.m_block * tile.config.tile_m + rows[r]
         if row < tile.seqlen_q:
-            row_scale[r] = scale_log2 * q_descales[row]
+            row_scale[r] = scale * q_descales[row]
 
 
 @cute.jit

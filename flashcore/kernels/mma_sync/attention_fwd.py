@@ -128,8 +128,12 @@ class AttentionForward:
             # each row's exp2 scale carries its query's descale; O = (P8 · v8) / sum *
             # v_descale, loaded early to hide its latency
             _, head, batch, _ = tile_coords(mQ, self.spec)
-            fold_query_descales(cta, softmax, mQd[batch, head, None], scale_log2)
-            o_scale = mVd[batch, kv_head_of(head, mQ, mK)]
+            kv_head = kv_head_of(head, mQ, mK)
+            k_descale = None  # per token: in key_block; per head: in the rows' exp2 scales
+            if cutlass.const_expr(self.spec.k_scale == "head"):
+                k_descale = mKd[batch, kv_head]
+            fold_query_descales(cta, softmax, mQd[batch, head, None], scale_log2, k_descale)
+            o_scale = mVd[batch, kv_head]
         prologue(cta)
         self.walk_keys(cta, softmax)
         if cutlass.const_expr(self.may_walk_no_block):

@@ -22,7 +22,7 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
                                   cutlass.Float32)
     acc_S.fill(0.0)
     k_descale = None
-    if cutlass.const_expr(cta.lay.fp8):
+    if cutlass.const_expr(cta.lay.fp8 and cta.spec.k_scale == "token"):
         # issued before the MMAs so their global-load latency hides behind them
         k_descale = key_descales(cta.score_coords(n_block), cta.gKd, cta.seqlen_k)
 
@@ -34,7 +34,7 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
     after_scores(cta, n_block)
 
     S = mn_view(acc_S)
-    if cutlass.const_expr(cta.lay.fp8):  # each key's descale multiplies its column of scores
+    if cutlass.const_expr(k_descale is not None):  # each key's descale scales its column
         scale_columns(S, k_descale)
     if cutlass.const_expr(cta.lay.kv_fp8):  # the FP8 KV cache's per-key descales of K and V
         scale_columns(S, kv_scales[0])

@@ -103,7 +103,8 @@ class Cta:
             self.gVd = lambda i: seqs.page(mVd, batch, self.kv_head, i)
             self.page_size = mK.shape[2]  # the cache's, when not compiled in
         else:
-            self.gKd = None if mKd is None else mKd[batch, self.kv_head, None]
+            per_key = mKd is not None and self.spec.k_scale == "token"
+            self.gKd = mKd[batch, self.kv_head, None] if per_key else None
             self.gVd = mVd[batch, self.kv_head, None] if self.lay.kv_fp8 else None
 
     def mma_operands(self, sK, sVt):

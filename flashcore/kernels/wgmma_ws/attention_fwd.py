@@ -22,7 +22,8 @@ warpgroup and 1-3 consumer warpgroups.
   permuted within each 32), both MMAs e4m3 wgmma (k32), fp32 accumulators. Vᵀ tiles are the
   K-major B operand the 8-bit wgmma requires; the permutation lets P's accumulator registers
   be the A operand after a gather within each thread (``acc_as_fp8_operand_a``). Descales as
-  in the mma_sync family (``common/fp8.py``); O is staged in its own 16-bit tile.
+  in the mma_sync family (``common/fp8.py``: per-token K descales scale the score columns, a
+  per-head one is in the rows' exp2 scales); O is staged in its own 16-bit tile.
 """
 
 import math
@@ -98,8 +99,9 @@ class Consumer(ThreadCoords):
         return cute.make_tensor(self.rP.iterator, acc_as_operand_a(self.rP.layout))
 
     def new_key_descales(self):
-        """FP8: registers for the per-key descales of one block's scores; else None."""
-        if not self.lay.fp8:
+        """FP8 with K descaled per token: registers for the per-key descales of one block's
+        scores; else None (a per-head K descale is in the rows' exp2 scales)."""
+        if not self.lay.fp8 or self.spec.k_scale != "token":
             return None
         c = self.config
         cols = acc_mn_view(self.thr_qk.partition_C(cute.make_identity_tensor((c.tile_m,
@@ -202,9 +204,13 @@ class WgmmaWsAttentionForward:
                                     exact_max=lay.fp8,
                                     p_log2=math.log2(P_SCALE) if lay.fp8 else 0.0)
             o_scale = None
-            if cutlass.const_expr(lay.fp8):
+            if cutlass.const_expr(lay.fp8 and spec.k_scale == "token"):
                 fold_query_descales(cons, softmax, mQd[batch, head, None], scale_log2)
                 cons.gKd = mKd[batch, kv_head, None]
+            elif cutlass.const_expr(lay.fp8):
+                fold_query_descales(cons, softmax, mQd[batch, head, None], scale_log2,
+                                    mKd[batch, kv_head])
+            if cutlass.const_expr(lay.fp8):
                 o_scale = mVd[batch, kv_head]
             if n_hi > n_lo:
                 self.consume(cons, softmax, pipes, n_lo, n_hi)
