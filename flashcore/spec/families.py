@@ -229,7 +229,7 @@ class WgmmaWs(Wgmma):
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
-        return {"tile_m": (64, 128, 192), "tile_n": (64, 128, 256), "warps": (4, 8, 12),
+        return {"tile_m": (64, 128, 192), "tile_n": (64, 128), "warps": (4, 8, 12),
                 "stages": (2, 3, 4), "kv_splits": (1,)}
 
     def smem_bytes(self, spec: AttentionSpec) -> int:
