@@ -131,6 +131,23 @@ def test_default_tile_is_the_tuned_one():
     assert max_abs(attention(q, k, v, tile=(64, 64)), ref) < 1e-2  # an explicit tile still works
 
 
+@torch.no_grad()
+def test_compiled_call_runs_the_configs_family():
+    """A config's kernel family survives the registered op (it once travelled as tile and
+    knobs only, and a compiled call ran the arch's default family instead)."""
+    from flashcore.ops.plan import tuned_config
+
+    if current_arch() != "sm_90":
+        pytest.skip("the warp-specialised family is Hopper's")
+    config = tuned_config("sm_90", 128, False, 4096, "fp16")
+    assert config.family == "wgmma_ws"
+    q, k, v = _qkv(b=1, hq=2, hkv=2, sq=300, sk=300, d=128)
+    f = torch.compile(lambda q, k, v: attention(q, k, v, config=config), fullgraph=True)
+    eager = attention(q, k, v, config=config)
+    assert torch.equal(f(q, k, v), eager)
+    assert max_abs(eager, reference.attention(q, k, v, device=q.device)) < 1e-2
+
+
 def test_batch_beyond_the_grid_z_limit():
     """Batch 70000 (grid.z allows 65535): batch and heads fold into grid.x."""
     q, k, v = (torch.randn(70000, 1, 16, 64, device="cuda", dtype=torch.float16)

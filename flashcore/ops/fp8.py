@@ -1,4 +1,5 @@
-"""FP8 (E4M3) attention: quantise with data-derived scales, then the e4m3 mma.sync kernel.
+"""FP8 (E4M3) attention: quantise with data-derived scales, then an e4m3 kernel (the arch's
+family: ``mma_sync`` on Ada, mostly the warp-specialised ``wgmma_ws`` on Hopper).
 
 ``quantize_fp8`` scales by 448 / amax, so no finite input saturates however large it is: Q and K
 per token (an outlier token costs precision only to itself), V per (batch, head). ``attention_fp8``

@@ -17,6 +17,8 @@ says so, so a compiled model never trains silently through attention.
 
 from __future__ import annotations
 
+import json
+
 import torch
 from torch import Tensor
 
@@ -30,12 +32,25 @@ _NO_GRAD = ("flashcore.ops.attention has no backward yet; run it under torch.no_
             "detach its inputs")
 
 
-def _config_knobs(config, tile, warps, stages, kv_splits):
+def _config_arg(config) -> str | None:
+    """A caller's whole ``TileConfig`` as the registered ops carry it: its JSON (an op's schema
+    takes no dataclass; every field travels, the kernel family included)."""
     if config is None:
-        return None if tile is None else list(tile), warps, stages, kv_splits
+        return None
     if not isinstance(config, TileConfig):
         raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
-    return list(config.tile), config.warps, config.stages, config.kv_splits
+    return json.dumps(config.to_dict(), sort_keys=True)
+
+
+def _op_config(config: str | None, tile, warps, stages, kv_splits) -> TileConfig | None:
+    """Inside an op: the caller's config (``_config_arg``), or one made of the knobs given."""
+    if config is not None:
+        if tile is not None or warps is not None or stages is not None or kv_splits is not None:
+            raise ValueError("attention: give either config or tile/warps/stages/kv_splits")
+        return TileConfig.from_dict(json.loads(config))
+    if tile is None:
+        return None
+    return TileConfig(tuple(tile), warps=warps, stages=stages or 1, kv_splits=kv_splits or 1)
 
 
 def _lse_or_empty(q: Tensor, lse: Tensor | None) -> Tensor:
@@ -50,26 +65,21 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                num_splits: int | None = None, precision: str = "fp16",
                k_descale: Tensor | None = None,
                v_descale: Tensor | None = None, mask_align: str = "top_left",
-               window: list[int] | None = None,
-               softcap: float | None = None) -> tuple[Tensor, Tensor]:
+               window: list[int] | None = None, softcap: float | None = None,
+               config: str | None = None) -> tuple[Tensor, Tensor]:
     res = run(q, k, v, None if tile is None else tuple(tile), causal, softmax_scale, return_lse,
-              None, warps, stages, kv_splits, num_splits, None, precision, k_descale, v_descale,
-              mask_align, None if window is None else tuple(window), softcap)
+              None if config is None else _op_config(config, None, None, None, None), warps,
+              stages, kv_splits, num_splits, None, precision, k_descale, v_descale, mask_align,
+              None if window is None else tuple(window), softcap)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
 
 @_attention.register_fake
 def _(q, k, v, causal=False, softmax_scale=None, return_lse=False, tile=None, warps=None,
       stages=None, kv_splits=None, num_splits=None, precision="fp16", k_descale=None,
-      v_descale=None, mask_align="top_left", window=None, softcap=None):
+      v_descale=None, mask_align="top_left", window=None, softcap=None, config=None):
     lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
     return q.new_empty(q.shape), _lse_or_empty(q, lse)
-
-
-def _knobs_config(tile, warps, stages, kv_splits) -> TileConfig | None:
-    if tile is None:
-        return None
-    return TileConfig(tuple(tile), warps=warps, stages=stages or 1, kv_splits=kv_splits or 1)
 
 
 @torch.library.custom_op("flashcore::attention_fp8", mutates_args=())
@@ -78,18 +88,19 @@ def _attention_fp8(q8: Tensor, k8: Tensor, vt8: Tensor, q_descale: Tensor, k_des
                    return_lse: bool = False, out_dtype: torch.dtype = torch.float16,
                    tile: list[int] | None = None, warps: int | None = None,
                    stages: int | None = None, kv_splits: int | None = None,
-                   num_splits: int | None = None) -> tuple[Tensor, Tensor]:
-    config = _knobs_config(tile, warps, stages, kv_splits)
+                   num_splits: int | None = None,
+                   config: str | None = None) -> tuple[Tensor, Tensor]:
     res = run_fp8(q8, k8, vt8, q_descale, k_descale, v_descale, causal=causal,
-                      softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype,
-                      config=config, num_splits=num_splits, out=None)
+                  softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype,
+                  config=_op_config(config, tile, warps, stages, kv_splits),
+                  num_splits=num_splits, out=None)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q8, None))
 
 
 @_attention_fp8.register_fake
 def _(q8, k8, vt8, q_descale, k_descale, v_descale, causal=False, softmax_scale=None,
       return_lse=False, out_dtype=torch.float16, tile=None, warps=None, stages=None,
-      kv_splits=None, num_splits=None):
+      kv_splits=None, num_splits=None, config=None):
     lse = q8.new_empty(q8.shape[:3], dtype=torch.float32) if return_lse else None
     return q8.new_empty(q8.shape, dtype=out_dtype), _lse_or_empty(q8, lse)
 
@@ -119,11 +130,12 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                       window: list[int] | None = None, softcap: float | None = None,
                       tile: list[int] | None = None, warps: int | None = None,
                       stages: int | None = None, kv_splits: int | None = None,
-                      check_lengths: bool = True) -> tuple[Tensor, Tensor]:
+                      check_lengths: bool = True,
+                      config: str | None = None) -> tuple[Tensor, Tensor]:
     res = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                      softmax_scale, return_lse, mask_align=mask_align,
                      window=None if window is None else tuple(window), softcap=softcap,
-                     config=_knobs_config(tile, warps, stages, kv_splits),
+                     config=_op_config(config, tile, warps, stages, kv_splits),
                      check_lengths=check_lengths)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
@@ -131,7 +143,7 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
 @_attention_varlen.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
       softmax_scale=None, return_lse=False, mask_align="top_left", window=None, softcap=None,
-      tile=None, warps=None, stages=None, kv_splits=None, check_lengths=True):
+      tile=None, warps=None, stages=None, kv_splits=None, check_lengths=True, config=None):
     lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
     return q.new_empty(q.shape), _lse_or_empty(q, lse)
 
@@ -145,12 +157,12 @@ def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
                      tile: list[int] | None = None, warps: int | None = None,
                      stages: int | None = None, kv_splits: int | None = None,
                      num_splits: int | None = None, check_lengths: bool = True,
-                     k_descale: Tensor | None = None,
-                     v_descale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                     k_descale: Tensor | None = None, v_descale: Tensor | None = None,
+                     config: str | None = None) -> tuple[Tensor, Tensor]:
     res = run_paged(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
                     return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                     mask_align=mask_align, window=None if window is None else tuple(window),
-                    softcap=softcap, config=_knobs_config(tile, warps, stages, kv_splits),
+                    softcap=softcap, config=_op_config(config, tile, warps, stages, kv_splits),
                     num_splits=num_splits, check_lengths=check_lengths, k_descale=k_descale,
                     v_descale=v_descale)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
@@ -160,7 +172,7 @@ def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
 def _(q, k_cache, v_cache, block_table, seqlens_k, causal=False, softmax_scale=None,
       return_lse=False, cu_seqlens_q=None, max_seqlen_q=None, mask_align="top_left",
       window=None, softcap=None, tile=None, warps=None, stages=None, kv_splits=None,
-      num_splits=None, check_lengths=True, k_descale=None, v_descale=None):
+      num_splits=None, check_lengths=True, k_descale=None, v_descale=None, config=None):
     lse = None
     if return_lse:
         shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
@@ -192,10 +204,10 @@ def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, wa
                  kv_splits, num_splits, out, precision, k_descale, v_descale,
                  mask_align="top_left", window=None, softcap=None):
     """``flashcore.ops.attention`` through the registered op (tracing, tensor subclasses)."""
-    tile, warps, stages, kv_splits = _config_knobs(config, tile, warps, stages, kv_splits)
     res, lse = torch.ops.flashcore.attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse, tile=tile,
-        warps=warps, stages=stages, kv_splits=kv_splits, num_splits=num_splits,
+        q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+        tile=None if tile is None else list(tile), warps=warps, stages=stages,
+        kv_splits=kv_splits, num_splits=num_splits, config=_config_arg(config),
         precision=precision, k_descale=k_descale, v_descale=v_descale, mask_align=mask_align,
         window=None if window is None else list(window),
         softcap=None if softcap is None else float(softcap))
@@ -204,11 +216,10 @@ def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, wa
 
 def attention_fp8_op(q8, k8, vt8, q_descale, k_descale, v_descale, *, causal, softmax_scale,
                      return_lse, out_dtype, config, num_splits, out):
-    tile, warps, stages, kv_splits = _config_knobs(config, None, None, None, None)
     res, lse = torch.ops.flashcore.attention_fp8(
         q8, k8, vt8, q_descale, k_descale, v_descale, causal=causal,
-        softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype, tile=tile,
-        warps=warps, stages=stages, kv_splits=kv_splits, num_splits=num_splits)
+        softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype,
+        num_splits=num_splits, config=_config_arg(config))
     return _traced(res, lse, out, return_lse)
 
 
@@ -220,13 +231,13 @@ def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
                         causal, softmax_scale, return_lse, mask_align, window, softcap, tile,
                         config, out, check_lengths):
     """``flashcore.ops.attention_varlen`` through the registered op (tracing)."""
-    tile, warps, stages, kv_splits = _config_knobs(config, tile, None, None, None)
     res, lse = torch.ops.flashcore.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, mask_align=mask_align,
         window=None if window is None else list(window),
-        softcap=None if softcap is None else float(softcap), tile=tile, warps=warps,
-        stages=stages, kv_splits=kv_splits, check_lengths=check_lengths)
+        softcap=None if softcap is None else float(softcap),
+        tile=None if tile is None else list(tile), check_lengths=check_lengths,
+        config=_config_arg(config))
     return _traced(res, lse, out, return_lse)
 
 
@@ -235,12 +246,12 @@ def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, s
                        tile, config, num_splits, out, check_lengths, k_descale=None,
                        v_descale=None):
     """``flashcore.ops.attention_paged`` through the registered op (tracing)."""
-    tile, warps, stages, kv_splits = _config_knobs(config, tile, None, None, None)
     res, lse = torch.ops.flashcore.attention_paged(
         q, k_cache, v_cache, block_table, seqlens_k, causal=causal, softmax_scale=softmax_scale,
         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
         mask_align=mask_align, window=None if window is None else list(window),
-        softcap=None if softcap is None else float(softcap), tile=tile, warps=warps,
-        stages=stages, kv_splits=kv_splits, num_splits=num_splits, check_lengths=check_lengths,
-        k_descale=k_descale, v_descale=v_descale)
+        softcap=None if softcap is None else float(softcap),
+        tile=None if tile is None else list(tile), num_splits=num_splits,
+        check_lengths=check_lengths, k_descale=k_descale, v_descale=v_descale,
+        config=_config_arg(config))
     return _traced(res, lse, out, return_lse)
