@@ -4,6 +4,8 @@ included. Checked on the CPU with the eager entry points replaced by recorders."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,3 +79,16 @@ def test_config_and_knobs_together_are_refused_in_the_op():
         library._op_config(library._config_arg(WS), [64, 64], None, None, None)
     assert library._op_config(library._config_arg(WS), None, None, None, None) == WS
     assert library._op_config(None, [32, 64], 2, None, None) == TileConfig((32, 64), warps=2)
+
+
+def test_the_config_string_holds_every_field_and_traces():
+    """Every ``TileConfig`` field round-trips (a field added later must be added to the string
+    too), and torch.compile traces the encoding (it ran json's C encoder once, which it cannot)."""
+    assert [f.name for f in dataclasses.fields(TileConfig)] == [
+        "tile", "warps", "stages", "kv_splits", "family"]
+    odd = TileConfig((192, 64), warps=12, stages=4, kv_splits=2, family="wgmma_ws")
+    for config in (odd, WS, TileConfig()):
+        assert library._op_config(library._config_arg(config), None, None, None, None) == config
+    f = torch.compile(lambda x: x + len(library._config_arg(odd)), backend="eager",
+                      fullgraph=True)
+    assert f(torch.zeros(1)).item() == len("192,64,12,4,2,wgmma_ws")

@@ -17,8 +17,6 @@ says so, so a compiled model never trains silently through attention.
 
 from __future__ import annotations
 
-import json
-
 import torch
 from torch import Tensor
 
@@ -33,13 +31,15 @@ _NO_GRAD = ("flashcore.ops.attention has no backward yet; run it under torch.no_
 
 
 def _config_arg(config) -> str | None:
-    """A caller's whole ``TileConfig`` as the registered ops carry it: its JSON (an op's schema
-    takes no dataclass; every field travels, the kernel family included)."""
+    """A caller's whole ``TileConfig`` as the registered ops carry it, one string (an op's
+    schema takes no dataclass): every field, the kernel family included. Plain formatting,
+    which torch.compile traces (json's C encoder it cannot)."""
     if config is None:
         return None
     if not isinstance(config, TileConfig):
         raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
-    return json.dumps(config.to_dict(), sort_keys=True)
+    c = config
+    return f"{c.tile_m},{c.tile_n},{c.warps},{c.stages},{c.kv_splits},{c.family}"
 
 
 def _op_config(config: str | None, tile, warps, stages, kv_splits) -> TileConfig | None:
@@ -47,7 +47,9 @@ def _op_config(config: str | None, tile, warps, stages, kv_splits) -> TileConfig
     if config is not None:
         if tile is not None or warps is not None or stages is not None or kv_splits is not None:
             raise ValueError("attention: give either config or tile/warps/stages/kv_splits")
-        return TileConfig.from_dict(json.loads(config))
+        m, n, w, s, k, family = config.split(",")
+        return TileConfig((int(m), int(n)), warps=int(w), stages=int(s), kv_splits=int(k),
+                          family=family)
     if tile is None:
         return None
     return TileConfig(tuple(tile), warps=warps, stages=stages or 1, kv_splits=kv_splits or 1)
