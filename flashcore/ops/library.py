@@ -70,8 +70,8 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                window: list[int] | None = None, softcap: float | None = None,
                config: str | None = None) -> tuple[Tensor, Tensor]:
     res = run(q, k, v, None if tile is None else tuple(tile), causal, softmax_scale, return_lse,
-              None if config is None else _op_config(config, None, None, None, None), warps,
-              stages, kv_splits, num_splits, None, precision, k_descale, v_descale, mask_align,
+              _op_config(config, None, None, None, None), warps, stages, kv_splits, num_splits,
+              None, precision, k_descale, v_descale, mask_align,
               None if window is None else tuple(window), softcap)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
