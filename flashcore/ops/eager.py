@@ -31,7 +31,7 @@ _warned: set[int] = set()  # devices told that FP8 is emulated there
 
 
 @functools.lru_cache(maxsize=256)
-def _explicit_config(tile, warps, stages, kv_splits) -> TileConfig:
+def explicit_config(tile, warps, stages, kv_splits) -> TileConfig:
     """The TileConfig of explicit knobs (memoised: every eager call with a tile comes here)."""
     return TileConfig(tuple(tile), warps=warps, stages=1 if stages is None else stages,
                       kv_splits=1 if kv_splits is None else kv_splits)
@@ -49,7 +49,7 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
             raise ValueError("attention: give either config or tile/warps/stages/kv_splits")
         return config
     if tile is not None:
-        return _explicit_config(tuple(tile), warps, stages, kv_splits)
+        return explicit_config(tuple(tile), warps, stages, kv_splits)
     tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision, features)
     if warps is None and stages is None and kv_splits is None:
         return tuned

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..spec import TileConfig
-from .eager import run, run_fp8
+from .eager import explicit_config, run, run_fp8
 from .inputs import E4M3
 from .quantize import padded_keys, run_quantize
 from .serving import run_paged, run_varlen
@@ -52,7 +52,7 @@ def _op_config(config: str | None, tile, warps, stages, kv_splits) -> TileConfig
                           family=family)
     if tile is None:
         return None
-    return TileConfig(tuple(tile), warps=warps, stages=stages or 1, kv_splits=kv_splits or 1)
+    return explicit_config(tuple(tile), warps, stages, kv_splits)  # as eager builds it
 
 
 def _lse_or_empty(q: Tensor, lse: Tensor | None) -> Tensor:
