@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from flashcore.kernels.common.block_info import KeyBounds, key_range, share
 from flashcore.ops import plan
 from flashcore.ops.eager import resolve_config
-from flashcore.ops.validate import _ranges_overlap, _self_overlapping, check_qkv
+from flashcore.ops.inputs import E4M3
+from flashcore.ops.validate import _ranges_overlap, _self_overlapping, check_qkv, signed_query
 from flashcore.spec import TileConfig
 from flashcore.tuned.table import DECODE_DEFAULT
 
@@ -114,6 +115,23 @@ def test_cpu_tensors_and_bad_shapes_are_named():
         check_qkv(q, q.float(), q.float())
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         check_qkv(q, None, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, E4M3])
+def test_a_negative_scale_runs_as_the_negated_query(dtype):
+    """The kernels need scale >= 0; -q with |scale| gives the same logits, exactly (e4m3: the
+    sign bit, NaN kept); a scale >= 0 (zero, -0.0 included) passes q through untouched."""
+    q = (torch.randn(2, 3, 5, 64) * 100).to(dtype)
+    q.view(-1)[0] = float("nan")
+    for scale in (0.0, -0.0, 0.125):
+        assert signed_query(q, scale)[0] is q
+    neg, scale = signed_query(q, -0.25)
+    assert scale == 0.25 and neg.dtype == dtype and neg.shape == q.shape
+    assert torch.isnan(neg.float().view(-1)[0])
+    assert torch.equal(neg.float().view(-1)[1:], -q.float().view(-1)[1:])
+    strided = q.transpose(1, 2)
+    torch.testing.assert_close(signed_query(strided, -1.0)[0].float(), -strided.float(),
+                               rtol=0, atol=0, equal_nan=True)
 
 
 def test_fp8_kv_cache_splits_for_two_warp_groups_a_sm():

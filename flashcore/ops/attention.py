@@ -47,7 +47,9 @@ def attention(
     head h reads K/V head h // (Hq / Hkv)); nothing is copied. ``causal`` follows torch's
     ``is_causal`` (top-left: query i sees keys j <= i). A query row that sees no key gets 0.
     With ``return_lse`` also returns the float32 log-sum-exp (batch, heads, seq_q) of the scaled
-    scores (natural log; -inf for a row with no visible key).
+    scores (natural log; -inf for a row with no visible key). ``softmax_scale`` defaults to
+    1/sqrt(head_dim) and may be any finite number; a negative one runs as -q with its magnitude
+    (the same logits, one negated copy of q).
 
     Kernel choice: ``tile=None`` (the default) takes the autotuner's config for this GPU, head
     dim, masking and query length (``flashcore.tuning``); ``tile=(m, n)`` with ``warps``,

@@ -24,6 +24,7 @@ from .validate import (
     check_num_splits,
     check_out,
     check_qkv,
+    signed_query,
     softmax_scale_of,
 )
 
@@ -83,6 +84,7 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
         check_out(out, q.shape, q.dtype, q.device, (q, k, v))
     if 0 in (B, H, Sq, k.shape[2]):
         return _empty_result(q, k, return_lse, out)
+    q, softmax_scale = signed_query(q, softmax_scale)  # after the checks of the caller's q
     if precision == "fp8":
         return attention_via_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                  return_lse=return_lse, config=config, num_splits=num_splits,
@@ -154,8 +156,8 @@ def run_fp8(
     qd = check_fp8_descale("q_descale", q_descale, (B, H, Sq), q8.device)
     kd = check_fp8_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device, (B, Hkv))
     vd = check_fp8_descale("v_descale", v_descale, (B, Hkv), q8.device)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D)
+    softmax_scale = softmax_scale_of(softmax_scale, D)
+    q8, softmax_scale = signed_query(q8, softmax_scale)
     device = q8.get_device()
     arch = arch_of(device)
     if config is None:

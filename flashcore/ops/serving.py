@@ -28,7 +28,7 @@ from .eager import resolve_config
 from .inputs import DTYPE_NAMES, E4M3, prepared
 from .launcher import Serving, launch_attention
 from .masks import call_masking
-from .validate import check_kv_descales, check_num_splits, softmax_scale_of
+from .validate import check_kv_descales, check_num_splits, signed_query, softmax_scale_of
 
 _INT32_MAX = 2**31 - 1
 
@@ -170,6 +170,7 @@ def run_varlen(
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16",
                          features=(("varlen", True), *mask.features))
+    q, scale = signed_query(q, scale)
     # prepared() may copy: the copies stay referenced until the launch has been issued
     q4, q_arg = prepared(_pack_view(q))
     k4, k_arg = prepared(_pack_view(k))
@@ -265,6 +266,7 @@ def run_paged(
     descales = () if kd is None else (kd.permute(0, 2, 1), vd.permute(0, 2, 1))
     tables = (_table_arg(block_table), _vector_arg(lens))
     target = out if _aligned(out) else q.new_empty(q.shape)
+    q, scale = signed_query(q, scale)
     if packed:
         q4, q_arg = prepared(_pack_view(q))
         o4, lse_v = _pack_view(target), None if lse is None else lse.view(1, heads, q.shape[0])

@@ -138,6 +138,18 @@ def softmax_scale_of(softmax_scale, head_dim: int) -> float:
     return softmax_scale
 
 
+def signed_query(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """(q, scale) as the kernels take them, scale >= 0. A kernel subtracts each row's running
+    max of q·k before exp2, which bounds the scaled logits only when the scale is not negative
+    (with a negative one p overflows: inf in 16-bit P, saturated e4m3). A negative scale runs
+    as -q with |scale|: the same logits, for one negated copy of q."""
+    if scale >= 0:
+        return q, scale
+    if q.dtype == E4M3:  # flip the sign bit: exact, and NaN stays NaN
+        return (q.view(torch.uint8) ^ 0x80).view(E4M3), -scale
+    return torch.neg(q), -scale
+
+
 def check_num_splits(op: str, num_splits) -> None:
     """``num_splits``: None (planned) or an int in 1..MAX_SPLITS."""
     if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
