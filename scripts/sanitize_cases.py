@@ -265,6 +265,26 @@ def fp8_khead_cases():
                                 num_splits=3 if config.tile == (16, 64) else None)
             yield check(f"fp8 khead {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k,
                         v, causal, tol=0.1)
+        if config.family == "wgmma_ws":
+            yield fp8_khead_both_key_loops(config)
+
+
+def fp8_khead_both_key_loops(config):
+    # one warp's queries 1000x larger: its warpgroup walks the keys in the exact softmax form,
+    # the other in the rounded one (logits of thousands: checked against the replay)
+    q, k, v = qkv(1, 4, 2, 300, 700, 128, seed=5)
+    q[:, :, 64:80] *= 1000.0
+    q8, qd = quantize_fp8(q, granularity="token")
+    k8, kd = quantize_fp8(k)
+    vt8, vd = quantize_fp8(v, transpose=True)
+    out = attention_fp8(q8, k8, vt8, qd, kd, vd, config=config)
+    kx, vx = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    sim = reference.attention_fp8(q, kx, vx, tile=config.tile, device=q.device, k_scale="head")
+    err = ((out.double() - sim).norm() / sim.norm()).item()
+    ok = torch.isfinite(out).all().item() and err < 0.1
+    print(f"{'ok ' if ok else 'BAD'} fp8 khead {config} both key loops: rel L2 {err:.2e}",
+          flush=True)
+    return ok
 
 
 def causal_order_cases():

@@ -242,6 +242,41 @@ def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, ca
             assert max_abs(res[1][finite], exact[finite]) < 0.25 * logit_gain
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_wgmma_ws_fp8_k_per_head_walks_keys_in_either_softmax_form(causal):
+    """K descaled per head: e4m3 operands bound every score, so each row's |max * scale| is
+    bounded by its exp2 scale, and a warp whose rows stay below 2**16 (log2 units) walks its
+    keys with a rounded-up offset (one FMA a score), any other warp exactly. Rows 64..79 (one
+    warp of the second consumer) get queries 1000x larger, so that warp takes the exact loop,
+    the others the rounded one. Every row must match the replay; its LSE that of exact
+    attention of the dequantised inputs (what the tensor cores multiply)."""
+    g = torch.Generator(device="cuda").manual_seed(31 + causal)
+    q = torch.randn(1, 2, 300, 128, device="cuda", generator=g)
+    q[:, :, 64:80] *= 1000.0
+    q = q.half()
+    k, v = (torch.randn(1, 1, 700, 128, device="cuda", generator=g).half() for _ in range(2))
+    (q8, qd), (k8, kd), (vt8, vd) = (quantize_fp8(q, granularity="token"), quantize_fp8(k),
+                                     quantize_fp8(v, transpose=True))
+    out = torch.full_like(q, float("nan"))
+    _, lse = attention_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, return_lse=True, out=out,
+                           config=FP8_CONFIGS[0])
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    kx, vx = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    sim = reference.attention_fp8(q, kx, vx, causal=causal, tile=FP8_CONFIGS[0].tile,
+                                  device=q.device, k_scale="head")
+    q_deq = q8.double() * qd[..., None].double()
+    k_deq = (k8.double() * kd[..., None, None].double()).repeat_interleave(2, dim=1)
+    _, lse_deq = reference.attention(q_deq, k_deq, vx.double(), causal=causal,
+                                     return_lse=True, device=q.device)
+    big = torch.zeros(300, dtype=torch.bool, device="cuda")
+    big[64:80] = True
+    for rows, tol in ((~big, FP8_SIM_TOL), (big, 0.1)):  # logits of thousands: a hard argmax
+        assert _rel_l2(out[:, :, rows], sim[:, :, rows]) <= tol
+        err = (lse[:, :, rows].double() - lse_deq[:, :, rows].to(lse.device)).abs()
+        assert (err <= 2e-2 + 1e-2 * lse_deq[:, :, rows].abs().to(lse.device)).all(), err.max()
+
+
 def test_fp8_on_hopper_takes_the_wgmma_family_without_a_warning():
     """Naming the warp-specialised family runs e4m3 wgmma (no emulation warning); the
     mma_sync family's FP8 on sm_90 still warns that it is emulated."""

@@ -136,20 +136,28 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
         assert ("QGMMA" in ops) == fp8 and ("HGMMA" in ops) != fp8
 
 
-def _load_to_use(text: str) -> list[int]:
-    """In the key loop (the smallest loop with warpgroup MMAs and exponentials): each global
-    load's distance, in instructions, to the first one that reads its register, going round
-    the loop."""
+def _key_loops(text: str) -> list[list[tuple[str, str]]]:
+    """The innermost loops with warpgroup MMAs and exponentials (the key loops), each as its
+    (opcode, operands) list."""
     from flashcore.build.inspect import loop_bodies
 
     lines = text.splitlines()
     instr = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
-    loops = []
+    spans = []
     for first, last in loop_bodies(text):
         body = [m.groups() for ln in lines[first:last + 1] if (m := instr.match(ln))]
         ops = [op for op, _ in body]
         if any(op.startswith("QGMMA") for op in ops) and "MUFU.EX2" in ops:
-            loops.append(body)
+            spans.append((first, last, body))
+    return [body for first, last, body in spans
+            if not any(f >= first and la <= last and (f, la) != (first, last)
+                       for f, la, _ in spans)]
+
+
+def _load_to_use(text: str) -> list[int]:
+    """In the key loop (the smallest one): each global load's distance, in instructions, to
+    the first one that reads its register, going round the loop."""
+    loops = _key_loops(text)
     assert loops, "no key loop found"
     body = min(loops, key=len)
     dists = []
@@ -251,3 +259,27 @@ def test_fp8_per_head_key_descale_leaves_the_key_loop_without_loads(ws_artifacts
     if text is None:
         pytest.skip("nvdisasm is not installed")
     assert _load_to_use(text) == []
+
+
+@pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision == "fp8"],
+                         ids=lambda s: s.name)
+def test_fp8_walks_keys_with_a_rounded_offset_where_k_is_descaled_per_head(ws_artifacts, spec):
+    """K per head puts every scale of a row's scores in its exp2 scale, and e4m3 operands bound
+    the scores: a warpgroup whose rows' |max * scale| stays under 2**16 (one
+    ``bar.red.and.pred``) walks its keys with the offset rounded up (``mul.rp``, ``add.rp``),
+    one FMA a score; the other loop subtracts the max exactly, one FADD a score more (H100,
+    2026-11-25: 2-4% faster at 4,16,4096). K per token has no such bound: one exact loop."""
+    body = ws_artifacts[spec].ptx
+    head = spec.k_scale == "head"
+    assert ("bar.red.and.pred" in body) == head and ("mul.rp.f32" in body) == head
+    text = sass(ws_artifacts[spec].cubin)
+    if text is None:
+        pytest.skip("nvdisasm is not installed")
+    # FADDs a key loop (unmasked or masked) spends on this thread's n scores of a block (64
+    # rows x tile_n over 128 threads): the exact form two a score (max, then the row sum),
+    # the rounded one only the sum's
+    n = spec.config.tile_n // 2
+    fadds = [sum(op == "FADD" for op, _ in loop) for loop in _key_loops(text)]
+    assert min(fadds) >= 2 * n or head, fadds
+    if head:
+        assert min(fadds) < 1.5 * n and max(fadds) >= 2 * n, fadds

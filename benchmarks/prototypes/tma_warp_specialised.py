@@ -169,7 +169,7 @@ class WsAttention:
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((tm, d)), cutlass.Float32)
         acc_O.fill(0.0)
         softmax = OnlineSoftmax(cute.size(acc_mn_view(acc_O), mode=[0]), scale_log2,
-                                exact_max=False)
+                                form="offset")
         rP = cute.make_rmem_tensor(thr_qk.partition_shape_C((tm, tn)), self.dtype)
 
         qs = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)

@@ -11,11 +11,13 @@ this in float64).
 import cutlass
 import cutlass.cute as cute
 
-from .softmax import OnlineSoftmax
+from .softmax import ROUNDED_OFFSET_LIMIT, OnlineSoftmax
+from .sync import barrier_all
 
 # P is multiplied by this before its e4m3 conversion, so small probabilities keep normal-range
 # precision; a power of two, exact to apply and to undo (in the epilogue)
 P_SCALE = 256.0
+E4M3_MAX = 448.0  # the largest finite e4m3 magnitude: |q8 · k8| <= E4M3_MAX**2 * head_dim
 
 
 @cute.jit
@@ -33,6 +35,23 @@ def fold_query_descales(tile, softmax: OnlineSoftmax, q_descales: cute.Tensor, s
         row = tile.m_block * tile.config.tile_m + rows[r]
         if row < tile.seqlen_q:
             row_scale[r] = scale * q_descales[row]
+
+
+@cute.jit
+def offsets_bounded(tile, softmax: OnlineSoftmax, head_dim: int, barrier_id, threads: int):
+    """Whether every query row of the ``threads`` threads meeting at named barrier
+    ``barrier_id`` keeps |max * scale| (log2 units) below ``ROUNDED_OFFSET_LIMIT`` for any
+    scores: e4m3 operands bound |q8 · k8| by E4M3_MAX**2 * head_dim, and with K descaled per
+    head every scale of a row's scores is in its exp2 scale. One answer for all of them (a
+    warpgroup, whose warps issue its wgmma together); rows past seqlen_q, never stored, have no
+    say. ``tile``: as for ``fold_query_descales``."""
+    largest = cutlass.Float32(0.0)
+    rows = tile.row_coords()
+    for r in cutlass.range_constexpr(len(rows)):
+        if tile.m_block * tile.config.tile_m + rows[r] < tile.seqlen_q:
+            largest = cute.arch.fmax(largest, softmax.row_scale[r])
+    bounded = largest * (E4M3_MAX**2 * head_dim) < ROUNDED_OFFSET_LIMIT
+    return barrier_all(cutlass.Int32(1) if bounded else cutlass.Int32(0), barrier_id, threads)
 
 
 @cute.jit

@@ -8,35 +8,72 @@ sees a key ends with sum 0, which the epilogue turns into output 0 and lse -inf.
 """
 
 
+import copy
 import math
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .fragments import quad_max, quad_sum
 
 LN_2 = math.log(2.0)
 LOG2_E = math.log2(math.e)
+FORMS = ("offset", "exact", "rounded")  # how p's exp2 argument is formed (``OnlineSoftmax``)
+# "rounded" keeps p's scale within a factor 2**-(2**-6) of the exact form's while every
+# |max * scale| of its rows stays below this (two roundings up of an offset below 2**16)
+ROUNDED_OFFSET_LIMIT = 2.0**16
+
+
+@dsl_user_op
+def offset_up(m, scale, p_log2: float, *, loc=None, ip=None) -> cutlass.Float32:
+    """m * scale - p_log2, each step rounded up (``mul.rp``, ``add.rp``), so that
+    exp2(s * scale - offset) <= 2**p_log2 for every s <= m."""
+    args = [cutlass.Float32(x).ir_value(loc=loc, ip=ip) for x in (m, scale, -p_log2)]
+    value = llvm.inline_asm(cutlass.Float32.mlir_type, args,
+                            "{ .reg .f32 t; mul.rp.f32 t, $1, $2; add.rp.f32 $0, t, $3; }",
+                            "=f,f,f,f", has_side_effects=False, loc=loc, ip=ip)
+    return cutlass.Float32(value)
 
 
 class OnlineSoftmax:
-    """``exact_max``: compute p = exp2((s - max) * scale) (exact at the max however large the
-    logits: the FP8 kernel's e4m3 inputs may be of any magnitude) instead of FA2's one-FMA
-    exp2(s * scale - max * scale), whose rounding of max * scale shifts p once logits pass ~1e5.
-    ``p_log2``: p comes out multiplied by 2**p_log2 (with ``exact_max``: one FMA
-    (s - max) * scale + p_log2), the sums with it; ``lse`` takes it out again. An FP8 kernel
-    scales P so for its e4m3 conversion at no cost.
+    """``form``: how p = exp2(...) is formed from a row's scores s.
+
+    * ``"offset"``: FA2's one FMA, exp2(s * scale - max * scale). The rounding of max * scale
+      shifts p once logits pass ~1e5; 16-bit P and its sums carry the same shift.
+    * ``"exact"``: exp2((s - max) * scale), exact at the max however large the logits (an FP8
+      kernel's e4m3 inputs may be of any magnitude, and a shifted max can put a whole row of P
+      under e4m3's range). One FADD a score more.
+    * ``"rounded"``: exp2(s * scale - offset) with the offset max * scale - p_log2 rounded up
+      (``offset_up``: p <= 2**p_log2 still), one FMA a score. Safe only while
+      |max * scale| < ``ROUNDED_OFFSET_LIMIT``: a kernel that can bound it before its key
+      loop walks its keys in this form (``in_form``) where it holds, else exactly, and sets
+      ``rounded`` (run time) to say which.
+
+    ``p_log2``: p comes out multiplied by 2**p_log2, the sums with it; ``lse`` takes it out
+    again. An FP8 kernel scales P so for its e4m3 conversion at no cost.
     """
 
-    def __init__(self, rows: int, scale_log2, exact_max: bool, p_log2: float = 0.0):
-        self.exact_max = exact_max
+    def __init__(self, rows: int, scale_log2, form: str = "offset", p_log2: float = 0.0):
+        assert form in FORMS, form
+        self.form = form
         self.p_log2 = p_log2
+        self.rounded = None  # run time: the key loop took the rounded form (``lse``)
         self.row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         self.row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
         self.row_scale = cute.make_rmem_tensor(rows, cutlass.Float32)
         self.row_max.fill(-cutlass.Float32.inf)
         self.row_sum.fill(0.0)
         self.row_scale.fill(scale_log2)
+
+    def in_form(self, form: str) -> "OnlineSoftmax":
+        """This softmax (the same state) forming p another way: one of a kernel's two key
+        loops, chosen at run time."""
+        assert form in FORMS, form
+        other = copy.copy(self)
+        other.form = form
+        return other
 
     @cute.jit
     def update(self, S: cute.Tensor, O: cute.Tensor):
@@ -57,7 +94,16 @@ class OnlineSoftmax:
             cur_max = quad_max(row.reduce(cute.ReductionOp.MAX, -cutlass.Float32.inf, 0))
             cur_max = cute.arch.fmax(prev_max, cur_max)
             safe_max = 0.0 if cur_max == -cutlass.Float32.inf else cur_max
-            if cutlass.const_expr(self.exact_max):
+            if cutlass.const_expr(self.form == "rounded"):
+                offset = offset_up(safe_max, scale_log2, self.p_log2)
+                p = cute.math.exp2(
+                    cute.math.fma(row, cute.full_like(row, scale_log2),
+                                  cute.full_like(row, -offset)),
+                    fastmath=True,
+                )
+                correction[r] = cute.math.exp2(
+                    offset_up(prev_max, scale_log2, self.p_log2) - offset, fastmath=True)
+            elif cutlass.const_expr(self.form == "exact"):
                 if cutlass.const_expr(self.p_log2 != 0.0):  # one FMA with the P scale
                     logit = cute.math.fma(row - safe_max, cute.full_like(row, scale_log2),
                                           cute.full_like(row, self.p_log2))
@@ -109,4 +155,8 @@ class OnlineSoftmax:
                  + cute.math.log2(total, fastmath=False)) * LN_2
         if cutlass.const_expr(self.p_log2 != 0.0):
             value = value - self.p_log2 * LN_2
+        if cutlass.const_expr(self.rounded is not None):  # noqa: SIM102 - trace, then run time
+            if self.rounded:  # the sums are relative to the rounded offset
+                value = (offset_up(self.row_max[r], self.row_scale[r], self.p_log2)
+                         + cute.math.log2(total, fastmath=False)) * LN_2
         return -cutlass.Float32.inf if total == 0.0 else value

@@ -121,7 +121,7 @@ class AttentionForward:
         cta.softcap = (softcap_in, softcap_out)
         # FP8: p comes out times P_SCALE (in its exp2's FMA), the row sums with it
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
-                                exact_max=lay.fp8,
+                                form="exact" if lay.fp8 else "offset",
                                 p_log2=math.log2(P_SCALE) if lay.fp8 else 0.0)
         o_scale = cutlass.Float32(1.0 / lay.kv_v_scale)  # 1 but for an fp16 FP8-KV kernel
         if cutlass.const_expr(lay.fp8):

@@ -196,7 +196,7 @@ class WgmmaAttentionForward:
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
         tile = Tile(lay, storage, mQ, mK, mV, q_group)
         softmax = OnlineSoftmax(cute.size(acc_mn_view(tile.acc_O), mode=[0]), scale_log2,
-                                exact_max=False)
+                                form="offset")
         self.prologue(tile)
         self.walk_keys(tile, softmax)
         # nothing is in flight after a walk; a CTA with no key block (no keys at all) still

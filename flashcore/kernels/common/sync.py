@@ -1,0 +1,20 @@
+"""A named barrier that also reduces a predicate over its threads (the DSL has the barrier
+alone)."""
+
+from cutlass import Boolean, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+
+@dsl_user_op
+def barrier_all(pred: Int32, barrier_id: Int32, threads: int, *, loc=None, ip=None) -> Boolean:
+    """Wait at named barrier ``barrier_id`` (a run-time value) with ``threads`` threads;
+    whether ``pred`` (non-zero) held in every one of them (``bar.red.and.pred``): the same
+    answer in all of them."""
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (pred, barrier_id)]
+    value = llvm.inline_asm(
+        Int32.mlir_type, args,
+        "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; "
+        f"bar.red.and.pred q, $2, {threads}, p; selp.u32 $0, 1, 0, q; }}",
+        "=r,r,r", has_side_effects=True, loc=loc, ip=ip)
+    return Int32(value) != 0

@@ -1,0 +1,74 @@
+"""One consumer thread of the warp-specialised Hopper kernel, seen at trace time: its
+warpgroup's MMA fragments over the shared tiles, its accumulators, P in the P·V MMA's A-operand
+registers, and the coordinates of its scores (``attention_fwd.py`` walks the keys with it)."""
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common.block_info import KeyBounds
+from ..common.dtypes import E4M3
+from ..wgmma.fragments import ThreadCoords, acc_as_fp8_operand_a, acc_as_operand_a, acc_mn_view
+from ..wgmma.layouts import WARPGROUP
+from .layouts import WsLayouts
+
+
+class Consumer(ThreadCoords):
+    """Trace-time view of one consumer thread: its warpgroup's MMA fragments, accumulators and
+    the coordinates of its scores."""
+
+    def __init__(self, lay: WsLayouts, sQ, sK, sV, sO, ctid, m_block, seqlen_q, seqlen_k,
+                 q_group):
+        spec, c = lay.spec, lay.spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.lay, self.spec, self.config = lay, spec, c
+        self.m_block, self.seqlen_q, self.seqlen_k, self.q_group = (m_block, seqlen_q, seqlen_k,
+                                                                    q_group)
+        self.bounds = KeyBounds(spec.causal)
+        wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
+        self.sQ, self.sO, self.ctid, self.wg = sQ, sO, ctid, wg
+        sVt = sV  # FP8: Vᵀ tiles as stored; else V's tiles seen as (head_dim, keys)
+        if not lay.fp8:
+            sVt = cute.composition(sV, cute.make_ordered_layout((d, tn, c.stages),
+                                                                order=(1, 0, 2)))
+        wg_qk, wg_pv = lay.qk_mma.get_slice(wg * WARPGROUP), lay.pv_mma.get_slice(wg * WARPGROUP)
+        self.tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        self.tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        self.tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(sVt))
+        self.thr_qk, self.thr_pv = lay.qk_mma.get_slice(ctid), lay.pv_mma.get_slice(ctid)
+        self.acc_O = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((tm, d)),
+                                           cutlass.Float32)
+        self.acc_O.fill(0.0)
+        p_layout = cute.make_layout(self.thr_qk.partition_shape_C((tm, tn)))
+        if lay.fp8:  # P in the e4m3 A operand's register order
+            p_layout = cute.make_layout(acc_as_fp8_operand_a(p_layout).shape)
+        self.rP = cute.make_rmem_tensor(p_layout, lay.dtype)
+        self.gKd = None  # FP8: this K/V head's per-key descales
+
+    def set_probabilities(self, acc_S: cute.Tensor):
+        """P (the scores after ``softmax.step``) into the P·V MMA's A operand registers: e4m3
+        gathered in operand order, or the 16-bit dtype as it lies."""
+        if self.lay.fp8:
+            as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
+            self.rP.store(as_a.load().to(E4M3))  # P_SCALE is in p already (softmax p_log2)
+        else:
+            self.rP.store(acc_S.load().to(self.lay.dtype))
+
+    def operand_p(self) -> cute.Tensor:
+        if self.lay.fp8:
+            return self.rP
+        return cute.make_tensor(self.rP.iterator, acc_as_operand_a(self.rP.layout))
+
+    def new_key_descales(self):
+        """FP8 with K descaled per token: registers for the per-key descales of one block's
+        scores; else None (a per-head K descale is in the rows' exp2 scales)."""
+        if not self.lay.fp8 or self.spec.k_scale != "token":
+            return None
+        c = self.config
+        cols = acc_mn_view(self.thr_qk.partition_C(cute.make_identity_tensor((c.tile_m,
+                                                                              c.tile_n))))
+        return cute.make_rmem_tensor(cute.size(cols, mode=[1]), cutlass.Float32)
+
+    def new_scores(self):
+        c = self.config
+        return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((c.tile_m, c.tile_n)),
+                                     cutlass.Float32)
