@@ -23,7 +23,10 @@ warpgroup and 1-3 consumer warpgroups.
   K-major B operand the 8-bit wgmma requires; the permutation lets P's accumulator registers
   be the A operand after a gather within each thread (``acc_as_fp8_operand_a``). Descales as
   in the mma_sync family (``common/fp8.py``: per-token K descales scale the score columns, a
-  per-head one is in the rows' exp2 scales); O is staged in its own 16-bit tile.
+  per-head one is in the rows' exp2 scales); O is staged in its own 16-bit tile. With K per
+  head, e4m3 bounds every row's max * scale before the loop: a warpgroup whose rows it bounds
+  walks its keys in the softmax's rounded form (one FMA a score), any other exactly
+  (``common/fp8.offsets_bounded``, ``walk_keys``).
 """
 
 import math
