@@ -37,12 +37,13 @@ def _inputs(b, h, sq, sk, d, dtype, magnitude, seed):
 
 
 def _sdpa(q, k, v, causal, scale):
-    """SDPA, the baseline of our error bound. Its flash and efficient backends overflow on a
-    negative scale (NaN on the H100, torch 2.11) as ours did: there it gets -q with |scale|,
-    the same logits."""
+    """SDPA, the baseline of our error bound (K/V may have fewer heads: GQA). Its flash and
+    efficient backends overflow on a negative scale (NaN on the H100, torch 2.11) as ours did:
+    there it gets -q with |scale|, the same logits."""
     if scale is not None and scale < 0:
         q, scale = -q, -scale
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _allowed(err_sdpa, ref, dtype, q=None, k=None, v=None, scale=None) -> float:
