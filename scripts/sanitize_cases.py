@@ -253,7 +253,8 @@ def fp8_khead_cases():
     configs = [TileConfig((64, 64)), TileConfig((16, 64), warps=1)]
     if arch_of(torch.cuda.current_device()) == "sm_90":
         configs += [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
-                    TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+                    TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
+                    TileConfig((192, 128), warps=12, stages=4, family="wgmma_ws")]
     for config in configs:
         for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
                                   (130, 257, 128, False), (1, 700, 128, True)):

@@ -70,7 +70,9 @@ WGMMA_FP8_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"
                      TileConfig((128, 64), warps=8, stages=3, family="wgmma_ws"),
                      TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
                      TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
-                     TileConfig((192, 64), warps=12, stages=3, family="wgmma_ws")]
+                     TileConfig((192, 64), warps=12, stages=3, family="wgmma_ws"),
+                     # the d128 K-per-head winner: at d128, P through shared memory
+                     TileConfig((192, 128), warps=12, stages=4, family="wgmma_ws")]
 STAGE_CONFIGS = [((64, 64), 4, 1, 2), ((128, 64), 8, 1, 3), ((32, 64), 2, 2, 2), ((16, 32), 1, 1, 3)]
 
 

@@ -185,6 +185,15 @@ def _rel_l2(out, ref) -> float:
 @example(b=2, hkv=2, group=2, sq=450, sk=450, d=64, dtype="float16", causal=True,
          config=FP8_CONFIGS[4], return_lse=True, k_scale="token", log_mag=0.0, logit_gain=1.0,
          seed=6)  # the d64 causal winner, rows ragged against its 192-row tile
+@example(b=1, hkv=2, group=2, sq=450, sk=1000, d=128, dtype="bfloat16", causal=False,
+         config=FP8_CONFIGS[5], return_lse=True, k_scale="head", log_mag=0.0, logit_gain=1.0,
+         seed=7)  # the d128 K-per-head winner: P through shared memory, rows ragged
+@example(b=1, hkv=1, group=1, sq=200, sk=333, d=128, dtype="float16", causal=True,
+         config=FP8_CONFIGS[5], return_lse=False, k_scale="token", log_mag=1.0,
+         logit_gain=100.0, seed=8)
+@example(b=2, hkv=3, group=1, sq=696, sk=564, d=128, dtype="bfloat16", causal=True,
+         config=FP8_CONFIGS[4], return_lse=True, k_scale="head", log_mag=2.9, logit_gain=1.0,
+         seed=9)  # three consumers of 64-key steps at d128: P stays in registers
 def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, causal, config,
                                              return_lse, k_scale, log_mag, logit_gain, seed):
     """The e4m3 kernel against ``reference.attention_fp8`` replaying its tile's block walk

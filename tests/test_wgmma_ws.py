@@ -5,6 +5,7 @@ MMAs with no spills and the TMA ABI; the runtime's descriptor geometry and encod
 from __future__ import annotations
 
 import contextlib
+import itertools
 import re
 import struct
 
@@ -91,6 +92,11 @@ WS_SPECS = [
                   k_scale="head", config=WS),
     AttentionSpec(arch="sm_90", head_dim=64, precision="fp8", k_scale="head",
                   config=WS.replace(tile=(192, 128), warps=12)),
+    # three consumers at d128: P through shared memory
+    AttentionSpec(arch="sm_90", head_dim=128, precision="fp8", k_scale="head",
+                  config=WS.replace(tile=(192, 128), warps=12, stages=4)),
+    AttentionSpec(arch="sm_90", head_dim=128, causal=True, precision="fp8", k_scale="head",
+                  config=WS.replace(tile=(192, 64), warps=12, stages=3)),  # P in registers
 ]
 
 
@@ -283,3 +289,47 @@ def test_fp8_walks_keys_with_a_rounded_offset_where_k_is_descaled_per_head(ws_ar
     assert min(fadds) >= 2 * n or head, fadds
     if head:
         assert min(fadds) < 1.5 * n and max(fadds) >= 2 * n, fadds
+
+
+def test_p_words_follow_the_key_permutation_of_v():
+    """P's shared tile must hold p of key perm[x] at byte x of each 32 (V's rows are stored in
+    that order): every word a thread writes, at its byte 16c + 4t + i, holds the accumulator
+    value of that key (a thread holds keys 8j + 2t + b at index b + 2r + 4j)."""
+    from flashcore.kernels.wgmma_ws.consumer import p_word
+    from flashcore.ops.quantize import key_permutation
+
+    perm = key_permutation()
+    for t, r, c in itertools.product(range(4), range(2), range(128 // 16)):
+        for i, index in enumerate(p_word(r, c)):
+            b, row_half, j = index % 2, index // 2 % 2, index // 4
+            assert row_half == r
+            byte = 16 * c + 4 * t + i
+            assert 8 * j + 2 * t + b == byte // 32 * 32 + perm[byte % 32]
+
+
+@pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision == "fp8"],
+                         ids=lambda s: s.name)
+def test_fp8_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts, spec):
+    """Three consumers at d128 (``WgmmaWs.p_in_shared``): the P·V QGMMAs read P through a
+    descriptor, after 32-bit stores of its words (16 a key step) and an async-proxy fence; else
+    P is the register A operand. The spec's shared-memory budget counts P's tile."""
+    from flashcore.spec.families import WgmmaWs
+
+    art = ws_artifacts[spec]
+    shared = WgmmaWs.p_in_shared(spec)
+    assert shared == (spec.head_dim == 128 and spec.config.tile == (192, 128))
+    text = sass(art.cubin)
+    if text is None:
+        pytest.skip("nvdisasm is not installed")
+    loops = _key_loops(text)
+    assert loops
+    for body in loops:
+        mmas = [args for op, args in body if op.startswith("QGMMA")]
+        register_a = [a for a in mmas if re.search(r"R\d+, R\d+, gdesc", a)]
+        # S = Q·Kᵀ has both operands in shared memory; P·V reads P from registers unless shared
+        assert (not register_a) == shared, mmas
+    body = art.ptx[art.ptx.index(".entry"):]
+    # 16 words a key step: step 0, and the masked and unmasked steps of each softmax form
+    words = len(re.findall(r"st\.shared\.b32", body))
+    assert words % 16 == 0 and (words >= 48) == shared, words
+    assert ("fence.proxy.async.shared::cta" in body) == shared

@@ -232,12 +232,25 @@ class WgmmaWs(Wgmma):
         return {"tile_m": (64, 128, 192), "tile_n": (64, 128), "warps": (4, 8, 12),
                 "stages": (2, 3, 4), "kv_splits": (1,)}
 
+    @staticmethod
+    def p_in_shared(spec: AttentionSpec) -> bool:
+        """Whether P reaches the P·V wgmma through shared memory (its SS form) rather than in
+        registers: FP8 operands at head_dim 128 with three consumer warpgroups of 128-key
+        steps, whose 160 registers a thread hold S and O (64 each) but not P beside them
+        (288 bytes of spills with P in registers; 64-key steps fit)."""
+        c = spec.config
+        return (spec.precision == "fp8" and spec.head_dim == 128 and c.warps == 12
+                and c.tile_n == 128)
+
     def smem_bytes(self, spec: AttentionSpec) -> int:
         """The wgmma tiles, after 1 KB holding the pipelines' mbarriers; for fp8 operands a
-        16-bit output tile of its own (the e4m3 Q buffer is half its size)."""
-        out = 0
+        16-bit output tile of its own (the e4m3 Q buffer is half its size), and P's e4m3 tile
+        where it goes through shared memory."""
+        out, c = 0, spec.config
         if spec.precision == "fp8":
-            out = _align(spec.config.tile_m * spec.head_dim * DTYPE_BYTES[spec.dtype])
+            out = _align(c.tile_m * spec.head_dim * DTYPE_BYTES[spec.dtype])
+        if self.p_in_shared(spec):
+            out += _align(c.tile_m * c.tile_n)
         return _SMEM_ALIGN + super().smem_bytes(spec) + out
 
 

@@ -1,5 +1,6 @@
 """A named barrier that also reduces a predicate over its threads (the DSL has the barrier
-alone)."""
+alone), and a 32-bit shared store to an address the caller computed (a swizzle applied by
+hand)."""
 
 from cutlass import Boolean, Int32
 from cutlass._mlir.dialects import llvm
@@ -18,3 +19,11 @@ def barrier_all(pred: Int32, barrier_id: Int32, threads: int, *, loc=None, ip=No
         f"bar.red.and.pred q, $2, {threads}, p; selp.u32 $0, 1, 0, q; }}",
         "=r,r,r", has_side_effects=True, loc=loc, ip=ip)
     return Int32(value) != 0
+
+
+@dsl_user_op
+def st_shared_b32(addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
+    """One 32-bit store of ``value`` to shared-memory address ``addr``."""
+    llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip),
+                           Int32(value).ir_value(loc=loc, ip=ip)],
+                    "st.shared.b32 [$0], $1;", "r,r", has_side_effects=True, loc=loc, ip=ip)

@@ -47,16 +47,18 @@ def smem_tiles(dtype, tile_m: int, tile_n: int, head_dim: int, stages: int):
 
 
 def tiled_mmas(dtype, warpgroups: int, tile_n: int, head_dim: int,
-               v_major: OperandMajorMode = OperandMajorMode.MN):
+               v_major: OperandMajorMode = OperandMajorMode.MN, p_in_registers: bool = True):
     """(S = Q·Kᵀ: A and B from shared memory, both K-major, 64 rows x tile_n a warpgroup;
-    O += P·V: A (P) from registers, B (V seen as head_dim x keys) MN-major from shared, or
-    K-major for e4m3, whose wgmma reads only K-major operands: Vᵀ stored keys-contiguous)."""
+    O += P·V: A (P) from registers (or from a K-major shared tile), B (V seen as head_dim x
+    keys) MN-major from shared, or K-major for e4m3, whose wgmma reads only K-major operands:
+    Vᵀ stored keys-contiguous)."""
     qk = sm90.make_trivial_tiled_mma(
         dtype, dtype, OperandMajorMode.K, OperandMajorMode.K, cutlass.Float32,
         (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, tile_n))
+    p_source = sm90.OperandSource.RMEM if p_in_registers else sm90.OperandSource.SMEM
     pv = sm90.make_trivial_tiled_mma(
         dtype, dtype, OperandMajorMode.K, v_major, cutlass.Float32,
-        (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, head_dim), sm90.OperandSource.RMEM)
+        (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, head_dim), p_source)
     return qk, pv
 
 

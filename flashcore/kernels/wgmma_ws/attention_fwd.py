@@ -26,7 +26,9 @@ warpgroup and 1-3 consumer warpgroups.
   per-head one is in the rows' exp2 scales); O is staged in its own 16-bit tile. With K per
   head, e4m3 bounds every row's max * scale before the loop: a warpgroup whose rows it bounds
   walks its keys in the softmax's rounded form (one FMA a score), any other exactly
-  (``common/fp8.offsets_bounded``, ``walk_keys``).
+  (``common/fp8.offsets_bounded``, ``walk_keys``). With three consumers at head_dim 128, P
+  goes to the P·V wgmma through a shared tile of its own (``Consumer.store_p``): 160
+  registers a thread hold S and O but not P beside them.
 """
 
 import math
@@ -130,6 +132,9 @@ class WgmmaWsAttentionForward:
         sO = sQ  # the output tile: Q's buffer, or FP8's own 16-bit one
         if cutlass.const_expr(lay.fp8):
             sO = storage.sO.get_tensor(lay.sO.outer, swizzle=lay.sO.inner)
+        sP = None  # P's tile, where the P·V wgmma reads it from shared memory
+        if cutlass.const_expr(lay.p_in_shared):
+            sP = storage.sP.get_tensor(lay.sP.outer, swizzle=lay.sP.inner)
         m_block, head, batch, _ = tile_coords(mO, spec)
         kv_head = head // (mO.shape[1] // tma_k.shape[2])
         seqlen_q, seqlen_k = mO.shape[2], tma_k.shape[0]
@@ -143,7 +148,7 @@ class WgmmaWsAttentionForward:
         else:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
             tidx, _, _ = cute.arch.thread_idx()
-            cons = Consumer(lay, sQ, sK, sV, sO, tidx - WARPGROUP, m_block, seqlen_q,
+            cons = Consumer(lay, sQ, sK, sV, sO, sP, tidx - WARPGROUP, m_block, seqlen_q,
                             seqlen_k, q_group)
             # FP8: p comes out times P_SCALE (one FMA), the row sums with it: O / sum needs
             # only V's descale

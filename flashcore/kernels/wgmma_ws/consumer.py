@@ -1,22 +1,30 @@
 """One consumer thread of the warp-specialised Hopper kernel, seen at trace time: its
 warpgroup's MMA fragments over the shared tiles, its accumulators, P in the P·V MMA's A-operand
-registers, and the coordinates of its scores (``attention_fwd.py`` walks the keys with it)."""
+registers (or in its shared tile), and the coordinates of its scores (``attention_fwd.py`` walks
+the keys with it)."""
 
 import cutlass
 import cutlass.cute as cute
 
 from ..common.block_info import KeyBounds
 from ..common.dtypes import E4M3
+from ..common.sync import st_shared_b32
 from ..wgmma.fragments import ThreadCoords, acc_as_fp8_operand_a, acc_as_operand_a, acc_mn_view
 from ..wgmma.layouts import WARPGROUP
 from .layouts import WsLayouts
+
+
+def p_word(r: int, c: int) -> list[int]:
+    """The accumulator indices (``((2, 2, J), 1, 1)``, compact) of the four P values that make
+    bytes 0..3 of a thread's word in row half ``r``, 16-byte chunk ``c`` of P's shared tile."""
+    return [i % 2 + 2 * r + 4 * (2 * c + i // 2) for i in range(4)]
 
 
 class Consumer(ThreadCoords):
     """Trace-time view of one consumer thread: its warpgroup's MMA fragments, accumulators and
     the coordinates of its scores."""
 
-    def __init__(self, lay: WsLayouts, sQ, sK, sV, sO, ctid, m_block, seqlen_q, seqlen_k,
+    def __init__(self, lay: WsLayouts, sQ, sK, sV, sO, sP, ctid, m_block, seqlen_q, seqlen_k,
                  q_group):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
@@ -38,22 +46,57 @@ class Consumer(ThreadCoords):
         self.acc_O = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((tm, d)),
                                            cutlass.Float32)
         self.acc_O.fill(0.0)
-        p_layout = cute.make_layout(self.thr_qk.partition_shape_C((tm, tn)))
-        if lay.fp8:  # P in the e4m3 A operand's register order
-            p_layout = cute.make_layout(acc_as_fp8_operand_a(p_layout).shape)
-        self.rP = cute.make_rmem_tensor(p_layout, lay.dtype)
+        if lay.p_in_shared:
+            self.tOrP = wg_pv.make_fragment_A(wg_pv.partition_A(sP))
+            # this thread's first word of P (rows g and g + 8 of its warp's 16, 4 keys at 4t):
+            # in the 128-byte swizzle row r of a 1 KB-aligned tile has its 16-byte chunks
+            # XORed with r % 8 (= g), so here at chunk 0, and chunk c at this ^ (16 c)
+            lane = ctid % 32
+            row = wg * 64 + ctid % WARPGROUP // 32 * 16 + lane // 4
+            self.p_word = sP.iterator.toint() + row * tn + lane // 4 * 16 + lane % 4 * 4
+        else:
+            p_layout = cute.make_layout(self.thr_qk.partition_shape_C((tm, tn)))
+            if lay.fp8:  # P in the e4m3 A operand's register order
+                p_layout = cute.make_layout(acc_as_fp8_operand_a(p_layout).shape)
+            self.rP = cute.make_rmem_tensor(p_layout, lay.dtype)
         self.gKd = None  # FP8: this K/V head's per-key descales
 
     def set_probabilities(self, acc_S: cute.Tensor):
         """P (the scores after ``softmax.step``) into the P·V MMA's A operand registers: e4m3
         gathered in operand order, or the 16-bit dtype as it lies."""
-        if self.lay.fp8:
+        if self.lay.p_in_shared:
+            self.store_p(acc_S)
+        elif self.lay.fp8:
             as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
             self.rP.store(as_a.load().to(E4M3))  # P_SCALE is in p already (softmax p_log2)
         else:
             self.rP.store(acc_S.load().to(self.lay.dtype))
 
+    @cute.jit
+    def store_p(self, acc_S: cute.Tensor):
+        """P into its shared tile, a 4-byte word at a time. Vᵀ's key permutation (each 32 keys
+        stored in the order ``flashcore.ops.quantize.key_permutation``) puts this thread's keys
+        8j + 2t + b of column groups j = 2c + a at byte 16c + 4t + 2a + b of its row: one
+        word per (row, 16-byte chunk c). Written after the previous P·V
+        has completed; then fenced for the async proxy, and the warp synchronised (its part
+        of the wgmma reads only its own 16 rows)."""
+        tn = self.config.tile_n
+        four = cute.make_rmem_tensor((4,), cutlass.Float32)
+        codes = cute.make_rmem_tensor((4,), E4M3)
+        word = cute.make_tensor(cute.recast_ptr(codes.iterator, dtype=cutlass.Int32),
+                                cute.make_layout(1))
+        for r in cutlass.range_constexpr(2):  # rows g, g + 8
+            for c in cutlass.range_constexpr(tn // 16):  # 16-byte chunks of the row
+                for i, v in enumerate(p_word(r, c)):  # byte 2a + b: key 8(2c + a) + 2t + b
+                    four[i] = acc_S[v]
+                codes.store(four.load().to(E4M3))
+                st_shared_b32((self.p_word ^ (16 * c)) + r * 8 * tn, word[0])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_warp()
+
     def operand_p(self) -> cute.Tensor:
+        if self.lay.p_in_shared:
+            return self.tOrP
         if self.lay.fp8:
             return self.rP
         return cute.make_tensor(self.rP.iterator, acc_as_operand_a(self.rP.layout))

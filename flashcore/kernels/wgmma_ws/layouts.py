@@ -8,6 +8,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import OperandMajorMode
 
+from ...spec.families import WgmmaWs
 from ..common.dtypes import DTYPES, E4M3
 from ..wgmma.layouts import WARPGROUP, k_major, smem_tiles, tiled_mmas
 
@@ -43,9 +44,12 @@ class WsLayouts:
         # e4m3 Q buffer is half its size)
         self.sV = k_major(self.dtype, (d, tn, c.stages)) if self.fp8 else self.sKV
         self.sO = smem_tiles(self.out_dtype, tm, tn, d, 1)[0] if self.fp8 else None
+        # P through shared memory (``WgmmaWs.p_in_shared``): its e4m3 tile, the SS P·V
+        self.p_in_shared = WgmmaWs.p_in_shared(spec)
+        self.sP = k_major(self.dtype, (tm, tn)) if self.p_in_shared else None
         self.qk_mma, self.pv_mma = tiled_mmas(
             self.dtype, self.consumers, tn, d,
-            OperandMajorMode.K if self.fp8 else OperandMajorMode.MN)
+            OperandMajorMode.K if self.fp8 else OperandMajorMode.MN, not self.p_in_shared)
         # the epilogue: each consumer warpgroup's 64 rows of O, shared -> global in 16-byte
         # vectors, 8 threads per 64 columns (its own 128 threads)
         self.r2g_o = cute.make_tiled_copy_tv(
@@ -61,6 +65,7 @@ class WsLayouts:
         dtype, stages, fp8 = self.dtype, self.spec.config.stages, self.fp8
         n_q, n_kv = cute.cosize(self.sQ), cute.cosize(self.sKV)
         out_dtype, n_o = self.out_dtype, cute.cosize(self.sO) if fp8 else 0
+        p_in_shared, n_p = self.p_in_shared, cute.cosize(self.sP) if self.p_in_shared else 0
         Align, Mem = cute.struct.Align, cute.struct.MemRange
 
         @cute.struct
@@ -73,6 +78,8 @@ class WsLayouts:
             sV: Align[Mem[dtype, n_kv], _ALIGN]
             if fp8:  # the output tile of its own
                 sO: Align[Mem[out_dtype, n_o], _ALIGN]
+            if p_in_shared:
+                sP: Align[Mem[dtype, n_p], _ALIGN]
 
         return SharedStorage
 
