@@ -198,6 +198,7 @@ def fp8_specs(arch: str) -> list:
         return []
     specs = []
     for dtype, d in itertools.product(DTYPES, HEAD_DIMS):
+        specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, part="amax"))
         specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=False))
         specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, transpose=True))
         specs.append(QuantizeSpec(arch=arch, dtype=dtype, head_dim=d, granularity="token"))

@@ -350,3 +350,35 @@ def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
         # two HMMA.16816, so this kernel cannot beat the fp16 one there (benchmarks/NOTES.md)
         assert qmma == 0 and hmma == 2 * n_mma
         assert any(op.startswith("F2FP.F16.E4M3.UNPACK") for op in ops)
+
+
+def test_per_head_scales_take_an_amax_pass_then_a_cast_of_many_ctas(tmp_path, monkeypatch):
+    """A per-(batch, head) scale is two kernels: ``AMAX_SHARES`` CTAs per (batch, head) write
+    partial maxima (16-byte loads), then the cast runs a CTA per block of rows (or keys) and
+    reduces the shares itself (one warp's shuffles) before a single 16-byte load a thread. The
+    ABI names the shares' tensor; ``part="amax"`` is only the per-head scale's first pass."""
+    monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
+    from flashcore.build.abi import params_for
+    from flashcore.build.compiler import compile_many
+    from flashcore.build.inspect import sass, sass_opcodes
+    from flashcore.spec.quantize import AMAX_SHARES
+
+    assert AMAX_SHARES == 32  # a warp's lanes: lane i reads share i
+    with pytest.raises(SpecError, match="first pass"):
+        QuantizeSpec(arch="sm_90", granularity="token", part="amax")
+    with pytest.raises(SpecError, match="first pass"):
+        QuantizeSpec(arch="sm_90", transpose=True, part="amax")
+    amax, cast, vt = (QuantizeSpec(arch="sm_89", head_dim=128, **kw)
+                      for kw in ({"part": "amax"}, {}, {"transpose": True}))
+    assert amax.name.endswith("_amax") and amax.smem_bytes == 4 * 8 and cast.smem_bytes == 0
+    assert [p.name for p in params_for(amax)] == ["x", "partial"]
+    assert [p.name for p in params_for(cast)] == [p.name for p in params_for(vt)] == [
+        "x", "out", "partial", "descale"]
+    arts = compile_many([amax, cast, vt], jobs=2)
+    for art in arts[1:]:
+        assert "shfl.sync.bfly" in art.ptx  # the shares' max, in every warp
+        assert "bar.sync" not in art.ptx  # no CTA-wide reduction left in the casts
+    assert "bar.sync" in arts[0].ptx
+    text = sass(arts[0].cubin)
+    if text is not None:
+        assert "LDG.E.128" in sass_opcodes(text)

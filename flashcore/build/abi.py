@@ -190,21 +190,21 @@ def combine_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     return (*params, ScalarParam("num_splits", "<i"))
 
 
-# Quantiser: x (batch, heads, seq, head_dim) 16-bit; out e4m3 in x's layout, or Vᵀ
-# (batch, heads, head_dim, seq_padded); descale (batch, heads) float32.
-QUANTIZE_FP8_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
+# Per-(batch, head) scale, pass 1: x (batch, heads, seq, head_dim) 16-bit; partial
+# (batch, heads, AMAX_SHARES) float32 maxima.
+QUANTIZE_FP8_AMAX_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
     TensorParam("x", 3, 3),
-    TensorParam("out", 3, 3),
-    TensorParam("descale", 2, 1),
+    TensorParam("partial", 3, 2),
 )
 
 
-# V's quantiser (per head, transposed): the amax per (batch, heads) comes in, computed beforehand
-# (one torch reduction), so every block of keys can be quantised by its own CTA.
-QUANTIZE_FP8_VT_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
+# Pass 2: out e4m3 in x's layout, or Vᵀ (batch, heads, head_dim, seq_padded), from pass 1's
+# partial maxima (so every block of rows or keys is cast by its own CTA); descale (batch,
+# heads) float32.
+QUANTIZE_FP8_PARAMS: tuple[TensorParam | ScalarParam, ...] = (
     TensorParam("x", 3, 3),
     TensorParam("out", 3, 3),
-    TensorParam("amax", 2, 1),
+    TensorParam("partial", 3, 2),
     TensorParam("descale", 2, 1),
 )
 
@@ -221,7 +221,7 @@ def params_for(spec) -> tuple[TensorParam | ScalarParam, ...]:
     if spec.op == "quantize_fp8":
         if spec.granularity == "token":
             return QUANTIZE_FP8_TOKEN_PARAMS
-        return QUANTIZE_FP8_VT_PARAMS if spec.transpose else QUANTIZE_FP8_PARAMS
+        return QUANTIZE_FP8_AMAX_PARAMS if spec.part == "amax" else QUANTIZE_FP8_PARAMS
     if spec.op == "attention_combine":
         return combine_params(spec)
     if getattr(spec, "family", "") == "wgmma_ws":

@@ -131,19 +131,27 @@ def _quantize_args(spec: QuantizeSpec) -> tuple:
     y = make_fake_tensor(cutlass.Float8E4M3FN, y_shape,
                          tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,),
                          assumed_align=16)
-    descale = rows() if spec.granularity == "token" else per_head()
-    if spec.transpose:  # Vᵀ takes its (batch, heads) amax as an input
-        return x, y, per_head(), descale
-    return x, y, descale
+    if spec.granularity == "token":
+        return x, y, rows()
+    if spec.part == "amax":  # the partial maxima of each (batch, head)
+        return x, rows()
+    return x, y, rows(), per_head()  # the casts: from the partial maxima
 
 
 def _traced(spec: KernelSpec):
     """(object whose ``host`` is compiled, the device function to name, its arguments)."""
     if isinstance(spec, QuantizeSpec):
-        from .quantize_fp8 import QuantizeFP8, QuantizeFP8PerToken, QuantizeFP8Transposed
+        from .quantize_fp8 import (
+            AmaxPerHead,
+            QuantizeFP8,
+            QuantizeFP8PerToken,
+            QuantizeFP8Transposed,
+        )
 
         if spec.granularity == "token":
             cls = QuantizeFP8PerToken
+        elif spec.part == "amax":
+            cls = AmaxPerHead
         else:
             cls = QuantizeFP8Transposed if spec.transpose else QuantizeFP8
         return cls(spec.dtype, spec.head_dim, spec.threads), cls.kernel, _quantize_args(spec)

@@ -3,13 +3,12 @@ and V's transposed, key-permuted layout for the FP8 attention kernel."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..spec import HEAD_DIMS, QuantizeSpec
+from ..spec.quantize import AMAX_SHARES
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 
 VT_PAD = 128  # Vᵀ's key extent is padded to this (the largest tile_n): its tiles are never ragged
@@ -46,33 +45,41 @@ def run_quantize(
     if x.numel() == 0:
         raise ValueError(f"quantize_fp8: x is empty (shape {tuple(x.shape)})")
     x, x_arg = prepared(x)
-    key = (x.get_device(), x.dtype, D, transpose, granularity)
-    kern = _kernels.get(key)
-    if kern is None:  # building and validating a spec costs more than the launch
-        spec = QuantizeSpec(arch=arch_of(x.get_device()), dtype=DTYPE_NAMES[x.dtype], head_dim=D,
-                            transpose=transpose, granularity=granularity)
-        kern = _kernels[key] = kernel_for(spec, x.get_device())
+    dev = x.get_device()
+    kern = _kernel(dev, x.dtype, D, transpose, granularity, "cast")
+    rows = kern.artifact.spec.threads // (D // 8)  # a CTA's rows, 16 bytes a thread
+    if granularity == "token":
+        out = torch.empty((B, H, S, D), dtype=E4M3, device=x.device)
+        descale = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
+        args = (x_arg, tensor_arg(out), (descale.data_ptr(), B, H, S, H * S, S))
+        launch(kern, (-(-S // rows), H, B), args, dev)
+        return out, descale
+    # per (batch, head): the partial maxima of AMAX_SHARES CTAs each, then the cast by blocks
+    # of rows (or of keys for Vᵀ, every padded key written: zeros past S, where P is 0 and V
+    # must be finite), each CTA reducing the shares for its scale
+    work = torch.empty(B * H * (AMAX_SHARES + 1), dtype=torch.float32, device=x.device)
+    partial = (work.data_ptr(), B, H, AMAX_SHARES, H * AMAX_SHARES, AMAX_SHARES)
+    descale = work[B * H * AMAX_SHARES:].view(B, H)
+    launch(_kernel(dev, x.dtype, D, False, "head", "amax"), (AMAX_SHARES, H, B),
+           (x_arg, partial), dev)
+    descale_arg = (descale.data_ptr(), B, H, H)
     if transpose:
-        # the kernel writes every padded key (zeros past S: P is 0 there and V must be finite),
-        # a CTA per 32 * threads / D keys, with the amax of each (batch, head) given: one
-        # reduction here, so the cast is not one CTA per head
         out = torch.empty((B, H, D, padded_keys(S)), dtype=E4M3, device=x.device)
-        amax = torch.linalg.vector_norm(x, ord=math.inf, dim=(2, 3), dtype=torch.float32)
-        descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
-        args = (x_arg, transposed_arg(out), (amax.data_ptr(), B, H, H),
-                (descale.data_ptr(), B, H, H))
         keys_per_cta = 32 * (kern.artifact.spec.threads // D)
-        launch(kern, (-(-padded_keys(S) // keys_per_cta), H, B), args, x.get_device())
+        launch(kern, (-(-padded_keys(S) // keys_per_cta), H, B),
+               (x_arg, transposed_arg(out), partial, descale_arg), dev)
         return out, descale
     out = torch.empty((B, H, S, D), dtype=E4M3, device=x.device)
-    out_arg = tensor_arg(out)
-    if granularity == "token":
-        descale = torch.empty((B, H, S), dtype=torch.float32, device=x.device)
-        args = (x_arg, out_arg, (descale.data_ptr(), B, H, S, H * S, S))
-        rows = kern.artifact.spec.threads // (D // 8)
-        launch(kern, (-(-S // rows), H, B), args, x.get_device())
-    else:
-        descale = torch.empty((B, H), dtype=torch.float32, device=x.device)
-        args = (x_arg, out_arg, (descale.data_ptr(), B, H, H))
-        launch(kern, (H, B, 1), args, x.get_device())
+    launch(kern, (-(-S // rows), H, B), (x_arg, tensor_arg(out), partial, descale_arg), dev)
     return out, descale
+
+
+def _kernel(device: int, dtype: torch.dtype, head_dim: int, transpose: bool, granularity: str,
+            part: str):
+    key = (device, dtype, head_dim, transpose, granularity, part)
+    kern = _kernels.get(key)
+    if kern is None:  # building and validating a spec costs more than the launch
+        spec = QuantizeSpec(arch=arch_of(device), dtype=DTYPE_NAMES[dtype], head_dim=head_dim,
+                            transpose=transpose, granularity=granularity, part=part)
+        kern = _kernels[key] = kernel_for(spec, device)
+    return kern

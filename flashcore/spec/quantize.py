@@ -8,13 +8,17 @@ from ..errors import SpecError
 from .arch import DTYPE_TAGS, DTYPES, FP8_ARCHS, HEAD_DIMS, arch_tag
 from .serial import SpecData
 
+AMAX_SHARES = 32  # partial maxima per (batch, head): the amax pass's CTAs for each
+
 
 @dataclass(frozen=True)
 class QuantizeSpec(SpecData):
     """Per-(batch, head) or per-token e4m3 quantisation with scales from the data.
 
     ``transpose`` writes V's layout for the FP8 attention kernel: (batch, heads, head_dim, seq
-    padded to a multiple of 128) with keys permuted within each 32.
+    padded to a multiple of 128) with keys permuted within each 32. A per-(batch, head) scale
+    takes two kernels: ``part="amax"`` (``AMAX_SHARES`` partial maxima of each (batch, head),
+    a CTA each), then ``part="cast"`` (the quantised tensor, a CTA per block of rows or keys).
     """
 
     arch: str = "sm_89"
@@ -23,6 +27,7 @@ class QuantizeSpec(SpecData):
     transpose: bool = False
     threads: int = 256
     granularity: str = "head"  # one scale per (batch, head), or per (batch, head, token)
+    part: str = "cast"  # per (batch, head): "amax" (pass 1), then "cast"
     op: str = field(default="quantize_fp8")
 
     def __post_init__(self) -> None:
@@ -45,16 +50,21 @@ class QuantizeSpec(SpecData):
             raise bad(f"granularity={self.granularity!r} is not 'head' or 'token'")
         if self.granularity == "token" and self.transpose:
             raise bad("per-token scales are for Q and K; V (transpose=True) is scaled per head")
+        if self.part not in ("cast", "amax"):
+            raise bad(f"part={self.part!r} is not 'cast' or 'amax'")
+        if self.part == "amax" and (self.granularity != "head" or self.transpose):
+            raise bad("part='amax' is the per-(batch, head) scale's first pass: granularity "
+                      "'head', transpose=False")
 
     @property
     def name(self) -> str:
         t = "_vt" if self.transpose else ""
         g = "_tok" if self.granularity == "token" else ""
+        a = "_amax" if self.part == "amax" else ""
         return (f"fc_quant_e4m3_{arch_tag(self.arch)}_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}"
-                f"_t{self.threads}{t}{g}")
+                f"_t{self.threads}{t}{g}{a}")
 
     @property
     def smem_bytes(self) -> int:
-        # per head: one float per warp for the amax reduction; per token, and Vᵀ (amax given):
-        # none
-        return 4 * (self.threads // 32) if self.granularity == "head" and not self.transpose else 0
+        # the amax pass: one float per warp for its CTA's reduction; the casts: none
+        return 4 * (self.threads // 32) if self.part == "amax" else 0
