@@ -143,6 +143,24 @@ def test_quantizer_matches_reference(dtype, d):
     assert (t8.cpu().double() != tcodes).float().mean() < 1e-3
 
 
+@pytest.mark.parametrize("shape", [(1, 2, 1, 64), (1, 1, 33, 128), (3, 5, 1000, 64)])
+def test_per_head_scale_comes_from_every_share_of_rows(shape):
+    """A per-(batch, head) scale is the max of 32 partial maxima, each over a share of the
+    rows (at S = 1 all but one share is empty, at 33 ragged): the same descale and codes as
+    the reference, for V's transposed layout too, with an all-zero head (its scale from the
+    amax floor) finite."""
+    g = torch.Generator(device="cuda").manual_seed(sum(shape))
+    y = torch.randn(*shape, device="cuda", generator=g).to(torch.bfloat16)
+    y[0, 0] = 0
+    y[-1, -1, -1, -1] = -3000.0  # the last share's amax
+    codes, descale = reference.quantize_e4m3(y)
+    for y8, yd in (quantize_fp8(y), quantize_fp8(y, transpose=True)):
+        assert torch.allclose(yd.cpu(), descale, rtol=1e-6)
+        assert torch.isfinite(y8.float()).all()
+    y8, _ = quantize_fp8(y)
+    assert (y8.cpu().double() != codes).float().mean() < 1e-3
+
+
 def test_low_level_entry_and_errors():
     g = torch.Generator(device="cuda").manual_seed(3)
     q, k, v = (torch.randn(1, 2, 100, 64, device="cuda", generator=g, dtype=torch.float16)

@@ -93,8 +93,8 @@ def test_opcheck():
         no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
         torch.library.opcheck(torch.ops.flashcore.attention.default, (q, k8, v8),
                               {"k_descale": kd, "v_descale": vd}, test_utils=no_schema)
-        torch.library.opcheck(torch.ops.flashcore.quantize_fp8.default, (k,),
-                              {"granularity": "token"})
+        for kwargs in ({"granularity": "token"}, {}, {"transpose": True}):  # two passes per head
+            torch.library.opcheck(torch.ops.flashcore.quantize_fp8.default, (k,), kwargs)
         q8, qd = quantize_fp8(q, granularity="token")
         vt8, vdh = quantize_fp8(v, transpose=True)
         torch.library.opcheck(torch.ops.flashcore.attention_fp8.default,

@@ -57,9 +57,9 @@ def run_quantize(
     # per (batch, head): the partial maxima of AMAX_SHARES CTAs each, then the cast by blocks
     # of rows (or of keys for Vᵀ, every padded key written: zeros past S, where P is 0 and V
     # must be finite), each CTA reducing the shares for its scale
-    work = torch.empty(B * H * (AMAX_SHARES + 1), dtype=torch.float32, device=x.device)
-    partial = (work.data_ptr(), B, H, AMAX_SHARES, H * AMAX_SHARES, AMAX_SHARES)
-    descale = work[B * H * AMAX_SHARES:].view(B, H)
+    shares = torch.empty(B * H * AMAX_SHARES, dtype=torch.float32, device=x.device)
+    partial = (shares.data_ptr(), B, H, AMAX_SHARES, H * AMAX_SHARES, AMAX_SHARES)
+    descale = torch.empty((B, H), dtype=torch.float32, device=x.device)  # its own storage
     launch(_kernel(dev, x.dtype, D, False, "head", "amax"), (AMAX_SHARES, H, B),
            (x_arg, partial), dev)
     descale_arg = (descale.data_ptr(), B, H, H)
