@@ -27,8 +27,6 @@ E4M3_MAX = 448.0
 AMAX_FLOOR = 1e-30  # 448 / 1e-30 is still a finite float32
 
 
-
-
 @cute.jit
 def head_amax(partial: cute.Tensor) -> cutlass.Float32:
     """The (batch, head)'s amax from its ``AMAX_SHARES`` partial maxima (every warp reduces

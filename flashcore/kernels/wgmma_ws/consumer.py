@@ -77,9 +77,9 @@ class Consumer(ThreadCoords):
         """P into its shared tile, a 4-byte word at a time. Vᵀ's key permutation (each 32 keys
         stored in the order ``flashcore.ops.quantize.key_permutation``) puts this thread's keys
         8j + 2t + b of column groups j = 2c + a at byte 16c + 4t + 2a + b of its row: one
-        word per (row, 16-byte chunk c). Written after the previous P·V
-        has completed; then fenced for the async proxy, and the warp synchronised (its part
-        of the wgmma reads only its own 16 rows)."""
+        word per (row, 16-byte chunk c). Written after the previous P·V has completed; then
+        fenced for the async proxy, and the warp synchronised (its part of the wgmma reads
+        only its own 16 rows)."""
         tn = self.config.tile_n
         four = cute.make_rmem_tensor((4,), cutlass.Float32)
         codes = cute.make_rmem_tensor((4,), E4M3)
