@@ -293,18 +293,16 @@ def test_fp8_walks_keys_with_a_rounded_offset_where_k_is_descaled_per_head(ws_ar
 
 def test_p_words_follow_the_key_permutation_of_v():
     """P's shared tile must hold p of key perm[x] at byte x of each 32 (V's rows are stored in
-    that order): every word a thread writes, at its byte 16c + 4t + i, holds the accumulator
-    value of that key (a thread holds keys 8j + 2t + b at index b + 2r + 4j)."""
-    from flashcore.kernels.wgmma_ws.consumer import p_word
-    from flashcore.ops.quantize import key_permutation
+    that order). The e4m3 A operand's register a_v of k32 step kk holds key 32kk + perm[16h +
+    4t + i] for v = i + 4r + 8h (``acc_as_fp8_operand_a``); word v // 4 goes to row half r at
+    byte 16 * chunk + 4t: it must be byte 32kk + 16h + 4t + i of its row."""
+    from flashcore.kernels.wgmma_ws.consumer import p_word_place
 
-    perm = key_permutation()
-    for t, r, c in itertools.product(range(4), range(2), range(128 // 16)):
-        for i, index in enumerate(p_word(r, c)):
-            b, row_half, j = index % 2, index // 2 % 2, index // 4
-            assert row_half == r
-            byte = 16 * c + 4 * t + i
-            assert 8 * j + 2 * t + b == byte // 32 * 32 + perm[byte % 32]
+    for kk, v, t in itertools.product(range(128 // 32), range(16), range(4)):
+        i, r, h = v % 4, v // 4 % 2, v // 8
+        row_half, chunk = p_word_place(4 * kk + v // 4)
+        assert row_half == r
+        assert 16 * chunk + 4 * t + i == 32 * kk + 16 * h + 4 * t + i
 
 
 @pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision == "fp8"],

@@ -14,10 +14,11 @@ from ..wgmma.layouts import WARPGROUP
 from .layouts import WsLayouts
 
 
-def p_word(r: int, c: int) -> list[int]:
-    """The accumulator indices (``((2, 2, J), 1, 1)``, compact) of the four P values that make
-    bytes 0..3 of a thread's word in row half ``r``, 16-byte chunk ``c`` of P's shared tile."""
-    return [i % 2 + 2 * r + 4 * (2 * c + i // 2) for i in range(4)]
+def p_word_place(w: int) -> tuple[int, int]:
+    """(row half r, 16-byte chunk c) of word ``w`` of the e4m3 A operand's registers in P's
+    shared tile: word r + 2h of k32 step kk holds positions 32kk + 16h + 4t .. + 3 of row
+    g + 8r (``acc_as_fp8_operand_a``), chunk 2kk + h of the row."""
+    return w % 2, 2 * (w // 4) + w // 2 % 2
 
 
 class Consumer(ThreadCoords):
@@ -74,23 +75,18 @@ class Consumer(ThreadCoords):
 
     @cute.jit
     def store_p(self, acc_S: cute.Tensor):
-        """P into its shared tile, a 4-byte word at a time. Vᵀ's key permutation (each 32 keys
-        stored in the order ``flashcore.ops.quantize.key_permutation``) puts this thread's keys
-        8j + 2t + b of column groups j = 2c + a at byte 16c + 4t + 2a + b of its row: one
-        word per (row, 16-byte chunk c). Written after the previous P·V has completed; then
-        fenced for the async proxy, and the warp synchronised (its part of the wgmma reads
-        only its own 16 rows)."""
-        tn = self.config.tile_n
-        four = cute.make_rmem_tensor((4,), cutlass.Float32)
-        codes = cute.make_rmem_tensor((4,), E4M3)
-        word = cute.make_tensor(cute.recast_ptr(codes.iterator, dtype=cutlass.Int32),
-                                cute.make_layout(1))
-        for r in cutlass.range_constexpr(2):  # rows g, g + 8
-            for c in cutlass.range_constexpr(tn // 16):  # 16-byte chunks of the row
-                for i, v in enumerate(p_word(r, c)):  # byte 2a + b: key 8(2c + a) + 2t + b
-                    four[i] = acc_S[v]
-                codes.store(four.load().to(E4M3))
-                st_shared_b32((self.p_word ^ (16 * c)) + r * 8 * tn, word[0])
+        """P into its shared tile: the e4m3 A operand's registers (``acc_as_fp8_operand_a``,
+        in the order Vᵀ's keys are stored) are the tile's 32-bit words (``p_word_place``).
+        Written after the previous P·V has completed; then fenced for the async proxy, and the
+        warp synchronised (its part of the wgmma reads only its own 16 rows)."""
+        as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
+        codes = cute.make_rmem_tensor(cute.make_layout(as_a.shape), E4M3)
+        codes.store(as_a.load().to(E4M3))
+        words = cute.make_tensor(cute.recast_ptr(codes.iterator, dtype=cutlass.Int32),
+                                 cute.make_layout(cute.size(codes) // 4))
+        for w in cutlass.range_constexpr(cute.size(words)):
+            r, chunk = p_word_place(w)
+            st_shared_b32((self.p_word ^ (16 * chunk)) + r * 8 * self.config.tile_n, words[w])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
 
