@@ -217,7 +217,8 @@ def wgmma_cases():
                                      ((192, 128), 12, 2, "wgmma_ws")):
         config = TileConfig(tile, warps=warps, stages=stages, family=fam)
         for sq, sk, d, causal in ((77, 200, 64, True), (300, 45, 128, True), (1, 1, 128, False),
-                                  (130, 257, 128, False), (200, 700, 64, False)):
+                                  (130, 257, 128, False), (200, 700, 64, False),
+                                  (500, 500, 64, True)):  # masked steps, then unmasked ones
             q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk)
             out = attention(q, k, v, causal=causal, config=config)
             yield check(f"wgmma {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k, v,
@@ -237,7 +238,8 @@ def wgmma_fp8_cases():
                                 ((192, 64), 12, 3)):
         config = TileConfig(tile, warps=warps, stages=stages, family="wgmma_ws")
         for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
-                                  (130, 257, 128, False), (200, 700, 64, True)):
+                                  (130, 257, 128, False), (200, 700, 64, True),
+                                  (500, 500, 64, True)):
             q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk)
             out = attention(q, k, v, causal=causal, config=config, precision="fp8")
             yield check(f"wgmma fp8 {config} sq={sq} sk={sk} d{d} causal={causal}", out, q, k,
@@ -257,7 +259,8 @@ def fp8_khead_cases():
                     TileConfig((192, 128), warps=12, stages=4, family="wgmma_ws")]
     for config in configs:
         for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
-                                  (130, 257, 128, False), (1, 700, 128, True)):
+                                  (130, 257, 128, False), (1, 700, 128, True),
+                                  (500, 500, 64, True)):
             q, k, v = qkv(1, 4, 2, sq, sk, d, seed=sq + sk + d)
             q8, qd = quantize_fp8(q, granularity="token")
             k8, kd = quantize_fp8(k)

@@ -91,6 +91,8 @@ def _check(b, hq, hkv, sq, sk, d, dt, causal, config, return_lse, seed, mag=1.0)
          config=CONFIGS[6], return_lse=True, log_mag=0.0, seed=7)  # three consumers, ragged
 @example(b=2, hkv=2, group=1, sq=700, sk=900, d=64, dtype="bfloat16", causal=False,
          config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=8)  # three taking turns
+@example(b=1, hkv=2, group=2, sq=777, sk=777, d=64, dtype="float16", causal=True,
+         config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=9)  # masked, then unmasked steps
 def test_wgmma_matches_the_reference(b, hkv, group, sq, sk, d, dtype, causal, config,
                                      return_lse, log_mag, seed):
     _check(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], causal, config, return_lse, seed,
@@ -194,6 +196,9 @@ def _rel_l2(out, ref) -> float:
 @example(b=2, hkv=3, group=1, sq=696, sk=564, d=128, dtype="bfloat16", causal=True,
          config=FP8_CONFIGS[4], return_lse=True, k_scale="head", log_mag=2.9, logit_gain=1.0,
          seed=9)  # three consumers of 64-key steps at d128: P stays in registers
+@example(b=1, hkv=2, group=2, sq=777, sk=777, d=64, dtype="float16", causal=True,
+         config=FP8_CONFIGS[3], return_lse=True, k_scale="head", log_mag=0.0, logit_gain=1.0,
+         seed=10)  # the d64 causal K-per-head winner: one loop masks its first two steps
 def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, causal, config,
                                              return_lse, k_scale, log_mag, logit_gain, seed):
     """The e4m3 kernel against ``reference.attention_fp8`` replaying its tile's block walk

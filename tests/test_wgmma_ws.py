@@ -82,6 +82,10 @@ WS_SPECS = [
     AttentionSpec(arch="sm_90", head_dim=64, config=WS.replace(tile=(192, 128), warps=12)),
     AttentionSpec(arch="sm_90", head_dim=128, causal=True,
                   config=WS.replace(tile=(192, 64), warps=12)),
+    # causal 192-row tiles meet the diagonal in two 128-key steps (it spilled 352 B when those
+    # steps had a loop of their own)
+    AttentionSpec(arch="sm_90", head_dim=64, causal=True,
+                  config=WS.replace(tile=(192, 128), warps=12)),
     # FP8 operands: e4m3 wgmma; 128-byte rows, and 64-byte ones (d64 Q/K, 64-key Vᵀ tiles)
     AttentionSpec(arch="sm_90", head_dim=128, causal=True, return_lse=True, precision="fp8",
                   config=WS),
@@ -92,6 +96,8 @@ WS_SPECS = [
                   k_scale="head", config=WS),
     AttentionSpec(arch="sm_90", head_dim=64, precision="fp8", k_scale="head",
                   config=WS.replace(tile=(192, 128), warps=12)),
+    AttentionSpec(arch="sm_90", head_dim=64, causal=True, precision="fp8", k_scale="head",
+                  config=WS.replace(tile=(192, 128), warps=12)),  # the d64 causal winner
     # three consumers at d128: P through shared memory
     AttentionSpec(arch="sm_90", head_dim=128, precision="fp8", k_scale="head",
                   config=WS.replace(tile=(192, 128), warps=12, stages=4)),
@@ -140,6 +146,19 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
         ops = [op.split(".")[0] for op in sass_opcodes(text)]
         assert "UTMALDG" in ops and "HMMA" not in ops
         assert ("QGMMA" in ops) == fp8 and ("HGMMA" in ops) != fp8
+
+
+@pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
+def test_each_walk_of_the_keys_has_one_copy_of_the_step(ws_artifacts, spec):
+    """Step 0's Q·Kᵀ, one loop of overlapped steps whose first ones mask at run time, the last
+    P·V: the wgmma of two steps a walk (a loop of masked steps beside one of unmasked ones was a
+    second copy of the step, and spilled the 192-row causal tiles). FP8 with K per head walks
+    in either softmax form."""
+    k = 32 if spec.precision == "fp8" else 16  # an MMA's K: e4m3 k32, 16-bit k16
+    step = spec.head_dim // k + spec.config.tile_n // k  # Q·Kᵀ, then P·V
+    walks = 2 if spec.precision == "fp8" and spec.k_scale == "head" else 1
+    body = ws_artifacts[spec].ptx
+    assert len(re.findall(r"wgmma\.mma_async", body[body.index(".entry"):])) == walks * 2 * step
 
 
 def _key_loops(text: str) -> list[list[tuple[str, str]]]:
@@ -327,7 +346,7 @@ def test_fp8_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts,
         # S = Q·Kᵀ has both operands in shared memory; P·V reads P from registers unless shared
         assert (not register_a) == shared, mmas
     body = art.ptx[art.ptx.index(".entry"):]
-    # 16 words a key step: step 0, and the masked and unmasked steps of each softmax form
+    # 16 words a key step: step 0 and the loop's step, in each softmax form
     words = len(re.findall(r"st\.shared\.b32", body))
     assert words % 16 == 0 and (words >= 48) == shared, words
     assert ("fence.proxy.async.shared::cta" in body) == shared

@@ -247,14 +247,18 @@ class WgmmaWsAttentionForward:
         mask_scores(S, cons.score_coords(n_hi - 1), cons.seqlen_k, cons.bounds, cons.q_group)
         softmax.rescale(acc_mn_view(cons.acc_O), softmax.step(S))
         cons.set_probabilities(acc_S)
-        blocks = n_hi - n_lo
-        masked = cutlass.min(masked_steps(c.tile_m, c.tile_n, cons.bounds), blocks)
-        for i in range(1, masked):
-            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i, n_lo,
-                                      masked=True)
-        for i in range(masked, blocks):
-            ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i, n_lo,
-                                      masked=False)
+        blocks, steps_masked = n_hi - n_lo, masked_steps(c.tile_m, c.tile_n, cons.bounds)
+        if cutlass.const_expr(steps_masked == 1):  # step 0 was the only one
+            for i in range(1, blocks):
+                ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i,
+                                          n_lo, masked=False)
+        else:
+            # one loop that masks its first steps (a run-time branch): a loop of masked steps
+            # and one of unmasked ones, two copies of the step, spilled 192-row tiles
+            masked = cutlass.min(steps_masked, blocks)
+            for i in range(1, blocks):
+                ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i,
+                                          n_lo, masked=i < masked)
         pipe_v.consumer_wait(ks)
         turns.wait()
         self.pv(cons, ks.index, wait=None)
@@ -265,11 +269,12 @@ class WgmmaWsAttentionForward:
 
     @cute.jit
     def overlapped_step(self, cons: Consumer, softmax: OnlineSoftmax, pipes, turns: Turns, ks,
-                        kd, n_block, n_lo, masked: cutlass.Constexpr):
+                        kd, n_block, n_lo, masked):
         """S of block ``n_block`` issued, then P·V of the block before (in this warpgroup's
         turn); softmax of S while P·V runs; each stage released as soon as its MMA has
-        completed. FP8: ``kd`` holds this block's key descales (loaded a step ahead: a global
-        load's latency is longer than an e4m3 Q·Kᵀ) and is refilled with the next block's."""
+        completed. ``masked``: False (known at compile time) or a run-time flag. FP8: ``kd``
+        holds this block's key descales (loaded a step ahead: a global load's latency is longer
+        than an e4m3 Q·Kᵀ) and is refilled with the next block's."""
         _, pipe_k, pipe_v = pipes
         vs = ks.clone()
         ks.advance()
@@ -289,9 +294,13 @@ class WgmmaWsAttentionForward:
         S = acc_mn_view(acc_S)
         self.scale_keys(S, kd)
         # blocks go down: below an unmasked block every key lies inside (n_lo: a spare load)
-        self.load_key_descales(cons, kd, cutlass.max(n_block - 1, n_lo), masked)
-        if cutlass.const_expr(masked):
-            mask_scores(S, cons.score_coords(n_block), cons.seqlen_k, cons.bounds, cons.q_group)
+        self.load_key_descales(cons, kd, cutlass.max(n_block - 1, n_lo),
+                               masked=masked is not False)
+        if cutlass.const_expr(masked is not False):
+            coords, seqlen_k, bounds, q_group = (cons.score_coords(n_block), cons.seqlen_k,
+                                                 cons.bounds, cons.q_group)
+            if masked:  # (the run-time if carries only these locals)
+                mask_scores(S, coords, seqlen_k, bounds, q_group)
         correction = softmax.step(S)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(vs)
