@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -129,6 +130,19 @@ def test_gqa_prefill_equals_expanded_kv():
         a = attention(q, k, v, causal=causal)
         e = attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), causal=causal)
         assert torch.equal(a, e)
+
+
+def test_the_benchmarks_read_floor_reads_every_word():
+    """The decode rows' read floor (a Triton streaming read) XORs every word it reads: a grid
+    that skipped or re-read part of the buffer would give another XOR. Ragged sizes too."""
+    pytest.importorskip("triton")
+    from flashcore.tuning.read_floor import streaming_read
+
+    read = streaming_read()
+    for words in (4, 1028, 3 * 2**20 + 12, 2**25):
+        x = torch.randint(-2**31, 2**31 - 1, (words,), dtype=torch.int32, device="cuda")
+        got = np.bitwise_xor.reduce(read(x).cpu().numpy().view("uint32"))
+        assert got == np.bitwise_xor.reduce(x.cpu().numpy().view("uint32")), words
 
 
 # -- FP8 KV cache -------------------------------------------------------------------------------
