@@ -9,8 +9,8 @@ Two measurements, in one process, kernel time in a CUDA graph over rotating inpu
    gives the steady-state read bandwidth and the fixed cost of one launch.
 2. **Our decode against key length.** ``attention`` at B=1, H=8/8, D=128 and growing S_k, whole
    call and split kernel alone (the combine launch left out: timing only), fp16 and the FP8 KV
-   cache, fitted the same way; and the issue's decode shapes with SDPA's flash and cuDNN
-   backends beside ours.
+   cache, fitted the same way. (The decode shapes against the peers: ``python -m
+   flashcore.bench --decode``; configs and split counts: ``scripts/decode_sweep.py``.)
 
     python scripts/decode_floor.py [--quick]      # on the GPU host; needs Triton
 
@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -34,9 +33,7 @@ import torch
 
 from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
-from flashcore.spec import TileConfig
-from flashcore.tuning.bench import DECODE, Shape
-from flashcore.tuning.peers import _sdpa
+from flashcore.tuning.bench import Shape
 from flashcore.tuning.read_floor import streaming_read
 from flashcore.tuning.timing import n_sets, time_kernel
 from scripts.decode_sweep import without_combine
@@ -125,60 +122,6 @@ def decode_series(keys, l2: int, fp8kv: bool) -> dict:
     return rows
 
 
-def issue_shapes(l2: int) -> dict:
-    peers = {"sdpa-flash": _sdpa(torch.nn.attention.SDPBackend.FLASH_ATTENTION),
-             "sdpa-cudnn": _sdpa(torch.nn.attention.SDPBackend.CUDNN_ATTENTION)}
-    rows = {}
-    for base in DECODE:
-        for dtype in ("float16", "bfloat16"):
-            shape = Shape(**{**asdict(base), "dtype": dtype})
-            sets = [shape.inputs() for _ in range(n_sets(int(shape.min_bytes()), l2))]
-            res = {}
-            for name, fn in peers.items():
-                with fn.context():
-                    res[name] = time_kernel(lambda q, k, v, fn=fn: fn(q, k, v, False), sets)
-            res["flashcore"] = time_kernel(lambda q, k, v: attention(q, k, v), sets)
-            kv8 = [(q, *quantize_fp8(k, granularity="token"), *quantize_fp8(v, granularity="token"))
-                   for q, k, v in sets]
-            res["flashcore-fp8kv"] = time_kernel(
-                lambda q, k8, kd, v8, vd: attention(q, k8, v8, k_descale=kd, v_descale=vd), kv8)
-            rows[shape.label] = {"bytes": shape.min_bytes(), "fp8kv_bytes": shape.min_bytes(1),
-                                 **res}
-            print(f"{shape.label}: " + ", ".join(f"{k} {v:.1f}" for k, v in res.items()),
-                  flush=True)
-            del sets, kv8
-    return rows
-
-
-# fp16 decode configs beside the tuned one: warp groups in a CTA over their own keys (kv_splits),
-# each with its own K/V ring (the last two exceed an L4's 99 KB)
-AB_CONFIGS = [TileConfig((16, 64), warps=1, stages=s, kv_splits=k)
-              for s, k in ((2, 1), (1, 2), (2, 2))]
-AB_CONFIGS += [TileConfig((16, 32), warps=1, stages=s, kv_splits=k)
-               for s, k in ((2, 2), (1, 4), (3, 2))]
-AB_SPLITS = (None, 8, 16, 32)
-
-
-def config_ab(l2: int) -> dict:
-    rows = {}
-    for base in DECODE[:2]:
-        sets = [base.inputs() for _ in range(n_sets(int(base.min_bytes()), l2))]
-        res = {"tuned": time_kernel(lambda q, k, v: attention(q, k, v), sets)}
-        for cfg in AB_CONFIGS:
-            for splits in AB_SPLITS:
-                try:
-                    res[f"{cfg.tag} splits={splits}"] = time_kernel(
-                        lambda q, k, v, c=cfg, n=splits: attention(q, k, v, config=c,
-                                                                   num_splits=n), sets)
-                except Exception as e:  # noqa: BLE001 - a kernel the catalog lacks
-                    res[f"{cfg.tag} splits={splits}"] = f"{type(e).__name__}"
-        best = sorted((v, k) for k, v in res.items() if isinstance(v, float))[:6]
-        print(f"A/B {base.label}: " + ", ".join(f"{k} {v:.1f}" for v, k in best), flush=True)
-        rows[base.label] = res
-        del sets
-    return rows
-
-
 def specs(arch: str) -> list:
     """Every kernel this script launches (as launched: split kernels carry no LSE), for a
     catalog built ahead on a host with the DSL."""
@@ -186,9 +129,9 @@ def specs(arch: str) -> list:
     from flashcore.tuned.table import lookup
 
     out = []
-    for dtype in ("float16", "bfloat16"):
+    for dtype in ("float16",):
         tuned = [lookup(arch, 128, False, "decode", p) for p in ("fp16", "fp8kv")]
-        for cfg, kv8 in [(tuned[0], False), (tuned[1], True)] + [(c, False) for c in AB_CONFIGS]:
+        for cfg, kv8 in [(tuned[0], False), (tuned[1], True)]:
             for split in (False, True):
                 try:
                     out.append(AttentionSpec(arch=arch, dtype=dtype, head_dim=128, config=cfg,
@@ -234,13 +177,10 @@ def main() -> int:
             fits[f"{kind} {col}"] = (fa, fb / 1e6)
             print(f"decode {kind} {col} fit: {fa:.2f} us + bytes / {fb / 1e6:.3f} TB/s",
                   flush=True)
-    shapes = issue_shapes(l2)
-    ab = config_ab(l2)
     out = Path(os.environ.get("OUT", "."))
     (out / "decode-floor.json").write_text(json.dumps(
         {"device": props.name, "reads": {str(k): v for k, v in reads.items()},
-         "read_fit": [a_us, bw / 1e6], "decode": series, "decode_fits": fits,
-         "shapes": shapes, "config_ab": ab}, indent=1, default=str))
+         "read_fit": [a_us, bw / 1e6], "decode": series, "decode_fits": fits}, indent=1, default=str))
     return 0
 
 

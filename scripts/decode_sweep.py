@@ -32,6 +32,10 @@ from flashcore.tuning.peers import _fa4, _sdpa, read_floor
 from flashcore.tuning.timing import n_sets, time_kernel
 
 FP16_CONFIGS = [TileConfig((16, t), warps=1, stages=s) for t in (32, 64, 128) for s in (1, 2, 3)]
+# warp groups over their own keys, each with its own K/V ring (the last two exceed an L4's 99 KB;
+# H100, 2026-11-25: none beat the tuned 16x64 s2 by more than the run's noise)
+FP16_CONFIGS += [TileConfig((16, t), warps=1, stages=s, kv_splits=k)
+                 for t, s, k in ((64, 1, 2), (32, 2, 2), (32, 1, 4), (64, 2, 2), (32, 3, 2))]
 FP8KV_CONFIGS = [TileConfig((16, t), warps=1, stages=s, kv_splits=k)
                  for t, s, k in ((32, 1, 1), (32, 2, 1), (32, 3, 1), (64, 1, 1), (64, 2, 1),
                                  (64, 3, 1), (64, 2, 2), (64, 2, 4), (128, 1, 1), (128, 2, 1),
