@@ -34,18 +34,23 @@ def test_no_pairs_in_sections_is_the_per_head_order(m_blocks, pairs):
 
 
 def test_causal_masked_steps_cover_every_key_block_on_the_diagonal():
-    """For every tile of every family's knob grid: the key blocks a causal query tile's diagonal
-    crosses (top-left, any tile index) are among the ``masked_steps`` walked first with the
-    mask. (A 128x192 tile crosses two 192-key blocks where it gets one masked step: its causal
-    output was 0.12 off on the H100, 2026-11-25, so 192-key tiles are not in the grid.)"""
+    """For every tile of every family's knob grid, and any other tile sizes: the key blocks a
+    causal query tile's diagonal crosses (top-left, any tile index) are among the
+    ``masked_steps`` walked first with the mask, and no more steps are masked than some tile
+    needs. (A 128x192 tile crosses two 192-key blocks where 128m mod 192 is 64 or 128: with
+    one masked step its causal output was 0.12 off on the H100, 2026-11-25.)"""
     from flashcore.kernels.common.block_info import KeyBounds, masked_steps
     from flashcore.spec.families import FAMILIES
 
-    for fam in FAMILIES.values():
-        for tm in fam.knobs["tile_m"]:
-            for tn in fam.knobs["tile_n"]:
-                steps = masked_steps(tm, tn, KeyBounds(causal=True))
-                for m in range(64):
-                    first, last = m * tm, m * tm + tm - 1  # rows; row r sees keys <= r
-                    crossed = last // tn - first // tn + 1
-                    assert crossed <= steps, (fam.name, tm, tn, m, crossed, steps)
+    tiles = {(tm, tn) for fam in FAMILIES.values() for tm in fam.knobs["tile_m"]
+             for tn in fam.knobs["tile_n"]}
+    tiles |= {(tm, tn) for tm in range(16, 257, 16) for tn in range(16, 257, 16)}
+    for tm, tn in sorted(tiles):
+        steps = masked_steps(tm, tn, KeyBounds(causal=True))
+        most = 0
+        for m in range(2 * tn):  # tile starts repeat with period tn / gcd(tm, tn) <= tn
+            first, last = m * tm, m * tm + tm - 1  # rows; row r sees keys <= r
+            crossed = last // tn - first // tn + 1
+            assert crossed <= steps, (tm, tn, m, crossed, steps)
+            most = max(most, crossed)
+        assert most == steps, (tm, tn, most, steps)

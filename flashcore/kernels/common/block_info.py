@@ -13,6 +13,7 @@ Which keys a token sees (``KeyBounds``): token ``t`` sees key ``j`` iff ``j < se
 the last key), ``right`` is 0 when causal, and a side without a window is ``UNBOUNDED``.
 """
 
+import math
 from dataclasses import dataclass
 
 from ...spec.attention import WINDOW_UNBOUNDED as UNBOUNDED
@@ -101,13 +102,18 @@ def key_range(m_block, tile_m: int, tile_n: int, seqlen_k, bounds: KeyBounds, q_
 
 def masked_steps(tile_m: int, tile_n: int, bounds: KeyBounds) -> int:
     """How many blocks, from the top of each walk, are masked: the topmost block (it may hold
-    the ragged end of the keys), or for causal tiles the ceil(tile_m / tile_n) blocks that can
-    touch the diagonal, one more when the diagonal is shifted (bottom-right alignment, or a
-    window's upper edge) and may cross a block boundary inside a row of blocks. These are the
-    highest blocks of the whole key range, so whichever share (of a split CTA or warp group)
-    holds one holds it among its own first steps; masking a few blocks that need no mask is
-    harmless. With ``q_group`` > 1 (packed GQA rows, used for a single query token) a tile
-    sees one key block when causal, so one step covers it."""
+    the ragged end of the keys), or for causal tiles every block the diagonal can cross: query
+    tile m starts at key m * tile_m, at most tile_n - gcd(tile_m, tile_n) keys into a block, so
+    its tile_m diagonal keys span at most ceil((tile_n - gcd + tile_m) / tile_n) blocks
+    (ceil(tile_m / tile_n) when one tile size divides the other; 2 for a 128x192 tile, whose
+    diagonal crosses a block boundary wherever 128m mod 192 is 64 or 128). A shifted diagonal
+    (bottom-right alignment, or a window's upper edge) starts anywhere in a block: one more.
+    These are the highest blocks of the whole key range, so whichever share (of a split CTA or
+    warp group) holds one holds it among its own first steps; masking a few blocks that need
+    no mask is harmless. With ``q_group`` > 1 (packed GQA rows, used for a single query token)
+    a tile sees one key block when causal, so one step covers it."""
     if bounds.shifted:
         return ceil_div(tile_m, tile_n) + 1
-    return ceil_div(tile_m, tile_n) if bounds.causal else 1
+    if not bounds.causal:
+        return 1
+    return ceil_div(tile_n - math.gcd(tile_m, tile_n) + tile_m, tile_n)
