@@ -167,33 +167,41 @@ def _rel_l2(out, ref):
     d=st.sampled_from([64, 128]),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
-    log_mag=st.floats(-3, 4),
+    log_mag=st.floats(-6, 12),
+    log_q_mag=st.floats(-6, 12),
     outlier=st.sampled_from([0.0, 100.0, 1e4]),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(b=1, hkv=8, group=4, sq=1, sk=8192, d=128, dtype="float16", causal=False, log_mag=0,
-         outlier=0.0, seed=1)
+         log_q_mag=0, outlier=0.0, seed=1)
 @example(b=1, hkv=1, group=1, sq=1, sk=5, d=64, dtype="bfloat16", causal=False, log_mag=4,
-         outlier=1e4, seed=2)
+         log_q_mag=0, outlier=1e4, seed=2)
 @example(b=1, hkv=3, group=4, sq=27, sk=176, d=64, dtype="float16", causal=True, log_mag=-3,
-         outlier=1e4, seed=72269)  # fp16 P·v_descale among the subnormals (layouts.KV_V_SCALE_F16)
+         log_q_mag=0, outlier=1e4, seed=72269)  # small v descales: P·v_descale was subnormal
+@example(b=2, hkv=2, group=4, sq=1, sk=3000, d=128, dtype="bfloat16", causal=False,
+         log_mag=12, log_q_mag=10, outlier=1e4, seed=3)  # q, v and v_descale past fp16's range
+@example(b=1, hkv=2, group=8, sq=5, sk=700, d=64, dtype="bfloat16", causal=True,
+         log_mag=-6, log_q_mag=-6, outlier=100.0, seed=4)  # q and v_descale under fp16's normals
 def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
-    b, hkv, group, sq, sk, d, dtype, causal, log_mag, outlier, seed
+    b, hkv, group, sq, sk, d, dtype, causal, log_mag, log_q_mag, outlier, seed
 ):
-    """K/V quantised per token (any finite magnitude: 448 / amax per token), Q and the
-    arithmetic 16-bit: the result matches exact attention over the dequantised cache."""
+    """K/V quantised per token (any finite magnitude: 448 / amax per token) and Q of any
+    magnitude its dtype holds; the kernels multiply in fp16 for both dtypes (a bf16 Q and each
+    block's V descales scaled into fp16's range): the result matches exact attention over the
+    dequantised cache."""
     dt = DTYPES[dtype]
-    mag = 10.0**log_mag
+    mag, q_mag = 10.0**log_mag, 10.0**log_q_mag
     if dt == torch.float16:  # fp16 inputs cannot exceed 65504
         mag = min(mag, 6e4 / max(outlier, 1.0) / 5)
+        q_mag = min(q_mag, 1e4)
     q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, torch.float32, seed)
-    q = (q / math.sqrt(d)).to(dt)  # O(1) logits: the property under test is K/V's range
+    q = (q * (q_mag / math.sqrt(d))).to(dt)  # O(1) logits once scaled: see `scale`
     k, v = (k * mag).to(dt), (v * mag).to(dt)
     if outlier:
         k[0, 0, sk // 2] *= outlier / 10 if dt == torch.float16 else outlier
     k8, kd = quantize_fp8(k, granularity="token")
     v8, vd = quantize_fp8(v, granularity="token")
-    scale = 1.0 / (math.sqrt(d) * mag)
+    scale = 1.0 / (math.sqrt(d) * mag * q_mag)
     out = torch.full_like(q, float("nan"))
     attention(q, k8, v8, causal=causal, softmax_scale=scale, k_descale=kd, v_descale=vd,
               out=out)

@@ -76,10 +76,14 @@ class OnlineSoftmax:
         return other
 
     @cute.jit
-    def update(self, S: cute.Tensor, O: cute.Tensor):
+    def update(self, S: cute.Tensor, O: cute.Tensor, factor=None):
         """One key block: S (rows, keys) of scores becomes P in place; the running max and sum
-        move on, and O (rows, head_dim) is rescaled to the new max."""
-        self.rescale(O, self.step(S))
+        move on, and O (rows, head_dim) is rescaled to the new max (and by ``factor``, common
+        to every row, when given)."""
+        correction = self.step(S)
+        if cutlass.const_expr(factor is not None):
+            correction.store(correction.load() * factor)
+        self.rescale(O, correction)
 
     @cute.jit
     def step(self, S: cute.Tensor) -> cute.Tensor:

@@ -19,7 +19,7 @@ column of scores, each query's folds into its row's exp2 scale; P comes out of i
 ``P_SCALE`` for its e4m3 conversion, the row sums with it, so O / sum needs only V's descale;
 Vᵀ's keys are stored permuted within each 32 so P's registers serve as the A operand as they
 are), ``kv_fp8`` (an e4m3 KV cache whose codes ldmatrix reads and the
-MMAs' fragments convert in registers, ``e4m3_operands.py``), ``split_kv`` (fp32 partial
+MMAs' fragments convert in registers to fp16, for either output dtype, ``e4m3_operands.py``), ``split_kv`` (fp32 partial
 results per share of the keys, for the combine kernel), causal (top-left, torch's
 ``is_causal``), LSE.
 
@@ -123,7 +123,7 @@ class AttentionForward:
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
                                 form="exact" if lay.fp8 else "offset",
                                 p_log2=math.log2(P_SCALE) if lay.fp8 else 0.0)
-        o_scale = cutlass.Float32(1.0 / lay.kv_v_scale)  # 1 but for an fp16 FP8-KV kernel
+        o_scale = cutlass.Float32(1.0)
         if cutlass.const_expr(lay.fp8):
             # each row's exp2 scale carries its query's descale; O = (P8 · v8) / sum *
             # v_descale, loaded early to hide its latency
@@ -134,8 +134,12 @@ class AttentionForward:
                 k_descale = mKd[batch, kv_head]
             fold_query_descales(cta, softmax, mQd[batch, head, None], scale_log2, k_descale)
             o_scale = mVd[batch, kv_head]
-        prologue(cta)
+        q_unit = prologue(cta)
+        if cutlass.const_expr(lay.q_rescaled):  # a bf16 Q scaled into fp16: its scores too
+            softmax.row_scale.store(softmax.row_scale.load() * q_unit)
         self.walk_keys(cta, softmax)
+        if cutlass.const_expr(lay.kv_fp8):  # the output in its own units
+            cta.acc_O.store(cta.acc_O.load() * cta.v_unit[0])
         if cutlass.const_expr(self.may_walk_no_block):
             # a CTA that walked no key block (an empty share, a tile outside its window or past
             # its sequence's keys) never waited for its Q copy: it must land before the

@@ -42,9 +42,11 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
         soft_cap(S, *cta.softcap)
     if cutlass.const_expr(masked):
         mask_scores(S, cta.score_coords(n_block), cta.seqlen_k, cta.bounds, cta.q_group)
-    softmax.update(S, mn_view(cta.acc_O))
-    if cutlass.const_expr(cta.lay.kv_fp8):  # P·(v8 · v_descale) = (P · v_descale)·v8, per key
-        scale_columns(S, kv_scales[1])
+    if cutlass.const_expr(cta.lay.kv_fp8):
+        softmax.update(S, mn_view(cta.acc_O), kv_scales[2])  # the output's unit moves too
+        scale_columns(S, kv_scales[1])  # P·(v8 · v_descale) = (P · v_descale)·v8, per key
+    else:
+        softmax.update(S, mn_view(cta.acc_O))
 
     p_frag = probabilities_as_operand(cta, acc_S)
     if cutlass.const_expr(cta.lay.kv_fp8):

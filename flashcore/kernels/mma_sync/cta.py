@@ -114,11 +114,19 @@ class Cta:
         mma = lay.tiled_mma
         self.thr_mma = frag = mma.get_slice(self.tidx)
         if cutlass.const_expr(lay.kv_fp8):
-            # Q's fragment, read once (the prologue) in the head-dim order of the K codes
+            # Q's fragment, read once (the prologue) in the head-dim order of the K codes; a
+            # bf16 Q through a fragment of its own, scaled into fp16's range from there
             self.q_src = frag.partition_A(permuted(self.sQ, query_columns(c.tile_m, d)))
-            self.q_frag = frag.make_fragment_A(self.q_src)
+            q_layout = frag.make_fragment_A(self.q_src).layout
+            self.q_frag = cute.make_rmem_tensor(q_layout, lay.op_dtype)
+            self.q_in = (cute.make_rmem_tensor(q_layout, lay.q_dtype) if lay.q_rescaled
+                         else self.q_frag)
             self.k = E4m3Operand(mma, sK, False, lay.op_dtype, (c.tile_n, d), self.tidx)
             self.vt = E4m3Operand(mma, sVt, True, lay.op_dtype, (d, c.tile_n), self.tidx)
+            # the unit of acc_O: P·V sums each block's values scaled into fp16's range
+            # (``pipeline.column_scales``), the running sum rescaled when the unit moves
+            self.v_unit = cute.make_rmem_tensor(1, cutlass.Float32)
+            self.v_unit[0] = 1.0
         else:
             ld_a, ld_v = lay.ldmatrix_ops()
             self.q = SmemOperand(mma, cute.make_tiled_copy_A, ld_a, lay.op_dtype, self.sQ,

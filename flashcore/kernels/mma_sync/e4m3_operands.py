@@ -15,8 +15,15 @@ codes, which ``cvt.rn.f16x2.e4m3x2`` turns into exactly one MMA's worth of B fra
   that puts each where it belongs.
 
 Nothing is written back to shared memory and no barrier is added: a block's stage is free
-once its MMAs have read it. The codes are exact in fp16 (and bf16); each key's descales scale
-its scores (K) and probabilities (V) in fp32, in ``block.py``.
+once its MMAs have read it. The codes are exact in fp16; each key's descales scale its scores
+(K) and probabilities (V) in fp32, in ``block.py``.
+
+Both output dtypes multiply in fp16 (one conversion a pair of codes; bf16 took three, e4m3 ->
+f16 -> f32 -> bf16, 1.6x the instructions a key block): a bf16 Q is scaled once into fp16's
+range by a power of two its rows' exp2 scales undo (``query_to_fp16``), and each block's V
+descales by the power of two above their largest, the running output's unit
+(``pipeline.column_scales``), so P·v_descale never overflows fp16 nor sinks into its
+subnormals, whatever the cache's magnitude.
 """
 
 
@@ -26,6 +33,12 @@ from cutlass.cute.nvgpu import warp
 
 from ..common.dtypes import E4M3
 from ..common.mma import SmemOperand
+from ..common.pow2 import pow2_above
+
+# a bf16 query is scaled so that its warp's largest |q| lands in [2^14, 2^15): fp16 holds it
+# exactly (its 11-bit significand takes bf16's 8) with room below 65504
+_Q_TOP = 2.0**15
+_Q_LEAST_EXPONENT = 16  # biased: 1 / scale * _Q_TOP stays finite for any |q|
 
 
 def _columns(tile_m: int, head_dim: int, strides: tuple) -> cute.Layout:
@@ -121,3 +134,18 @@ def gemm_codes(tiled_mma, acc, a_frag, b: E4m3Operand, src):
         for h in cutlass.range_constexpr(per_step):
             k = per_step * s + h
             cute.gemm(tiled_mma, acc, a_frag[None, None, k], b.frag[None, None, k], acc)
+
+
+@cute.jit
+def query_to_fp16(q_in: cute.Tensor, q_frag: cute.Tensor):
+    """``q_frag`` = a bf16 query fragment ``q_in`` times the power of two that puts the warp's
+    largest |q| in [2^14, 2^15); returns its inverse, the factor the rows' exp2 scales take
+    (their scores come out scaled by it). Every warp holding the same rows (the warp groups of
+    one CTA) finds the same factor."""
+    x = q_in.load().to(cutlass.Float32)
+    largest = cute.arch.fmax(x.reduce(cute.ReductionOp.MAX, 0.0, 0),
+                             -x.reduce(cute.ReductionOp.MIN, 0.0, 0))
+    largest = cute.arch.warp_reduction(largest, cute.arch.fmax)
+    unit, inverse = pow2_above(largest, _Q_LEAST_EXPONENT)
+    q_frag.store((x * (inverse * _Q_TOP)).to(cutlass.Float16))
+    return unit * (1.0 / _Q_TOP)

@@ -11,13 +11,6 @@ from ...spec import AttentionSpec
 from ..common.copies import g2s_copy, swizzled_row_atom
 from ..common.dtypes import DTYPES, E4M3
 
-# FP8 KV cache with fp16 arithmetic: P·v_descale is rounded to fp16 for the P·V MMA, and a
-# small cache's descales (amax / 448: 7e-6 for values near 1e-3) put it among fp16's
-# subnormals, whose 2^-24 spacing cost 0.3% error. Scaled by this (undone on O in the
-# epilogue) a product stays normal for 64x smaller descales, and overflows only for a descale
-# over 1023, 7x what any fp16 tensor quantises to (65504 / 448). bf16 has fp32's range.
-KV_V_SCALE_F16 = 64.0
-
 
 class KernelLayouts:
     """Everything shaped by the spec. Shared tiles of K and V have modes (keys, head_dim, stage,
@@ -30,17 +23,22 @@ class KernelLayouts:
         self.fp8 = spec.precision == "fp8"
         self.kv_fp8 = spec.kv_fp8
         self.out_dtype = DTYPES[spec.dtype]
-        self.op_dtype = E4M3 if self.fp8 else self.out_dtype  # what the MMAs multiply
+        self.q_dtype = E4M3 if self.fp8 else self.out_dtype  # Q as loaded
+        # what the MMAs multiply. An FP8 KV cache's codes become fp16 in one instruction a
+        # pair (bf16 took three: e4m3 -> f16 -> f32 -> bf16), so its kernels multiply in fp16
+        # for either output dtype: a bf16 Q is scaled into fp16's range once (``e4m3_operands
+        # .query_to_fp16``), and P in fp16 is finer than in bf16
+        self.op_dtype = (E4M3 if self.fp8 else cutlass.Float16 if self.kv_fp8
+                         else self.out_dtype)
+        self.q_rescaled = self.q_dtype != self.op_dtype and not self.fp8
         self.ring_dtype = E4M3 if (self.fp8 or self.kv_fp8) else self.out_dtype  # K/V as loaded
-        self.kv_v_scale = (KV_V_SCALE_F16 if self.kv_fp8 and self.op_dtype == cutlass.Float16
-                           else 1.0)
         gt = c.group_threads
 
         def atom(dtype):
             return swizzled_row_atom(dtype.width, 64 if (dtype.width == 16 or d < 128) else 128)
 
         staged = (c.stages, c.kv_splits)
-        self.sQ = cute.tile_to_shape(atom(self.op_dtype), (tm, d), (0, 1))
+        self.sQ = cute.tile_to_shape(atom(self.q_dtype), (tm, d), (0, 1))
         ring_atom = atom(self.ring_dtype)
         self.sK_ring = cute.tile_to_shape(ring_atom, (tn, d, *staged), (0, 1, 2, 3))
         if self.fp8:  # Vᵀ tile: head_dim rows of tile_n keys
@@ -54,7 +52,7 @@ class KernelLayouts:
             swizzled_row_atom(16, cute.size(ring_atom.outer.shape[1]) // 2),
             (tn, d // 2, *staged), (0, 1, 2, 3)) if self.kv_fp8 else None)
         self.sO = cute.tile_to_shape(swizzled_row_atom(16, 64), (tm, d), (0, 1))
-        self.g2s_q = g2s_copy(self.op_dtype, cute.size(atom(self.op_dtype).outer.shape[1]), gt)
+        self.g2s_q = g2s_copy(self.q_dtype, cute.size(atom(self.q_dtype).outer.shape[1]), gt)
         self.g2s_k = g2s_copy(self.ring_dtype, cute.size(ring_atom.outer.shape[1]), gt)
         self.g2s_v = (g2s_copy(E4M3, cute.size(self.sV_ring.outer.shape[1]), gt) if self.fp8
                       else self.g2s_k)
@@ -86,7 +84,7 @@ class KernelLayouts:
 
     def _shared_storage(self):
         spec, c = self.spec, self.spec.config
-        op, ring, out = self.op_dtype, self.ring_dtype, self.out_dtype
+        q, ring, out = self.q_dtype, self.ring_dtype, self.out_dtype
         fp8, kv_fp8, splits = self.fp8, self.kv_fp8, c.kv_splits
         n_q, n_k, n_v = (cute.cosize(x) for x in (self.sQ, self.sK_ring, self.sV_ring))
         n_o = cute.cosize(self.sO)
@@ -97,7 +95,7 @@ class KernelLayouts:
 
         @cute.struct
         class SharedStorage:
-            sQ: Align[Mem[op, n_q], 1024]
+            sQ: Align[Mem[q, n_q], 1024]
             sK: Align[Mem[ring, n_k], 1024]
             sV: Align[Mem[ring, n_v], 1024]
             if kv_fp8:  # per-key descales of each stage

@@ -20,8 +20,10 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common.copies import load_block, load_gathered, load_paged, load_rows, load_vector
-from ..common.fragments import mn_view
+from ..common.fragments import mn_view, quad_max
+from ..common.pow2 import pow2_above
 from .cta import Cta
+from .e4m3_operands import query_to_fp16
 
 
 @cute.jit
@@ -100,7 +102,9 @@ def issue_scales(cta: Cta, g_scale, s_scale, n_block, slot):
 
 @cute.jit
 def prologue(cta: Cta):
-    """Issue Q (the first warp group loads it for all) and this group's first K/V blocks."""
+    """Issue Q (the first warp group loads it for all) and this group's first K/V blocks. For
+    a bf16 Q an FP8 KV cache multiplies in fp16: returns the factor its scores come out scaled
+    by (``e4m3_operands.query_to_fp16``); else None."""
     kv_fp8 = cta.lay.kv_fp8
     if cta.group == 0:
         load_rows(cta.lay.g2s_q, cta.tQgQ, cta.tQsQ, cta.tQcQ, cta.seqlen_q)
@@ -127,11 +131,14 @@ def prologue(cta: Cta):
         # the blocks are in flight
         cute.arch.cp_async_wait_group(cta.config.stages)
         cute.arch.sync_threads()
-        cute.autovec_copy(cta.q_src, cta.q_frag)  # plain loads, once per CTA
+        cute.autovec_copy(cta.q_src, cta.q_in)  # plain loads, once per CTA
+        if cutlass.const_expr(cta.lay.q_rescaled):
+            return query_to_fp16(cta.q_in, cta.q_frag)
     elif cutlass.const_expr(cta.config.kv_splits > 1):
         # the first group's loads hold Q for everyone: they must land before anyone reads it
         cute.arch.cp_async_wait_group(1 if cta.config.stages == 1 else cta.config.stages - 1)
         cute.arch.sync_threads()
+    return None
 
 
 @cute.jit
@@ -179,7 +186,13 @@ def after_block(cta: Cta, n_block, slot):
 @cute.jit
 def column_scales(cta: Cta, slot):
     """The K and V descales of the keys whose scores this thread holds, from ring stage
-    ``slot`` (read before the stage is refilled)."""
+    ``slot`` (read before the stage is refilled), and the factor the running output takes.
+
+    P·v_descale goes to the fp16 P·V MMA: each block's V descales are divided by the least
+    power of two above their largest (the block's unit: the products are at most 1, never
+    overflow, and keep fp16's precision relative to the block's largest), and the output,
+    summed in units of the last block's, is rescaled by old unit / new unit (exact). The four
+    lanes of a quad hold all the block's keys, so every quad finds the same unit."""
     c = cta.config
     cols = mn_view(cta.thr_mma.partition_C(cute.make_identity_tensor((c.tile_m, c.tile_n))))
     n = cute.size(cols, mode=[1])
@@ -188,5 +201,9 @@ def column_scales(cta: Cta, slot):
     for j in cutlass.range_constexpr(n):
         key = cols[0, j][1]
         k_scale[j] = cta.sKd[key, slot]
-        v_scale[j] = cta.sVd[key, slot] * cta.lay.kv_v_scale
-    return k_scale, v_scale
+        v_scale[j] = cta.sVd[key, slot]
+    unit, inverse = pow2_above(quad_max(v_scale.load().reduce(cute.ReductionOp.MAX, 0.0, 0)))
+    v_scale.store(v_scale.load() * inverse)
+    rescale = cta.v_unit[0] * inverse
+    cta.v_unit[0] = unit
+    return k_scale, v_scale, rescale
