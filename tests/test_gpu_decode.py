@@ -170,22 +170,28 @@ def _rel_l2(out, ref):
     log_mag=st.floats(-6, 12),
     log_q_mag=st.floats(-6, 12),
     outlier=st.sampled_from([0.0, 100.0, 1e4]),
+    zero_lead=st.sampled_from([0, 1, 200]),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(b=1, hkv=8, group=4, sq=1, sk=8192, d=128, dtype="float16", causal=False, log_mag=0,
-         log_q_mag=0, outlier=0.0, seed=1)
+         log_q_mag=0, outlier=0.0, zero_lead=0, seed=1)
 @example(b=1, hkv=1, group=1, sq=1, sk=5, d=64, dtype="bfloat16", causal=False, log_mag=4,
-         log_q_mag=0, outlier=1e4, seed=2)
+         log_q_mag=0, outlier=1e4, zero_lead=0, seed=2)
 @example(b=1, hkv=3, group=4, sq=27, sk=176, d=64, dtype="float16", causal=True, log_mag=-3,
-         log_q_mag=0, outlier=1e4, seed=72269)  # small v descales: P·v_descale was subnormal
+         log_q_mag=0, outlier=1e4, zero_lead=0, seed=72269)  # small v descales
 @example(b=2, hkv=2, group=4, sq=1, sk=3000, d=128, dtype="bfloat16", causal=False,
-         log_mag=12, log_q_mag=10, outlier=1e4, seed=3)  # q, v and v_descale past fp16's range
+         log_mag=12, log_q_mag=10, outlier=1e4, zero_lead=0, seed=3)  # past fp16's range
 @example(b=1, hkv=2, group=8, sq=5, sk=700, d=64, dtype="bfloat16", causal=True,
-         log_mag=-6, log_q_mag=-6, outlier=100.0, seed=4)  # q and v_descale under fp16's normals
+         log_mag=-6, log_q_mag=-6, outlier=100.0, zero_lead=0, seed=4)  # under fp16's normals
+@example(b=1, hkv=2, group=4, sq=1, sk=3000, d=128, dtype="bfloat16", causal=False,
+         log_mag=4, log_q_mag=0, outlier=1e4, zero_lead=200, seed=5)  # zero tokens walked last
+@example(b=1, hkv=1, group=4, sq=1, sk=2000, d=128, dtype="float16", causal=False,
+         log_mag=0, log_q_mag=0, outlier=1e4, zero_lead=200, seed=6)
 def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
-    b, hkv, group, sq, sk, d, dtype, causal, log_mag, log_q_mag, outlier, seed
+    b, hkv, group, sq, sk, d, dtype, causal, log_mag, log_q_mag, outlier, zero_lead, seed
 ):
-    """K/V quantised per token (any finite magnitude: 448 / amax per token) and Q of any
+    """K/V quantised per token (any finite magnitude: 448 / amax per token; an outlier token
+    in K and in V; zero tokens at the start, the blocks the walk reaches last) and Q of any
     magnitude its dtype holds; the kernels multiply in fp16 for both dtypes (a bf16 Q and each
     block's V descales scaled into fp16's range): the result matches exact attention over the
     dequantised cache."""
@@ -199,6 +205,9 @@ def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
     k, v = (k * mag).to(dt), (v * mag).to(dt)
     if outlier:
         k[0, 0, sk // 2] *= outlier / 10 if dt == torch.float16 else outlier
+        v[0, 0, sk // 3] *= outlier / 10 if dt == torch.float16 else outlier
+    k[:, :, :zero_lead] = 0
+    v[:, :, :zero_lead] = 0
     k8, kd = quantize_fp8(k, granularity="token")
     v8, vd = quantize_fp8(v, granularity="token")
     scale = 1.0 / (math.sqrt(d) * mag * q_mag)

@@ -38,3 +38,8 @@ def pow2_above(x, least: int = _LEAST):
     Needs a kernel's tracing context (DSL integers)."""
     e = cutlass.max(cutlass.min((float_bits(x) >> 23) & 0xFF, _MOST), least)
     return bits_float((e + 1) << 23), bits_float((253 - e) << 23)
+
+
+def pow2_inverse(x):
+    """1 / x, exactly, for a power of two ``x`` whose biased exponent is in [1, 253]."""
+    return bits_float((254 - ((float_bits(x) >> 23) & 0xFF)) << 23)

@@ -123,10 +123,12 @@ class Cta:
                          else self.q_frag)
             self.k = E4m3Operand(mma, sK, False, lay.op_dtype, (c.tile_n, d), self.tidx)
             self.vt = E4m3Operand(mma, sVt, True, lay.op_dtype, (d, c.tile_n), self.tidx)
-            # the unit of acc_O: P·V sums each block's values scaled into fp16's range
-            # (``pipeline.column_scales``), the running sum rescaled when the unit moves
-            self.v_unit = cute.make_rmem_tensor(1, cutlass.Float32)
+            # acc_O's unit and the largest so far: P·V sums each block's values scaled into
+            # fp16's range (``pipeline.column_scales``), the running sum rescaled when the unit
+            # moves
+            self.v_unit = cute.make_rmem_tensor(2, cutlass.Float32)
             self.v_unit[0] = 1.0
+            self.v_unit[1] = 0.0
         else:
             ld_a, ld_v = lay.ldmatrix_ops()
             self.q = SmemOperand(mma, cute.make_tiled_copy_A, ld_a, lay.op_dtype, self.sQ,

@@ -21,9 +21,9 @@ once its MMAs have read it. The codes are exact in fp16; each key's descales sca
 Both output dtypes multiply in fp16 (one conversion a pair of codes; bf16 took three, e4m3 ->
 f16 -> f32 -> bf16, 1.6x the instructions a key block): a bf16 Q is scaled once into fp16's
 range by a power of two its rows' exp2 scales undo (``query_to_fp16``), and each block's V
-descales by the power of two above their largest, the running output's unit
-(``pipeline.column_scales``), so P·v_descale never overflows fp16 nor sinks into its
-subnormals, whatever the cache's magnitude.
+descales by a power of two set by their largest, the running output's unit
+(``pipeline.column_scales``), so P·v_descale never overflows fp16 and keeps its precision
+over 29 octaves under the block's largest, whatever the cache's magnitude.
 """
 
 

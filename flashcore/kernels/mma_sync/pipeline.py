@@ -21,9 +21,16 @@ import cutlass.cute as cute
 
 from ..common.copies import load_block, load_gathered, load_paged, load_rows, load_vector
 from ..common.fragments import mn_view, quad_max
-from ..common.pow2 import pow2_above
+from ..common.pow2 import pow2_above, pow2_inverse
 from .cta import Cta
 from .e4m3_operands import query_to_fp16
+
+# an FP8 KV cache's V unit (``column_scales``): P·v_descale / unit <= V_HEADROOM in fp16; a
+# block's unit stays above V_FLOOR times the largest so far; its exponent at least
+# V_LEAST_EXPONENT (biased), so the unit, over V_HEADROOM, is a normal fp32 with a normal inverse
+V_HEADROOM = 2.0**15
+V_FLOOR = 2.0**-64
+V_LEAST_EXPONENT = 16
 
 
 @cute.jit
@@ -188,11 +195,13 @@ def column_scales(cta: Cta, slot):
     """The K and V descales of the keys whose scores this thread holds, from ring stage
     ``slot`` (read before the stage is refilled), and the factor the running output takes.
 
-    P·v_descale goes to the fp16 P·V MMA: each block's V descales are divided by the least
-    power of two above their largest (the block's unit: the products are at most 1, never
-    overflow, and keep fp16's precision relative to the block's largest), and the output,
-    summed in units of the last block's, is rescaled by old unit / new unit (exact). The four
-    lanes of a quad hold all the block's keys, so every quad finds the same unit."""
+    P·v_descale goes to the fp16 P·V MMA in units of the block's: the least power of two above
+    its largest V descale, over 2^15 (so P·v_descale / unit <= 2^15, and a key 2^29 under the
+    block's largest is still a normal fp16), but never under the largest unit so far over 2^64
+    (a block of tiny descales, zero tokens' among them, cannot shrink the unit so far that the
+    running output, kept in the unit, overflows fp32). The running output is rescaled by old
+    unit / new unit (exact: powers of two). The four lanes of a quad hold all the block's keys,
+    so every quad finds the same unit."""
     c = cta.config
     cols = mn_view(cta.thr_mma.partition_C(cute.make_identity_tensor((c.tile_m, c.tile_n))))
     n = cute.size(cols, mode=[1])
@@ -202,8 +211,12 @@ def column_scales(cta: Cta, slot):
         key = cols[0, j][1]
         k_scale[j] = cta.sKd[key, slot]
         v_scale[j] = cta.sVd[key, slot]
-    unit, inverse = pow2_above(quad_max(v_scale.load().reduce(cute.ReductionOp.MAX, 0.0, 0)))
+    above, _ = pow2_above(quad_max(v_scale.load().reduce(cute.ReductionOp.MAX, 0.0, 0)),
+                          V_LEAST_EXPONENT)
+    unit = cute.arch.fmax(above * (1.0 / V_HEADROOM), cta.v_unit[1] * V_FLOOR)
+    inverse = pow2_inverse(unit)
     v_scale.store(v_scale.load() * inverse)
     rescale = cta.v_unit[0] * inverse
     cta.v_unit[0] = unit
+    cta.v_unit[1] = cute.arch.fmax(cta.v_unit[1], unit)
     return k_scale, v_scale, rescale
