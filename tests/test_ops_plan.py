@@ -82,6 +82,19 @@ def test_packed_views_put_a_kv_heads_queries_in_rows():
     assert not plan.packs_heads(1, 8, 8)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_packed_arguments_are_the_packed_views_arguments(layout):
+    """The launcher packs kernel arguments, not views: each must be what the view would give."""
+    from flashcore.ops.inputs import rows_arg, tensor_arg
+
+    x = torch.randn(3, 1, 12, 64).transpose(1, 2) if layout == "bshd" else torch.randn(3, 12, 1, 64)
+    for hkv in (1, 2, 3, 4, 6, 12):
+        assert plan.packed_arg(tensor_arg(x), hkv) == tensor_arg(plan.packed(x, hkv))
+    lse = torch.randn(3, 12, 2)[:, :, :1]  # a strided (B, H, 1) view
+    for hkv in (1, 4, 12):
+        assert plan.packed_arg(rows_arg(lse), hkv) == rows_arg(plan.packed(lse, hkv))
+
+
 def test_resolve_config():
     kw = {"arch": "sm_90", "head_dim": 64, "causal": False, "seqlen_q": 1, "precision": "fp16"}
     assert resolve_config(None, None, None, None, None, **kw) == DECODE_DEFAULT

@@ -100,9 +100,17 @@ def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     return out
 
 
+_split_families: dict[tuple, bool] = {}  # (family, device) -> splits keys
+
+
 def _splits_keys(config: TileConfig, device: int) -> bool:
     """Whether the config's family builds split-KV kernels (decode calls only ask)."""
-    return family(config.family or DEFAULT_FAMILY.get(arch_of(device), "")).splits_keys
+    key = (config.family, device)
+    r = _split_families.get(key)
+    if r is None:
+        r = _split_families[key] = family(
+            config.family or DEFAULT_FAMILY.get(arch_of(device), "")).splits_keys
+    return r
 
 
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
@@ -121,17 +129,20 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         Sk = serving.max_seqlen_k
     dev = q.get_device()
     q_group = 1
+    # arguments, not views: an eager decode call is host-bound, and a view costs ~1 µs
+    out_arg = tensor_arg(out)
+    lse_arg = None if lse is None else rows_arg(lse)
     if serving.varlen:  # a packed batch: one CTA per (head, query tile) of each sequence
         num_splits = 1
     elif plan.packs_heads(Sq, H, Hkv):  # query heads of each K/V head as the rows of one tile
         q_group = H // Hkv
-        qkv_args = (tensor_arg(plan.packed(q, Hkv)), *qkv_args[1:])
+        qkv_args = (plan.packed_arg(qkv_args[0], Hkv), *qkv_args[1:])
         if precision == "fp8":  # the query descales are packed like the queries
             descales = (plan.packed(descales[0], Hkv), *descales[1:])
-        out = plan.packed(out, Hkv)
-        lse = None if lse is None else plan.packed(lse, Hkv)
+        out_arg = plan.packed_arg(out_arg, Hkv)
+        lse_arg = None if lse_arg is None else plan.packed_arg(lse_arg, Hkv)
         H, Sq = Hkv, q_group
-    descale_args = tuple(_descale_arg(t, serving.paged) for t in descales)
+    descale_args = tuple(_descale_arg(t, serving.paged) for t in descales) if descales else ()
     # FP8 operands: K's descales per token (B, H, S) or per head (B, H)
     operands = (precision, "head" if precision == "fp8" and descales[1].dim() == 2 else "token")
     dtype = DTYPE_NAMES[out.dtype]
@@ -150,27 +161,27 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, operands, kv_fp8,
                              False, masks, serving.varlen, serving.page_size)
-        lse_args = () if lse is None else (rows_arg(lse),)
+        lse_args = () if lse_arg is None else (lse_arg,)
         grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
                 if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
         if kern.artifact.spec.family == "wgmma_ws":  # TMA: descriptors, no key shares
-            launch(kern, grid, (*_tma_args(kern, qkv_args, dtype, D), tensor_arg(out),
+            launch(kern, grid, (*_tma_args(kern, qkv_args, dtype, D), out_arg,
                                 *lse_args, *descale_args, *scalars[:2]), dev)
             return
-        launch(kern, grid, (*qkv_args, tensor_arg(out), *lse_args, *descale_args, *scalars), dev)
+        launch(kern, grid, (*qkv_args, out_arg, *lse_args, *descale_args, *scalars), dev)
         return
     # split-KV across CTAs: fp32 partials of each share, then the combine kernel; one
     # allocation holds the outputs and, after them, the LSEs (an eager decode call pays ~3 us
-    # a torch.empty)
+    # a torch.empty): (splits * B, H, Sq, D) and (splits * B, H, Sq), both contiguous
     rows = splits * B * H * Sq
     work = torch.empty(rows * (D + 1), dtype=torch.float32, device=q.device)
-    o_part = work[:rows * D].view(splits * B, H, Sq, D)
-    lse_part = work[rows * D:].view(splits * B, H, Sq)
+    ptr = work.data_ptr()
+    o_part = (ptr, splits * B, H, Sq, H * Sq * D, Sq * D, D)
+    lse_part = (ptr + 4 * rows * D, splits * B, H, Sq, H * Sq, Sq)
     kern = loaded_kernel(dev, dtype, D, config, causal, False, operands, kv_fp8, True, masks,
                          False, serving.page_size)
     launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
-           (*qkv_args, tensor_arg(o_part), rows_arg(lse_part), *descale_args, *scalars), dev)
+           (*qkv_args, o_part, lse_part, *descale_args, *scalars), dev)
     comb = combine_kernel(dev, dtype, D, lse is not None)
-    lse_args = () if lse is None else (rows_arg(lse),)
-    launch(comb, combine_grid(Sq, H, B),
-           (tensor_arg(o_part), rows_arg(lse_part), tensor_arg(out), *lse_args, (splits,)), dev)
+    lse_args = () if lse_arg is None else (lse_arg,)
+    launch(comb, combine_grid(Sq, H, B), (o_part, lse_part, out_arg, *lse_args, (splits,)), dev)

@@ -53,6 +53,17 @@ def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return t.as_strided((b, heads_kv, g, *t.shape[3:]), (st[0], g * st[1], st[1], *st[3:]))
 
 
+def packed_arg(arg: tuple, heads_kv: int) -> tuple:
+    """The kernel argument of ``packed(t, heads_kv)`` from t's: ``inputs.tensor_arg`` (pointer,
+    B, Hq, 1, three strides) or ``rows_arg`` (pointer, B, Hq, 1, two strides) -> the same
+    pointer, extents (B, Hkv, Hq / Hkv), strides (sb, g * sh, sh). No view is made."""
+    ptr, b, hq, _, sb, sh = arg[:6]
+    g = hq // heads_kv
+    if len(arg) == 7:
+        return (ptr, b, heads_kv, g, sb, g * sh, sh)
+    return (ptr, b, heads_kv, g, sb, g * sh)
+
+
 FP8KV_WARPS_PER_SM = 2
 
 
