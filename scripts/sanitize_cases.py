@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from flashcore import reference
-from flashcore.ops import attention, attention_paged, attention_varlen
+from flashcore.ops import attention, attention_paged, attention_varlen, plan
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
 from flashcore.spec import TileConfig
@@ -89,6 +89,31 @@ def decode_cases():
                                config=config, return_lse=True)  # the GPU tests' kernels
             yield check(f"fp8 kv {config.tag} {(b, hq, hkv, sq, sk, d)} causal={causal}", out,
                         q, kq, vq, causal)
+
+
+def packed_tokens_cases():
+    # multi-token GQA decode with (token, head) rows packed token-major (ops.plan.pack_tokens):
+    # ragged keys, bottom-right causal, a window, top-left causal, split and not, FP8 KV;
+    # packed however small the cache (eager calls pack from PACK_TOKENS_EAGER_BYTES)
+    plan.PACK_TOKENS_EAGER_BYTES = 0
+    for b, hq, hkv, sq, sk, d, causal, align, window, splits in (
+            (1, 8, 2, 3, 777, 128, True, "bottom_right", None, None),
+            (2, 12, 4, 5, 301, 64, True, "bottom_right", (60, 0), 3),
+            (1, 16, 2, 2, 1000, 128, True, "top_left", None, None),
+            (1, 32, 8, 4, 4093, 128, False, "top_left", None, 1)):
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=sk)
+        masks = {"mask_align": align, "window": window}
+        out, _ = attention(q, k, v, causal=causal, num_splits=splits, return_lse=True, **masks)
+        yield check(f"packed tokens {(b, hq, hkv, sq, sk, d)} causal={causal} {align} "
+                    f"window={window} splits={splits}", out, q, k, v, causal, **masks)
+    q, k, v = qkv(1, 8, 2, 3, 555, 128, seed=5)
+    k8, kd = quantize_fp8(k, granularity="token")
+    v8, vd = quantize_fp8(v, granularity="token")
+    kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
+    out = attention(q, k8, v8, causal=True, mask_align="bottom_right", k_descale=kd,
+                    v_descale=vd)
+    yield check("packed tokens fp8 kv (1, 8, 2, 3, 555, 128) bottom_right", out, q, kq, vq,
+                True, mask_align="bottom_right")
 
 
 def mask_cases():
@@ -356,7 +381,7 @@ def main() -> int:
              "splits-unequal": lambda: split_cases(False),
              "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
                                                     (1, 32, 8, 1, 2049, 128))),
-             "decode": decode_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
+             "decode": decode_cases, "packed-tokens": packed_tokens_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases,
              "wgmma-fp8": wgmma_fp8_cases, "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,

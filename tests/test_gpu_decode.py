@@ -8,6 +8,7 @@ Skipped without CUDA. The bound is the one the prefill tests use: 2x torch SDPA'
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -87,6 +88,65 @@ def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal,
         num_splits = min(num_splits, 4)  # prefill splits are legal too, just slow here
     q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], seed)
     _check(q, k, v, causal, num_splits=num_splits)
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 4),
+    group=st.sampled_from([2, 3, 4, 8]),
+    sq=st.integers(2, 15),
+    sk=st.one_of(st.integers(1, 300), st.integers(1, 20000)),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 600), st.integers(-1, 600))),
+    bshd=st.booleans(),
+    num_splits=st.one_of(st.none(), st.integers(1, 20)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=8, group=4, sq=4, sk=8192, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=None, bshd=True, num_splits=None, seed=1)
+@example(b=2, hkv=2, group=3, sq=5, sk=700, d=64, dtype="bfloat16", causal=True,
+         align="top_left", window=None, bshd=False, num_splits=7, seed=2)
+@example(b=1, hkv=1, group=8, sq=3, sk=2000, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=(100, 0), bshd=True, num_splits=None, seed=3)
+def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, causal, align,
+                                             window, bshd, num_splits, seed):
+    """A few query tokens per K/V head's query heads, packed token-major into rows (one copy in,
+    one out): poisoned output and LSE, in (B, H, S, D) or (B, S, H, D) memory, against the
+    float64 reference and torch's own error with the same mask."""
+    from flashcore.ops import plan
+    from tests.test_gpu_masks import _torch_baseline
+
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    shifted = align == "bottom_right" or window is not None
+    assert plan.packs_tokens(sq, hkv * group, hkv, DECODE_DEFAULT.tile_m, DECODE_DEFAULT.tile_n,
+                             causal and not shifted) == (-(-group * sq // 16) < group)
+    dt = DTYPES[dtype]
+    q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, dt, seed)
+    if bshd:  # a projection's (B, S, H, D) output seen as (B, H, S, D)
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    masks = {"mask_align": align, "window": window}
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
+                                       **masks)
+    out = torch.full((b, sq, hkv * group, d), float("nan"), device="cuda", dtype=dt)
+    out = out.transpose(1, 2) if bshd else out.transpose(1, 2).contiguous()
+    with mock.patch.object(plan, "PACK_TOKENS_EAGER_BYTES", 0):  # pack however small
+        res, lse = attention(q, k, v, causal=causal, return_lse=True, out=out,
+                             num_splits=num_splits, **masks)
+    torch.cuda.synchronize()
+    assert res is out and torch.isfinite(out).all(), "NaN or unwritten elements"
+    err = max_abs(out, ref)
+    err_torch = max_abs(_torch_baseline(q, k, v, causal, align, window, None), ref)
+    allowed = _allowed(err_torch, ref, dt, q, k, v)
+    assert err <= allowed, f"max err {err:.3g} vs torch's {err_torch:.3g} (allowed {allowed:.3g})"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is seen"
+    if finite.any():
+        assert max_abs(lse[finite], ref_lse[finite]) < 1e-3 * max(1.0, ref_lse.abs().max().item())
 
 
 @pytest.mark.parametrize("group", [1, 4, 32])
@@ -187,6 +247,8 @@ def _rel_l2(out, ref):
          log_mag=4, log_q_mag=0, outlier=1e4, zero_lead=200, seed=5)  # zero tokens walked last
 @example(b=1, hkv=1, group=4, sq=1, sk=2000, d=128, dtype="float16", causal=False,
          log_mag=0, log_q_mag=0, outlier=1e4, zero_lead=200, seed=6)
+@example(b=1, hkv=1, group=1, sq=1, sk=1, d=64, dtype="float16", causal=False, log_mag=-6.0,
+         log_q_mag=0.0, outlier=0.0, zero_lead=0, seed=0)  # an fp16 output in subnormals
 def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
     b, hkv, group, sq, sk, d, dtype, causal, log_mag, log_q_mag, outlier, zero_lead, seed
 ):
@@ -219,8 +281,12 @@ def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
     exact = reference.attention(q, _dequantised(k8, kd), _dequantised(v8, vd), causal=causal,
                                 softmax_scale=scale, device=q.device)
     err = _rel_l2(out, exact)
-    # bf16 output rounding alone is up to 2^-9 relative per element
-    assert err <= (FP8_KV_TOL if dt == torch.float16 else 2 * FP8_KV_TOL), f"rel L2 {err:.3g}"
+    # bf16 output rounding alone is up to 2^-9 relative per element; an fp16 output under
+    # fp16's normals (V of 1e-6) loses more in its subnormal steps, whatever the kernel did:
+    # what rounding the exact answer to the output's dtype costs is allowed on top
+    rounding = _rel_l2(exact.to(dt), exact)
+    allowed = (FP8_KV_TOL if dt == torch.float16 else 2 * FP8_KV_TOL) + rounding
+    assert err <= allowed, f"rel L2 {err:.3g} (output rounding alone {rounding:.3g})"
 
 
 @pytest.mark.parametrize("config", FP8_KV_CONFIGS, ids=lambda c: c.tag)

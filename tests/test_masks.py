@@ -43,7 +43,7 @@ def walked_keys(sq, sk, tm, tn, bounds, q_group=1, splits=1, groups=1):
                 if bounds.windowed:
                     masked += list(range(min(hi - 1 - steps, lowest - 1), lo - 1, -1))
                 for r in range(mb * tm, min((mb + 1) * tm, rows)):
-                    token = r if q_group == 1 else 0
+                    token = r // q_group  # packed GQA rows are token-major
                     t_lo, t_hi = token_keys(bounds, token, sk)
                     for n in plain:
                         seen[r] += range(n * tn, min((n + 1) * tn, sk))
@@ -116,6 +116,26 @@ def test_packed_gqa_rows_walk_their_tokens_keys(sk, q_group, causal, align, wind
     want = visible(1, sk, causal, align, window)[0]
     for r in range(q_group):
         assert sorted(got[r]) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(sq=st.integers(2, 16), sk=st.integers(1, 700), q_group=st.sampled_from([2, 3, 4, 8, 32]),
+       causal=st.booleans(), align=st.sampled_from(["top_left", "bottom_right"]),
+       window=windows, tile=st.sampled_from([(16, 32), (16, 64), (16, 128), (32, 64), (64, 64)]),
+       splits=st.integers(1, 8))
+def test_packed_tokens_rows_walk_their_tokens_keys(sq, sk, q_group, causal, align, window, tile,
+                                                    splits):
+    """Multi-token decode with each K/V head's (token, head) pairs packed token-major into
+    rows (``plan.pack_tokens``): row t * q_group + h sees exactly token t's keys."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    # a top-left causal diagonal is packed only while every token sees just the first block
+    assert sq <= tile[1]
+    b = bounds_of(sq, sk, causal, align, window)
+    got = walked_keys(sq, sk, *tile, b, q_group=q_group, splits=splits)
+    want = visible(sq, sk, causal, align, window)
+    for r in range(sq * q_group):
+        assert sorted(got[r]) == want[r // q_group], (r, got[r][:8], want[r // q_group][:8])
 
 
 def test_a_window_skips_the_blocks_outside_it():

@@ -83,6 +83,40 @@ def test_packed_views_put_a_kv_heads_queries_in_rows():
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_packed_tokens_are_token_major_rows_and_unpack_exactly(layout):
+    from flashcore.ops.inputs import rows_arg, tensor_arg
+
+    b, hq, hkv, s, d = 2, 12, 3, 5, 8
+    x = (torch.randn(b, s, hq, d).transpose(1, 2) if layout == "bshd"
+         else torch.randn(b, hq, s, d))
+    p = plan.pack_tokens(x, hkv)
+    assert p.shape == (b, hkv, s, 4, d) and p.is_contiguous()
+    rows = p.view(b, hkv, s * 4, d)  # what the kernel reads, through packed_tokens_arg
+    assert plan.packed_tokens_arg(p) == tensor_arg(rows)
+    for bi, h, t in ((0, 0, 0), (1, 7, 3), (1, 11, 4)):
+        assert torch.equal(rows[bi, h // 4, t * 4 + h % 4], x[bi, h, t])
+    out = torch.full_like(x, float("nan"))
+    plan.unpack_tokens(p, out)
+    assert torch.equal(out, x)
+    lse = torch.randn(b, hq, s)
+    packed_lse = plan.pack_tokens(lse, hkv)
+    assert plan.packed_tokens_arg(packed_lse) == rows_arg(packed_lse.view(b, hkv, s * 4))
+    back = torch.empty_like(lse)
+    plan.unpack_tokens(packed_lse, back)
+    assert torch.equal(back, lse)
+
+
+def test_which_decode_calls_pack_tokens():
+    assert plan.packs_tokens(4, 32, 8, 16, 64, False)  # 16 rows: one tile for four heads
+    assert plan.packs_tokens(2, 8, 1, 16, 64, True)  # top-left causal: every token in block 0
+    assert not plan.packs_tokens(1, 32, 8, 16, 64, False)  # one token: packed as heads
+    assert not plan.packs_tokens(4, 8, 8, 16, 64, False)  # no group
+    assert not plan.packs_tokens(16, 32, 8, 16, 64, False)  # as many tiles as heads
+    assert not plan.packs_tokens(17, 32, 8, 16, 64, False)  # prefill
+    assert not plan.packs_tokens(16, 64, 2, 16, 8, True)  # a diagonal past the first block
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_packed_arguments_are_the_packed_views_arguments(layout):
     """The launcher packs kernel arguments, not views: each must be what the view would give."""
     from flashcore.ops.inputs import rows_arg, tensor_arg

@@ -128,12 +128,29 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     if serving.paged:
         Sk = serving.max_seqlen_k
     dev = q.get_device()
-    q_group = 1
     # arguments, not views: an eager decode call is host-bound, and a view costs ~1 µs
     out_arg = tensor_arg(out)
     lse_arg = None if lse is None else rows_arg(lse)
+    tokens = Sq  # the query length that makes a call decode (packing turns heads into rows)
+    q_group, unpacked = 1, None
     if serving.varlen:  # a packed batch: one CTA per (head, query tile) of each sequence
         num_splits = 1
+    elif (precision != "fp8"
+          and plan.packs_tokens(Sq, H, Hkv, config.tile_m, config.tile_n,
+                                causal and not mask.shifted)
+          and (2 * B * Hkv * Sk * D * k.element_size() >= plan.PACK_TOKENS_EAGER_BYTES
+               or torch.cuda.is_current_stream_capturing())):
+        # a few tokens: each K/V head's (token, head) pairs as the rows of its tiles, in a
+        # copy; the results land in copies of that shape and are copied back at the end
+        q_group = H // Hkv
+        packed_q = plan.pack_tokens(q, Hkv)
+        qkv_args = (plan.packed_tokens_arg(packed_q), *qkv_args[1:])
+        unpacked = (torch.empty_like(packed_q), out,
+                    None if lse is None else torch.empty(packed_q.shape[:4], dtype=lse.dtype,
+                                                         device=lse.device), lse)
+        out_arg = plan.packed_tokens_arg(unpacked[0])
+        lse_arg = None if lse is None else plan.packed_tokens_arg(unpacked[2])
+        H, Sq = Hkv, Sq * q_group
     elif plan.packs_heads(Sq, H, Hkv):  # query heads of each K/V head as the rows of one tile
         q_group = H // Hkv
         qkv_args = (plan.packed_arg(qkv_args[0], Hkv), *qkv_args[1:])
@@ -149,7 +166,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     splits = num_splits
     if splits is None:
         splits = 1
-        if Sq <= plan.DECODE_MAX_Q and _splits_keys(config, dev):
+        if tokens <= plan.DECODE_MAX_Q and _splits_keys(config, dev):
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
                                      -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8,
                                      config.kv_splits)
@@ -167,21 +184,27 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         if kern.artifact.spec.family == "wgmma_ws":  # TMA: descriptors, no key shares
             launch(kern, grid, (*_tma_args(kern, qkv_args, dtype, D), out_arg,
                                 *lse_args, *descale_args, *scalars[:2]), dev)
-            return
-        launch(kern, grid, (*qkv_args, out_arg, *lse_args, *descale_args, *scalars), dev)
-        return
-    # split-KV across CTAs: fp32 partials of each share, then the combine kernel; one
-    # allocation holds the outputs and, after them, the LSEs (an eager decode call pays ~3 us
-    # a torch.empty): (splits * B, H, Sq, D) and (splits * B, H, Sq), both contiguous
-    rows = splits * B * H * Sq
-    work = torch.empty(rows * (D + 1), dtype=torch.float32, device=q.device)
-    ptr = work.data_ptr()
-    o_part = (ptr, splits * B, H, Sq, H * Sq * D, Sq * D, D)
-    lse_part = (ptr + 4 * rows * D, splits * B, H, Sq, H * Sq, Sq)
-    kern = loaded_kernel(dev, dtype, D, config, causal, False, operands, kv_fp8, True, masks,
-                         False, serving.page_size)
-    launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
-           (*qkv_args, o_part, lse_part, *descale_args, *scalars), dev)
-    comb = combine_kernel(dev, dtype, D, lse is not None)
-    lse_args = () if lse_arg is None else (lse_arg,)
-    launch(comb, combine_grid(Sq, H, B), (o_part, lse_part, out_arg, *lse_args, (splits,)), dev)
+        else:
+            launch(kern, grid, (*qkv_args, out_arg, *lse_args, *descale_args, *scalars), dev)
+    else:
+        # split-KV across CTAs: fp32 partials of each share, then the combine kernel; one
+        # allocation holds the outputs and, after them, the LSEs (an eager decode call pays
+        # ~3 us a torch.empty): (splits * B, H, Sq, D) and (splits * B, H, Sq), contiguous
+        rows = splits * B * H * Sq
+        work = torch.empty(rows * (D + 1), dtype=torch.float32, device=q.device)
+        ptr = work.data_ptr()
+        o_part = (ptr, splits * B, H, Sq, H * Sq * D, Sq * D, D)
+        lse_part = (ptr + 4 * rows * D, splits * B, H, Sq, H * Sq, Sq)
+        kern = loaded_kernel(dev, dtype, D, config, causal, False, operands, kv_fp8, True,
+                             masks, False, serving.page_size)
+        launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
+               (*qkv_args, o_part, lse_part, *descale_args, *scalars), dev)
+        comb = combine_kernel(dev, dtype, D, lse_arg is not None)
+        lse_args = () if lse_arg is None else (lse_arg,)
+        launch(comb, combine_grid(Sq, H, B),
+               (o_part, lse_part, out_arg, *lse_args, (splits,)), dev)
+    if unpacked is not None:  # the packed rows' results to the caller's tensors
+        packed_out, out, packed_lse, lse = unpacked
+        plan.unpack_tokens(packed_out, out)
+        if lse is not None:
+            plan.unpack_tokens(packed_lse, lse)

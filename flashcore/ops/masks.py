@@ -32,6 +32,12 @@ class Masking:
         worked out once per Masking)."""
         return self.align, self.window is not None, self.softcap is not None
 
+    @property
+    def shifted(self) -> bool:
+        """The kernels' general diagonal (``AttentionSpec.shifted_mask``): bottom-right
+        alignment or a window."""
+        return self.align == "bottom_right" or self.window is not None
+
     @functools.cached_property
     def features(self) -> tuple:
         """The spec fields as (name, value) pairs (``flashcore.tuned.table.lookup``)."""

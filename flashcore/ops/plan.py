@@ -45,6 +45,59 @@ def packs_heads(seqlen_q: int, heads_q: int, heads_kv: int) -> bool:
     return seqlen_q == 1 and heads_q > heads_kv
 
 
+def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n: int,
+                 fixed_diagonal: bool) -> bool:
+    """A few query tokens (multi-token decode: speculative drafts, short chunks) and several
+    query heads per K/V head: pack each K/V head's (token, head) pairs into the rows of its
+    tiles (``pack_tokens``) where that takes fewer tiles than a head each, so fewer CTAs
+    stream the same keys. Under a top-left causal mask (``fixed_diagonal``) the tokens must
+    see no more than the first key block: packed rows of several tokens start their diagonal
+    anywhere in a block, which only the shifted masks' step count allows for
+    (``block_info.masked_steps``)."""
+    group = heads_q // heads_kv
+    return (1 < seqlen_q <= DECODE_MAX_Q and group > 1
+            and not (fixed_diagonal and seqlen_q > tile_n)
+            and -(-group * seqlen_q // tile_m) < group)
+
+
+# K/V bytes from which an eager call packs tokens (``packs_tokens``): the two copies cost
+# ~35-40 µs of host time an eager call on the H100 host (2026-11-25), which 64 MiB of cache
+# repays (1,32/8,4x16384: 70 -> 36 µs of GPU time); under CUDA-graph capture host time is
+# paid once, and every call that can pack does
+PACK_TOKENS_EAGER_BYTES = 64 << 20
+
+
+def pack_tokens(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, Hq, S, ...) -> a contiguous (B, Hkv, S, g, ...) copy: the rows of K/V head k,
+    token-major, row s * g + h holding query head k * g + h's token s (``block_info``'s packed
+    rows). One strided view and one copy (an eager decode call is host-bound)."""
+    b, hq, s = t.shape[:3]
+    g = hq // heads_kv
+    st = t.stride()
+    return t.as_strided((b, heads_kv, s, g, *t.shape[3:]),
+                        (st[0], g * st[1], st[2], st[1], *st[3:])).contiguous()
+
+
+def packed_tokens_arg(t: torch.Tensor) -> tuple:
+    """The kernel argument of ``pack_tokens``' result (or an output of its shape) as
+    (B, Hkv, S * g) rows: ``inputs.tensor_arg`` for (B, Hkv, S, g, D), ``rows_arg`` for
+    (B, Hkv, S, g)."""
+    b, hkv, s, g = t.shape[:4]
+    rows = s * g
+    if t.dim() == 5:
+        d = t.shape[4]
+        return (t.data_ptr(), b, hkv, rows, hkv * rows * d, rows * d, d)
+    return (t.data_ptr(), b, hkv, rows, hkv * rows, rows)
+
+
+def unpack_tokens(packed_rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``pack_tokens`` undone into ``out`` (B, Hq, S, ...), any strides (one copy)."""
+    b, hkv, s, g = packed_rows.shape[:4]
+    st = out.stride()
+    out.as_strided((b, hkv, s, g, *out.shape[3:]),
+                   (st[0], g * st[1], st[2], st[1], *st[3:])).copy_(packed_rows)
+
+
 def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """(B, Hq, 1, ...) -> (B, Hkv, Hq / Hkv, ...): the query heads of each K/V head as rows."""
     b, hq = t.shape[:2]

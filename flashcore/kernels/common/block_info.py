@@ -5,7 +5,7 @@ the kernel's block loop with it) and on the DSL's run-time integers inside a ker
 ``minimum=cutlass.min`` there). Imports no DSL.
 
 Rows of a query tile are tokens: one row per token, or (``q_group`` > 1) the query heads that
-share one K/V head packed into the rows of a single query token (GQA decode), all token 0.
+share one K/V head packed into rows token-major (GQA decode): row t * q_group + h is token t.
 
 Which keys a token sees (``KeyBounds``): token ``t`` sees key ``j`` iff ``j < seqlen_k`` and
 ``t + offset - left <= j <= t + offset + right``, where ``offset`` is 0 for top-left alignment
@@ -110,8 +110,11 @@ def masked_steps(tile_m: int, tile_n: int, bounds: KeyBounds) -> int:
     (bottom-right alignment, or a window's upper edge) starts anywhere in a block: one more.
     These are the highest blocks of the whole key range, so whichever share (of a split CTA or
     warp group) holds one holds it among its own first steps; masking a few blocks that need
-    no mask is harmless. With ``q_group`` > 1 (packed GQA rows, used for a single query token)
-    a tile sees one key block when causal, so one step covers it."""
+    no mask is harmless. Packed GQA rows (``q_group`` > 1) of one query token see one key
+    block when causal, so one step covers it; rows of several tokens start their diagonal
+    anywhere in a block, which only the shifted count allows for (``ops.plan.packs_tokens``
+    packs them under a top-left causal mask only while every token sees just the first
+    block)."""
     if bounds.shifted:
         return ceil_div(tile_m, tile_n) + 1
     if not bounds.causal:

@@ -13,13 +13,13 @@ def mask_scores(S: cute.Tensor, coords: cute.Tensor, seqlen_k, bounds: KeyBounds
     """Set to -inf every score S[r, c] (a (rows, keys) view) whose key may not be seen.
 
     ``coords[r, c]`` is the (query row, key) of each score. A row is its token, or with
-    ``q_group`` > 1 (GQA packs the query heads of one K/V head into the rows of a single query
-    token) every row is token 0."""
+    ``q_group`` > 1 (GQA packs the query heads of one K/V head into rows, token-major: row
+    t * q_group + h) token row // q_group."""
     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
         lo, limit = 0, seqlen_k
         if cutlass.const_expr(bounds.causal or bounds.shifted):
             row = coords[r, 0][0]
-            token = row if q_group == 1 else 0  # a select: no division in the loop
+            token = row // q_group  # loop-invariant: hoisted out of the key loop
             if cutlass.const_expr(bounds.shifted):
                 lo, limit = token_keys(bounds, token, seqlen_k, cutlass.min, cutlass.max)
             else:  # top-left causal: the fixed diagonal

@@ -165,7 +165,7 @@ class Cta:
 
     def key_bounds(self, window_left, window_right) -> KeyBounds:
         """The keys each token sees (``block_info``): bottom-right alignment puts the last
-        query token (rows / q_group tokens: packed GQA rows share one) on the last key."""
+        query token (rows / q_group tokens: packed GQA rows, token-major) on the last key."""
         spec = self.spec
         offset = 0
         if cutlass.const_expr(spec.mask_align == "bottom_right"):
