@@ -60,11 +60,12 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
             and -(-group * seqlen_q // tile_m) < group)
 
 
-# K/V bytes from which an eager call packs tokens (``packs_tokens``): the two copies cost
-# ~35-40 µs of host time an eager call on the H100 host (2026-11-25), which 64 MiB of cache
-# repays (1,32/8,4x16384: 70 -> 36 µs of GPU time); under CUDA-graph capture host time is
-# paid once, and every call that can pack does
-PACK_TOKENS_EAGER_BYTES = 64 << 20
+# K/V bytes from which an eager call packs tokens (``packs_tokens``). Back-to-back eager calls
+# take max(host, GPU) time each; the two copies add ~35-40 µs of host time on the H100 host
+# (2026-11-25: 1,32/8,4x16384, 64 MiB, eager 69.9 -> 74.7 µs though its GPU time halves,
+# 70 -> 36), so eager calls pack from half again that. Under CUDA-graph capture host time
+# is paid once, and every call that can pack does.
+PACK_TOKENS_EAGER_BYTES = 96 << 20
 
 
 def pack_tokens(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
