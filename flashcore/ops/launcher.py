@@ -113,6 +113,58 @@ def _splits_keys(config: TileConfig, device: int) -> bool:
     return r
 
 
+@dataclass(frozen=True)
+class Rows:
+    """What one call's query tiles hold as rows: the kernel arguments of q, out and lse (and
+    the descales, an FP8 query's packed like it), (heads, rows) of the grid and the GQA group
+    packed into rows (``q_group``). ``unpack``: (output, lse) buffers of packed tokens, to be
+    copied back to the caller's tensors after the launches (``plan.unpack_tokens``)."""
+
+    qkv_args: tuple
+    out_arg: tuple
+    lse_arg: tuple | None
+    descales: tuple
+    heads: int
+    rows: int
+    q_group: int = 1
+    unpack: tuple | None = None
+
+
+def _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask, serving,
+             seqlen_k) -> Rows:
+    """A call's rows: a K/V head's (token, head) pairs of a few tokens in packed copies
+    (``plan.packs_tokens``), the query heads of one token as views' arguments
+    (``plan.packs_heads``), or each head's tokens as they are. Arguments, not views: an eager
+    decode call is host-bound, and a view costs ~1 µs."""
+    B, H, Sq, D = q.shape
+    Hkv = k.shape[1]
+    out_arg = tensor_arg(out)
+    lse_arg = None if lse is None else rows_arg(lse)
+    if serving.varlen:
+        return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq)
+    if (precision != "fp8"
+            and plan.packs_tokens(Sq, H, Hkv, config.tile_m, config.tile_n,
+                                  causal and not mask.shifted)
+            and (2 * B * Hkv * seqlen_k * D * k.element_size() >= plan.PACK_TOKENS_EAGER_BYTES
+                 or torch.cuda.is_current_stream_capturing())):
+        packed_q = plan.pack_tokens(q, Hkv)
+        packed_out = torch.empty_like(packed_q)
+        packed_lse = (None if lse is None
+                      else torch.empty(packed_q.shape[:4], dtype=lse.dtype, device=lse.device))
+        return Rows((plan.packed_tokens_arg(packed_q), *qkv_args[1:]),
+                    plan.packed_tokens_arg(packed_out),
+                    None if lse is None else plan.packed_tokens_arg(packed_lse), descales, Hkv,
+                    Sq * (H // Hkv), H // Hkv, (packed_out, packed_lse))
+    if plan.packs_heads(Sq, H, Hkv):
+        if precision == "fp8":  # the query descales are packed like the queries
+            descales = (plan.packed(descales[0], Hkv), *descales[1:])
+        return Rows((plan.packed_arg(qkv_args[0], Hkv), *qkv_args[1:]),
+                    plan.packed_arg(out_arg, Hkv),
+                    None if lse_arg is None else plan.packed_arg(lse_arg, Hkv), descales, Hkv,
+                    H // Hkv, H // Hkv)
+    return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq)
+
+
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
                      causal: bool, softmax_scale: float, num_splits: int | None, *,
                      kv_fp8: bool = False, precision: str = "fp16",
@@ -124,41 +176,15 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     head, (pages, heads, page_size) per key of a paged cache). ``q``, ``k``, ``out`` and ``lse`` are the 4-d (3-d) views the kernel reads: a packed
     batch as batch 1, a paged cache as (pages, heads, page_size, head_dim)."""
     B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
-    if serving.paged:
-        Sk = serving.max_seqlen_k
+    Sk = serving.max_seqlen_k if serving.paged else k.shape[2]
     dev = q.get_device()
-    # arguments, not views: an eager decode call is host-bound, and a view costs ~1 µs
-    out_arg = tensor_arg(out)
-    lse_arg = None if lse is None else rows_arg(lse)
     tokens = Sq  # the query length that makes a call decode (packing turns heads into rows)
-    q_group, unpacked = 1, None
+    tiles = _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask,
+                     serving, Sk)
+    qkv_args, out_arg, lse_arg = tiles.qkv_args, tiles.out_arg, tiles.lse_arg
+    descales, H, Sq, q_group = tiles.descales, tiles.heads, tiles.rows, tiles.q_group
     if serving.varlen:  # a packed batch: one CTA per (head, query tile) of each sequence
         num_splits = 1
-    elif (precision != "fp8"
-          and plan.packs_tokens(Sq, H, Hkv, config.tile_m, config.tile_n,
-                                causal and not mask.shifted)
-          and (2 * B * Hkv * Sk * D * k.element_size() >= plan.PACK_TOKENS_EAGER_BYTES
-               or torch.cuda.is_current_stream_capturing())):
-        # a few tokens: each K/V head's (token, head) pairs as the rows of its tiles, in a
-        # copy; the results land in copies of that shape and are copied back at the end
-        q_group = H // Hkv
-        packed_q = plan.pack_tokens(q, Hkv)
-        qkv_args = (plan.packed_tokens_arg(packed_q), *qkv_args[1:])
-        unpacked = (torch.empty_like(packed_q), out,
-                    None if lse is None else torch.empty(packed_q.shape[:4], dtype=lse.dtype,
-                                                         device=lse.device), lse)
-        out_arg = plan.packed_tokens_arg(unpacked[0])
-        lse_arg = None if lse is None else plan.packed_tokens_arg(unpacked[2])
-        H, Sq = Hkv, Sq * q_group
-    elif plan.packs_heads(Sq, H, Hkv):  # query heads of each K/V head as the rows of one tile
-        q_group = H // Hkv
-        qkv_args = (plan.packed_arg(qkv_args[0], Hkv), *qkv_args[1:])
-        if precision == "fp8":  # the query descales are packed like the queries
-            descales = (plan.packed(descales[0], Hkv), *descales[1:])
-        out_arg = plan.packed_arg(out_arg, Hkv)
-        lse_arg = None if lse_arg is None else plan.packed_arg(lse_arg, Hkv)
-        H, Sq = Hkv, q_group
     descale_args = tuple(_descale_arg(t, serving.paged) for t in descales) if descales else ()
     # FP8 operands: K's descales per token (B, H, S) or per head (B, H)
     operands = (precision, "head" if precision == "fp8" and descales[1].dim() == 2 else "token")
@@ -203,8 +229,8 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         lse_args = () if lse_arg is None else (lse_arg,)
         launch(comb, combine_grid(Sq, H, B),
                (o_part, lse_part, out_arg, *lse_args, (splits,)), dev)
-    if unpacked is not None:  # the packed rows' results to the caller's tensors
-        packed_out, out, packed_lse, lse = unpacked
+    if tiles.unpack is not None:  # the packed rows' results to the caller's tensors
+        packed_out, packed_lse = tiles.unpack
         plan.unpack_tokens(packed_out, out)
         if lse is not None:
             plan.unpack_tokens(packed_lse, lse)
