@@ -202,6 +202,38 @@ def test_packed_chunks_against_a_paged_cache(lens, page_size, d, dtype, seed):
                         f"sequence {b} of {lens}")
 
 
+@pytest.mark.parametrize("lens,sq,page_size,hkv,group,d,dtype,causal,num_splits", [
+    ([4999, 0, 1, 700], 3, 16, 2, 4, 128, "float16", True, None),  # whole pages, an empty one
+    ([333, 1000], 5, 24, 1, 8, 64, "bfloat16", False, None),  # a gathered page size
+    ([2000], 2, 16, 2, 2, 128, "float16", True, 3),
+])
+def test_paged_multi_token_gqa_packs_tokens(lens, sq, page_size, hkv, group, d, dtype, causal,
+                                            num_splits):
+    """A few query tokens against a paged cache, each K/V head's (token, head) pairs packed
+    into rows (``plan.pack_tokens``, forced however small the cache): each sequence against
+    the reference with bottom-right masks, output and LSE poisoned first."""
+    from unittest import mock
+
+    from flashcore.ops import plan
+
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(sq)
+    k_cache, v_cache, table, seqlens, dense = _paged_cache(lens, page_size, hkv, d, dt, gen)
+    q = torch.randn(len(lens), hkv * group, sq, d, device="cuda", generator=gen).to(dt)
+    masks = _masks(causal, None, None)
+    out = torch.full_like(q, float("nan"))
+    assert plan.packs_tokens(sq, hkv * group, hkv, 16, 64, False)
+    with mock.patch.object(plan, "PACK_TOKENS_EAGER_BYTES", 0):
+        res, lse = attention_paged(q, k_cache, v_cache, table, seqlens, causal=causal,
+                                   return_lse=True, out=out, num_splits=num_splits,
+                                   mask_align="bottom_right")
+    torch.cuda.synchronize()
+    assert res is out
+    for b, (k, v) in enumerate(dense):
+        _check_sequence(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, causal, masks, dt,
+                        f"sequence {b} of {lens}, page {page_size}")
+
+
 @pytest.mark.parametrize("page_size", [1, 4, 8, 24, 32, 64, 256, 192])
 @pytest.mark.parametrize("sq", [1, 100])
 def test_every_page_size_kind(page_size, sq):
