@@ -153,6 +153,12 @@ CACHE_LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600),
          num_splits=3, seed=3)  # a page size that divides no tile
 def test_paged_matches_the_reference(lens, sq, page_size, hkv, group, d, dtype, causal,
                                      num_splits, seed):
+    _check_paged_call(lens, sq, page_size, hkv, group, d, dtype, causal, num_splits, seed)
+
+
+def _check_paged_call(lens, sq, page_size, hkv, group, d, dtype, causal, num_splits, seed):
+    """One attention_paged call (bottom-right masks, poisoned output and LSE), each sequence
+    against the reference."""
     dt = DTYPES[dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
     k_cache, v_cache, table, seqlens, dense = _paged_cache(lens, page_size, hkv, d, dt, gen)
@@ -216,22 +222,9 @@ def test_paged_multi_token_gqa_packs_tokens(lens, sq, page_size, hkv, group, d, 
 
     from flashcore.ops import plan
 
-    dt = DTYPES[dtype]
-    gen = torch.Generator(device="cuda").manual_seed(sq)
-    k_cache, v_cache, table, seqlens, dense = _paged_cache(lens, page_size, hkv, d, dt, gen)
-    q = torch.randn(len(lens), hkv * group, sq, d, device="cuda", generator=gen).to(dt)
-    masks = _masks(causal, None, None)
-    out = torch.full_like(q, float("nan"))
     assert plan.packs_tokens(sq, hkv * group, hkv, 16, 64, False)
     with mock.patch.object(plan, "PACK_TOKENS_EAGER_BYTES", 0):
-        res, lse = attention_paged(q, k_cache, v_cache, table, seqlens, causal=causal,
-                                   return_lse=True, out=out, num_splits=num_splits,
-                                   mask_align="bottom_right")
-    torch.cuda.synchronize()
-    assert res is out
-    for b, (k, v) in enumerate(dense):
-        _check_sequence(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, causal, masks, dt,
-                        f"sequence {b} of {lens}, page {page_size}")
+        _check_paged_call(lens, sq, page_size, hkv, group, d, dtype, causal, num_splits, sq)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 8, 24, 32, 64, 256, 192])

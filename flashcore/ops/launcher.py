@@ -5,7 +5,7 @@ from ``flashcore.ops.plan``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -113,12 +113,12 @@ def _splits_keys(config: TileConfig, device: int) -> bool:
     return r
 
 
-@dataclass(frozen=True)
-class Rows:
+class Rows(NamedTuple):
     """What one call's query tiles hold as rows: the kernel arguments of q, out and lse (and
     the descales, an FP8 query's packed like it), (heads, rows) of the grid and the GQA group
     packed into rows (``q_group``). ``unpack``: (output, lse) buffers of packed tokens, to be
-    copied back to the caller's tensors after the launches (``plan.unpack_tokens``)."""
+    copied back to the caller's tensors after the launches (``plan.unpack_tokens``). A named
+    tuple: one is made every call, and a frozen dataclass costs ~1 µs more to build."""
 
     qkv_args: tuple
     out_arg: tuple
@@ -140,7 +140,7 @@ def _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask
     Hkv = k.shape[1]
     out_arg = tensor_arg(out)
     lse_arg = None if lse is None else rows_arg(lse)
-    if serving.varlen:
+    if serving.varlen or Sq > plan.DECODE_MAX_Q:  # neither packing: prefill keeps its rows
         return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq)
     if (precision != "fp8"
             and plan.packs_tokens(Sq, H, Hkv, config.tile_m, config.tile_n,

@@ -68,15 +68,21 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
 PACK_TOKENS_EAGER_BYTES = 96 << 20
 
 
-def pack_tokens(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """(B, Hq, S, ...) -> a contiguous (B, Hkv, S, g, ...) copy: the rows of K/V head k,
-    token-major, row s * g + h holding query head k * g + h's token s (``block_info``'s packed
-    rows). One strided view and one copy (an eager decode call is host-bound)."""
+def _token_major(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, Hq, S, ...) seen as (B, Hkv, S, g, ...): K/V head k's query heads k * g + h, each
+    token's heads together (one strided view)."""
     b, hq, s = t.shape[:3]
     g = hq // heads_kv
     st = t.stride()
     return t.as_strided((b, heads_kv, s, g, *t.shape[3:]),
-                        (st[0], g * st[1], st[2], st[1], *st[3:])).contiguous()
+                        (st[0], g * st[1], st[2], st[1], *st[3:]))
+
+
+def pack_tokens(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """(B, Hq, S, ...) -> a contiguous (B, Hkv, S, g, ...) copy: the rows of K/V head k,
+    token-major, row s * g + h holding query head k * g + h's token s (``block_info``'s packed
+    rows). One strided view and one copy (an eager decode call is host-bound)."""
+    return _token_major(t, heads_kv).contiguous()
 
 
 def packed_tokens_arg(t: torch.Tensor) -> tuple:
@@ -93,10 +99,7 @@ def packed_tokens_arg(t: torch.Tensor) -> tuple:
 
 def unpack_tokens(packed_rows: torch.Tensor, out: torch.Tensor) -> None:
     """``pack_tokens`` undone into ``out`` (B, Hq, S, ...), any strides (one copy)."""
-    b, hkv, s, g = packed_rows.shape[:4]
-    st = out.stride()
-    out.as_strided((b, hkv, s, g, *out.shape[3:]),
-                   (st[0], g * st[1], st[2], st[1], *st[3:])).copy_(packed_rows)
+    _token_major(out, packed_rows.shape[1]).copy_(packed_rows)
 
 
 def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
