@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from flashcore import reference
-from flashcore.ops import attention, attention_paged, attention_varlen, plan
+from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
 from flashcore.spec import TileConfig
@@ -92,10 +92,9 @@ def decode_cases():
 
 
 def packed_tokens_cases():
-    # multi-token GQA decode with (token, head) rows packed token-major (ops.plan.pack_tokens):
-    # ragged keys, bottom-right causal, a window, top-left causal, split and not, FP8 KV;
-    # packed however small the cache (eager calls pack from PACK_TOKENS_EAGER_BYTES)
-    plan.PACK_TOKENS_EAGER_BYTES = 0
+    # multi-token GQA decode with (token, head) rows packed token-major (ops.plan.packs_tokens,
+    # gathered and scattered by the kernel): ragged keys, bottom-right causal, a window,
+    # top-left causal, split and not, FP8 KV
     for b, hq, hkv, sq, sk, d, causal, align, window, splits in (
             (1, 8, 2, 3, 777, 128, True, "bottom_right", None, None),
             (2, 12, 4, 5, 301, 64, True, "bottom_right", (60, 0), 3),

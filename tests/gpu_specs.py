@@ -91,10 +91,20 @@ def decode_specs(arch: str) -> list:
                 specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8kv")], dtype=DTYPES,
                                 head_dim=d, causal=causal, return_lse=[False, True],
                                 split_kv=[False, True], kv_fp8=True)
-    if len(kv8) > 1:  # test_fp8_kv_cache_in_every_kind_of_config
+    if len(kv8) > 1:  # test_fp8_kv_cache_in_every_kind_of_config (GQA of 1-5 tokens)
         specs += _specs(arch, FP8_KV_CONFIGS, dtype=DTYPES, head_dim=HEAD_DIMS,
                         causal=[False, True], return_lse=True, split_kv=[False, True],
-                        kv_fp8=True)
+                        kv_fp8=True, packed_tokens=[False, True])
+    # test_multi_token_gqa_decode_packs_tokens: packed tokens under every mask it draws
+    for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+        specs += _specs(arch, [_tuned(arch, "decode", d, causal)], dtype=DTYPES, head_dim=d,
+                        causal=causal, return_lse=[False, True], split_kv=[False, True],
+                        mask_align=list(MASK_ALIGNS), window=[False, True], packed_tokens=True)
+        if len(kv8) > 1:
+            specs += _specs(arch, [_tuned(arch, "decode", d, causal, "fp8kv")], dtype=DTYPES,
+                            head_dim=d, causal=causal, return_lse=[False, True],
+                            split_kv=[False, True], kv_fp8=True, packed_tokens=True,
+                            mask_align=list(MASK_ALIGNS))
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)
               for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
     return specs
@@ -117,7 +127,8 @@ def mask_specs(arch: str) -> list:
                 HEAD_DIMS, MASK_VARIANTS, lse_split):
             specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
                             causal=causal, return_lse=lse, split_kv=split, mask_align=align,
-                            window=window, softcap=softcap)
+                            window=window, softcap=softcap,
+                            packed_tokens=[False, True] if bucket == "decode" else False)
     window = (("window", True),)
     specs += _specs(arch, [_tuned(arch, "long", 64, True, features=window)], head_dim=64,
                     causal=True, window=True)
@@ -165,6 +176,11 @@ def serving_specs(arch: str) -> list:
         specs += _specs(arch, [_tuned(arch, "decode", d, causal)], paged_kv=True,
                         return_lse=[False, True], split_kv=[False, True], causal=causal,
                         mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES, page_size=pages)
+        # test_paged_multi_token_gqa_packs_tokens
+        specs += _specs(arch, [_tuned(arch, "decode", d, causal)], paged_kv=True,
+                        return_lse=[False, True], split_kv=[False, True], causal=causal,
+                        mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES,
+                        page_size=pages, packed_tokens=True)
     # the tests' diagonals are bottom-right: top-left only where there is none
     specs = [s for s in specs if s.mask_align == "bottom_right" or not (s.causal or s.window)]
     # test_every_page_size_kind: fp16, d128, not causal, every page size it draws
@@ -186,7 +202,8 @@ def serving_specs(arch: str) -> list:
                      "kv_fp8": True, "page_size": pages,
                      "mask_align": "bottom_right" if causal else "top_left"}
             config = [_tuned(arch, "decode", d, causal, "fp8kv")]
-            specs += _specs(arch, config, split_kv=[False, True], **fp8kv)
+            specs += _specs(arch, config, split_kv=[False, True], packed_tokens=[False, True],
+                            **fp8kv)
             specs += _specs(arch, config, varlen=True, **fp8kv)
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)  # split decode
               for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]

@@ -25,9 +25,16 @@ SPECS = [
     # FP8 operands with K descaled per (batch, head): the L4's native e4m3 mma.sync
     AttentionSpec(arch="sm_89", head_dim=128, config=TileConfig((64, 64)), precision="fp8",
                   k_scale="head", causal=True, return_lse=True),
+    # multi-token GQA decode: (token, head) rows gathered from Q, scattered to O and the LSE
+    AttentionSpec(arch="sm_89", head_dim=128, config=DECODE, packed_tokens=True, causal=True,
+                  mask_align="bottom_right", return_lse=True),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, config=DECODE, kv_fp8=True,
+                  packed_tokens=True, split_kv=True),
     CombineSpec(arch="sm_89", dtype="bfloat16", head_dim=128, return_lse=True),
     CombineSpec(arch="sm_90", head_dim=64),
 ]
+ATTENTION = [s for s in SPECS if isinstance(s, AttentionSpec)]
+COMBINES = [s for s in SPECS if isinstance(s, CombineSpec)]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +46,7 @@ def _ptx_body(art) -> str:
     return art.ptx[art.ptx.index(".entry"):]
 
 
-@pytest.mark.parametrize("spec", SPECS[:6], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", ATTENTION, ids=lambda s: s.name)
 def test_attention_variants(artifacts, spec):
     art = artifacts[spec]
     body = _ptx_body(art)
@@ -84,11 +91,16 @@ def test_attention_variants(artifacts, spec):
         key_loop_ops = "\n".join(lines[key_loop[0]:key_loop[1]])
         assert "HMMA" in key_loop_ops or "QMMA" in key_loop_ops
         assert bool(re.search(r"\bLDG\.E(\.CONSTANT)? ", key_loop_ops)) == per_key
+    if spec.packed_tokens:
+        # each gathered Q row and scattered O row still moves in 16-byte pieces
+        assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", body)
+        if not spec.split_kv:
+            assert re.search(r"st\.global\.v4\.b32", body)
     if spec.arch == "sm_90":
         assert body.index("griddepcontrol.wait;") < body.index("cp.async")
 
 
-@pytest.mark.parametrize("spec", SPECS[6:], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", COMBINES, ids=lambda s: s.name)
 def test_combine_kernel(artifacts, spec):
     art = artifacts[spec]
     body = _ptx_body(art)

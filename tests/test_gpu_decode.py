@@ -8,7 +8,6 @@ Skipped without CUDA. The bound is the one the prefill tests use: 2x torch SDPA'
 from __future__ import annotations
 
 import math
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -114,9 +113,10 @@ def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal,
          align="bottom_right", window=(100, 0), bshd=True, num_splits=None, seed=3)
 def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, causal, align,
                                              window, bshd, num_splits, seed):
-    """A few query tokens per K/V head's query heads, packed token-major into rows (one copy in,
-    one out): poisoned output and LSE, in (B, H, S, D) or (B, S, H, D) memory, against the
-    float64 reference and torch's own error with the same mask."""
+    """A few query tokens per K/V head's query heads, packed token-major into rows that the
+    kernel gathers from q and scatters to out and LSE (and the combine, when split): poisoned
+    output and LSE, in (B, H, S, D) or (B, S, H, D) memory, against the float64 reference and
+    torch's own error with the same mask."""
     from flashcore.ops import plan
     from tests.test_gpu_masks import check_masked_result
 
@@ -134,9 +134,8 @@ def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, ca
                                        **masks)
     out = torch.full((b, sq, hkv * group, d), float("nan"), device="cuda", dtype=dt)
     out = out.transpose(1, 2) if bshd else out.transpose(1, 2).contiguous()
-    with mock.patch.object(plan, "PACK_TOKENS_EAGER_BYTES", 0):  # pack however small
-        res, lse = attention(q, k, v, causal=causal, return_lse=True, out=out,
-                             num_splits=num_splits, **masks)
+    res, lse = attention(q, k, v, causal=causal, return_lse=True, out=out,
+                         num_splits=num_splits, **masks)
     check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, align, window, None)
 
 

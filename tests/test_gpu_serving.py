@@ -216,15 +216,12 @@ def test_packed_chunks_against_a_paged_cache(lens, page_size, d, dtype, seed):
 def test_paged_multi_token_gqa_packs_tokens(lens, sq, page_size, hkv, group, d, dtype, causal,
                                             num_splits):
     """A few query tokens against a paged cache, each K/V head's (token, head) pairs packed
-    into rows (``plan.pack_tokens``, forced however small the cache): each sequence against
-    the reference with bottom-right masks, output and LSE poisoned first."""
-    from unittest import mock
-
+    into rows (``plan.packs_tokens``: the kernel gathers and scatters them): each sequence
+    against the reference with bottom-right masks, output and LSE poisoned first."""
     from flashcore.ops import plan
 
     assert plan.packs_tokens(sq, hkv * group, hkv, 16, 64, False)
-    with mock.patch.object(plan, "PACK_TOKENS_EAGER_BYTES", 0):
-        _check_paged_call(lens, sq, page_size, hkv, group, d, dtype, causal, num_splits, sq)
+    _check_paged_call(lens, sq, page_size, hkv, group, d, dtype, causal, num_splits, sq)
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 8, 24, 32, 64, 256, 192])

@@ -82,28 +82,41 @@ def test_packed_views_put_a_kv_heads_queries_in_rows():
     assert not plan.packs_heads(1, 8, 8)
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
-def test_packed_tokens_are_token_major_rows_and_unpack_exactly(layout):
-    from flashcore.ops.inputs import rows_arg, tensor_arg
+def test_multi_token_gqa_rows_are_the_callers_tensors():
+    """What the launcher hands the kernels for each kind of decode call: packed tokens keep
+    the caller's q, out and lse arguments (the kernel gathers and scatters the rows), with
+    K/V heads as the grid's heads and S_q * group rows; one token packs its heads as views'
+    arguments; the combine always writes the caller's tensors; a family that builds no
+    packed tokens (and FP8 operands) keeps a row per (head, token)."""
+    from unittest import mock
 
-    b, hq, hkv, s, d = 2, 12, 3, 5, 8
-    x = (torch.randn(b, s, hq, d).transpose(1, 2) if layout == "bshd"
-         else torch.randn(b, hq, s, d))
-    p = plan.pack_tokens(x, hkv)
-    assert p.shape == (b, hkv, s, 4, d) and p.is_contiguous()
-    rows = p.view(b, hkv, s * 4, d)  # what the kernel reads, through packed_tokens_arg
-    assert plan.packed_tokens_arg(p) == tensor_arg(rows)
-    for bi, h, t in ((0, 0, 0), (1, 7, 3), (1, 11, 4)):
-        assert torch.equal(rows[bi, h // 4, t * 4 + h % 4], x[bi, h, t])
-    out = torch.full_like(x, float("nan"))
-    plan.unpack_tokens(p, out)
-    assert torch.equal(out, x)
-    lse = torch.randn(b, hq, s)
-    packed_lse = plan.pack_tokens(lse, hkv)
-    assert plan.packed_tokens_arg(packed_lse) == rows_arg(packed_lse.view(b, hkv, s * 4))
-    back = torch.empty_like(lse)
-    plan.unpack_tokens(packed_lse, back)
-    assert torch.equal(back, lse)
+    from flashcore.ops import launcher
+    from flashcore.ops.inputs import rows_arg, tensor_arg
+    from flashcore.ops.masks import NO_MASK
+
+    b, hq, hkv, d = 2, 32, 8, 128
+    k = torch.randn(b, hkv, 100, d)
+
+    def rows_of(sq, config=DECODE_DEFAULT, precision="fp16"):
+        q = torch.randn(b, sq, hq, d).transpose(1, 2)  # (B, S, H, D) memory
+        out, lse = torch.empty_like(q), torch.empty(b, hq, sq)
+        args = (tensor_arg(q), tensor_arg(k), tensor_arg(k))
+        with mock.patch.object(launcher, "arch_of", return_value="sm_90"):
+            r = launcher._rows_of(q, k, out, lse, args, (), config, False, precision, NO_MASK,
+                                  launcher.DENSE, 0)
+        assert r.final == (tensor_arg(out), rows_arg(lse))
+        return r, args, out, lse
+
+    r, args, out, lse = rows_of(4)
+    assert r.packed_tokens and r.qkv_args == args
+    assert (r.out_arg, r.lse_arg) == (tensor_arg(out), rows_arg(lse))
+    assert (r.heads, r.rows, r.q_group) == (hkv, 16, 4)
+    r, args, out, lse = rows_of(1)
+    assert not r.packed_tokens and (r.heads, r.rows, r.q_group) == (hkv, 4, 4)
+    assert r.out_arg == plan.packed_arg(tensor_arg(out), hkv)
+    hopper = TileConfig((128, 128), warps=8, family="wgmma_ws")
+    for r, *_ in (rows_of(4, hopper), rows_of(16), rows_of(4, precision="fp8")):
+        assert not r.packed_tokens and (r.heads, r.q_group) == (hq, 1)
 
 
 def test_which_decode_calls_pack_tokens():

@@ -121,6 +121,7 @@ def test_default_is_valid():
         ("return_lse", "yes", "return_lse must be a bool"),
         ("kv_fp8", 1, "kv_fp8 must be a bool"),
         ("split_kv", None, "split_kv must be a bool"),
+        ("packed_tokens", 1, "packed_tokens must be a bool"),
     ],
 )
 def test_each_bad_field_rejected(field, value, match):
@@ -210,9 +211,9 @@ def test_hash_pinned():
     # The cache is keyed by these; if this fails, a spec change alters every cache key. Update
     # the value only on purpose (old caches then miss, which is safe). Last: TileConfig, family,
     # kv_fp8 and split_kv; then mask_align, window, softcap; then varlen, paged_kv; page_size;
-    # k_scale.
+    # k_scale; packed_tokens.
     assert AttentionSpec().name == "fc_attn_fwd_sm89_f16_d64_m64n64_w4_s1"
-    assert AttentionSpec().content_hash == "1a717e142f359ad2"
+    assert AttentionSpec().content_hash == "ceb607a7ec8b362e"
 
 
 @given(st.fixed_dictionaries({k: st.sampled_from(v) for k, v in CHOICES.items()}))
@@ -298,3 +299,20 @@ def test_other_spec_kinds_round_trip():
         spec_from_dict({"op": "x"})
     with pytest.raises(SpecError, match="warps=3"):
         CombineSpec(warps=3)
+
+
+def test_packed_tokens_specs():
+    """Multi-token GQA decode's packed rows: named, for dense and paged 16-bit decode of the
+    mma_sync family only."""
+    s = AttentionSpec(arch="sm_89", config=TileConfig((16, 64)), packed_tokens=True,
+                      split_kv=True, paged_kv=True)
+    assert s.name.endswith("_split_paged_ptok")
+    assert AttentionSpec.from_dict(s.to_dict()) == s and s.content_hash != s.replace(
+        packed_tokens=False).content_hash
+    for bad, match in (({"varlen": True}, "varlen batches and precision='fp8'"),
+                       ({"precision": "fp8"}, "varlen batches and precision='fp8'"),
+                       ({"arch": "sm_90", "config": TileConfig((128, 128), warps=8,
+                                                               family="wgmma_ws")},
+                        "not built yet: packed_tokens")):
+        with pytest.raises(SpecError, match=match):
+            AttentionSpec(**{"packed_tokens": True, **bad})

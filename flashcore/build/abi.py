@@ -181,13 +181,14 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
 
 
 # Split-KV combine: partial O (num_splits · batch, heads, rows, head_dim) and LSE fp32, the
-# output O and optionally its LSE, and the number of shares.
+# output O (batch, query heads, seq, head_dim) and optionally its LSE, the query heads packed
+# into a partial's rows a token (q_group) and the number of shares.
 def combine_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     params = [TensorParam("o_partial", 3, 3), TensorParam("lse_partial", 3, 2),
               TensorParam("o", 3, 3)]
     if spec.return_lse:
         params.append(TensorParam("lse", 3, 2))
-    return (*params, ScalarParam("num_splits", "<i"))
+    return (*params, ScalarParam("q_group", "<i"), ScalarParam("num_splits", "<i"))
 
 
 # Per-(batch, head) scale, pass 1: x (batch, heads, seq, head_dim) 16-bit; partial

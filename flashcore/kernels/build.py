@@ -113,7 +113,7 @@ def _combine_args(spec: CombineSpec) -> tuple:
     bhsd, rows, _ = _fakes()
     lse = rows() if spec.return_lse else None
     return (bhsd(cutlass.Float32, spec.head_dim), rows(), bhsd(DTYPES[spec.dtype], spec.head_dim),
-            lse, cutlass.Int32(1))
+            lse, cutlass.Int32(1), cutlass.Int32(1))
 
 
 def _quantize_args(spec: QuantizeSpec) -> tuple:

@@ -2,7 +2,9 @@
 
 Input: ``num_splits`` shares of the keys per row, as normalised fp32 outputs
 (num_splits · batch, heads, rows, head_dim) and their natural-log LSEs (num_splits · batch, heads,
-rows), written by ``AttentionSpec(split_kv=True)`` kernels. Output: O = Σ_s exp(lse_s - lse) O_s
+rows), written by ``AttentionSpec(split_kv=True)`` kernels; with ``q_group`` > 1 their heads are
+K/V heads whose rows pack ``q_group`` query heads a token, token-major (the output's head h,
+token t is partial head h // q_group, row t * q_group + h % q_group). Output: O = Σ_s exp(lse_s - lse) O_s
 with lse = log Σ_s exp(lse_s), in the output dtype, and optionally lse. A share that saw no key
 has lse_s = -inf and weight 0; a row no share saw gets 0 and lse -inf.
 
@@ -35,7 +37,7 @@ class CombineSplits:
 
     @cute.jit
     def host(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor,
-             mLSE: cute.Tensor | None, num_splits: cutlass.Int32):
+             mLSE: cute.Tensor | None, q_group: cutlass.Int32, num_splits: cutlass.Int32):
         warps, slots, d = self.spec.warps, self.slots, self.spec.head_dim
 
         @cute.struct
@@ -46,12 +48,13 @@ class CombineSplits:
 
         self.smem_size = Scratch.size_in_bytes()  # read back by the build: the launch ABI
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
-        self.kernel(mOp, mLSEp, mO, mLSE, num_splits, Scratch).launch(
+        self.kernel(mOp, mLSEp, mO, mLSE, q_group, num_splits, Scratch).launch(
             grid=(rows, 1, 1), block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
     @cute.kernel
     def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor | None, num_splits: cutlass.Int32, Scratch: cutlass.Constexpr):
+               mLSE: cute.Tensor | None, q_group: cutlass.Int32, num_splits: cutlass.Int32,
+               Scratch: cutlass.Constexpr):
         if cutlass.const_expr(self.spec.programmatic_launch):
             cute.arch.griddepcontrol_wait()  # the partials come from the grid before this one
             cute.arch.griddepcontrol_launch_dependents()
@@ -61,6 +64,9 @@ class CombineSplits:
         row = lin % rows
         head = (lin // rows) % heads
         batch = lin // rows // heads
+        # the partials' (head, row): a K/V head's packed query rows, token-major, when the
+        # attention kernel packed them (q_group > 1: its heads' one token, or packed tokens)
+        p_head, p_row = head // q_group, row * q_group + head % q_group
         scratch = cutlass.memory.SmemAllocator().allocate(Scratch)
         n_weights = MAX_SPLITS + IN_FLIGHT * self.slots
         weight = scratch.weight.get_tensor(cute.make_layout((n_weights,)))
@@ -71,8 +77,9 @@ class CombineSplits:
         # to L2 overlaps theirs
         chunk, slot = tidx % self.chunks, tidx // self.chunks
         parts = cute.make_rmem_tensor((VEC, IN_FLIGHT), cutlass.Float32)
-        self.load_pass(mOp, parts, slot, num_splits, batch_size, batch, head, row, chunk)
-        lse = self.total_lse(mLSEp, num_splits, batch_size, batch, head, row, tidx, weight, red)
+        self.load_pass(mOp, parts, slot, num_splits, batch_size, batch, p_head, p_row, chunk)
+        lse = self.total_lse(mLSEp, num_splits, batch_size, batch, p_head, p_row, tidx, weight,
+                             red)
         # share s's weight, exp(lse_s - lse); 0 for every share of a row no share saw, and
         # past the last share (the loads below run over in whole rounds)
         for s in cutlass.range_constexpr(0, n_weights, self.spec.threads):
@@ -90,8 +97,8 @@ class CombineSplits:
             for u in cutlass.range_constexpr(IN_FLIGHT):
                 acc.store(acc.load() + parts[None, u].load() * weight[s0 + u * self.slots])
             if s0 + step < num_splits:
-                self.load_pass(mOp, parts, s0 + step, num_splits, batch_size, batch, head, row,
-                               chunk)
+                self.load_pass(mOp, parts, s0 + step, num_splits, batch_size, batch, p_head,
+                               p_row, chunk)
         cute.autovec_copy(acc, cute.local_tile(sums[None, slot], (VEC,), (chunk,)))
         cute.arch.sync_threads()
         if slot == 0:

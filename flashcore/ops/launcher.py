@@ -45,21 +45,22 @@ _kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
 def loaded_kernel(device: int, *fields) -> Any:
     """The loaded attention kernel of ``AttentionSpec(arch, *fields)`` (dtype, head_dim, config,
     causal, return_lse, (precision, k_scale), kv_fp8, split_kv, (mask_align, window, softcap),
-    varlen, page_size) on CUDA device index ``device``, built once (the key is a plain tuple:
-    every call looks it up). ``page_size`` > 0 reads a paged cache: the page size is compiled in
-    when the family can copy such pages whole, else the kernel gathers any page size."""
+    varlen, page_size, packed_tokens) on CUDA device index ``device``, built once (the key is a
+    plain tuple: every call looks it up). ``page_size`` > 0 reads a paged cache: the page size
+    is compiled in when the family can copy such pages whole, else the kernel gathers any page
+    size."""
     key = (device, *fields)
     k = _kernels.get(key)
     if k is None:
         (dtype, head_dim, config, causal, return_lse, operands, kv_fp8, split_kv, masks,
-         varlen, page_size) = fields
+         varlen, page_size, packed_tokens) = fields
         align, window, softcap = masks
         precision, k_scale = operands
         spec = AttentionSpec(
             arch=arch_of(device), dtype=dtype, head_dim=head_dim, config=config, causal=causal,
             return_lse=return_lse, precision=precision, k_scale=k_scale, kv_fp8=kv_fp8,
             split_kv=split_kv, mask_align=align, window=window, softcap=softcap, varlen=varlen,
-            paged_kv=page_size > 0)
+            paged_kv=page_size > 0, packed_tokens=packed_tokens)
         if page_size and family(spec.family).copies_whole_pages(spec, page_size):
             spec = spec.replace(page_size=page_size)
         k = _kernels[key] = kernel_for(spec, device)
@@ -100,25 +101,26 @@ def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     return out
 
 
-_split_families: dict[tuple, bool] = {}  # (family, device) -> splits keys
+_families: dict[tuple, Any] = {}  # (family, device) -> KernelFamily
 
 
-def _splits_keys(config: TileConfig, device: int) -> bool:
-    """Whether the config's family builds split-KV kernels (decode calls only ask)."""
+def _family_of(config: TileConfig, device: int) -> Any:
+    """The config's kernel family (what it builds: split keys, packed tokens), memoised: an
+    eager decode call is host-bound."""
     key = (config.family, device)
-    r = _split_families.get(key)
-    if r is None:
-        r = _split_families[key] = family(
-            config.family or DEFAULT_FAMILY.get(arch_of(device), "")).splits_keys
-    return r
+    f = _families.get(key)
+    if f is None:
+        f = _families[key] = family(config.family or DEFAULT_FAMILY.get(arch_of(device), ""))
+    return f
 
 
 class Rows(NamedTuple):
     """What one call's query tiles hold as rows: the kernel arguments of q, out and lse (and
     the descales, an FP8 query's packed like it), (heads, rows) of the grid and the GQA group
-    packed into rows (``q_group``). ``unpack``: (output, lse) buffers of packed tokens, to be
-    copied back to the caller's tensors after the launches (``plan.unpack_tokens``). A named
-    tuple: one is made every call, and a frozen dataclass costs ~1 µs more to build."""
+    packed into rows (``q_group``); ``packed_tokens``: rows that the kernel gathers from q and
+    scatters to out and lse as they are; ``final``: the caller's out and lse arguments, which
+    a split call's combine writes. A named tuple: one is made every call, and a frozen
+    dataclass costs ~1 µs more to build."""
 
     qkv_args: tuple
     out_arg: tuple
@@ -126,43 +128,38 @@ class Rows(NamedTuple):
     descales: tuple
     heads: int
     rows: int
+    final: tuple
     q_group: int = 1
-    unpack: tuple | None = None
+    packed_tokens: bool = False
 
 
 def _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask, serving,
-             seqlen_k) -> Rows:
-    """A call's rows: a K/V head's (token, head) pairs of a few tokens in packed copies
-    (``plan.packs_tokens``), the query heads of one token as views' arguments
+             device) -> Rows:
+    """A call's rows: a K/V head's (token, head) pairs of a few tokens, which the kernel
+    gathers (``plan.packs_tokens``), the query heads of one token as views' arguments
     (``plan.packs_heads``), or each head's tokens as they are. Arguments, not views: an eager
     decode call is host-bound, and a view costs ~1 µs."""
-    B, H, Sq, D = q.shape
+    _, H, Sq, _ = q.shape
     Hkv = k.shape[1]
     out_arg = tensor_arg(out)
     lse_arg = None if lse is None else rows_arg(lse)
+    final = (out_arg, lse_arg)
     if serving.varlen or Sq > plan.DECODE_MAX_Q:  # neither packing: prefill keeps its rows
-        return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq)
+        return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq, final)
     if (precision != "fp8"
             and plan.packs_tokens(Sq, H, Hkv, config.tile_m, config.tile_n,
                                   causal and not mask.shifted)
-            and (2 * B * Hkv * seqlen_k * D * k.element_size() >= plan.PACK_TOKENS_EAGER_BYTES
-                 or torch.cuda.is_current_stream_capturing())):
-        packed_q = plan.pack_tokens(q, Hkv)
-        packed_out = torch.empty_like(packed_q)
-        packed_lse = (None if lse is None
-                      else torch.empty(packed_q.shape[:4], dtype=lse.dtype, device=lse.device))
-        return Rows((plan.packed_tokens_arg(packed_q), *qkv_args[1:]),
-                    plan.packed_tokens_arg(packed_out),
-                    None if lse is None else plan.packed_tokens_arg(packed_lse), descales, Hkv,
-                    Sq * (H // Hkv), H // Hkv, (packed_out, packed_lse))
+            and _family_of(config, device).packs_tokens):
+        return Rows(qkv_args, out_arg, lse_arg, descales, Hkv, Sq * (H // Hkv), final,
+                    H // Hkv, True)
     if plan.packs_heads(Sq, H, Hkv):
         if precision == "fp8":  # the query descales are packed like the queries
             descales = (plan.packed(descales[0], Hkv), *descales[1:])
         return Rows((plan.packed_arg(qkv_args[0], Hkv), *qkv_args[1:]),
                     plan.packed_arg(out_arg, Hkv),
                     None if lse_arg is None else plan.packed_arg(lse_arg, Hkv), descales, Hkv,
-                    H // Hkv, H // Hkv)
-    return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq)
+                    H // Hkv, final, H // Hkv)
+    return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq, final)
 
 
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
@@ -180,7 +177,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     dev = q.get_device()
     tokens = Sq  # the query length that makes a call decode (packing turns heads into rows)
     tiles = _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask,
-                     serving, Sk)
+                     serving, dev)
     qkv_args, out_arg, lse_arg = tiles.qkv_args, tiles.out_arg, tiles.lse_arg
     descales, H, Sq, q_group = tiles.descales, tiles.heads, tiles.rows, tiles.q_group
     if serving.varlen:  # a packed batch: one CTA per (head, query tile) of each sequence
@@ -192,7 +189,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     splits = num_splits
     if splits is None:
         splits = 1
-        if tokens <= plan.DECODE_MAX_Q and _splits_keys(config, dev):
+        if tokens <= plan.DECODE_MAX_Q and _family_of(config, dev).splits_keys:
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
                                      -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8,
                                      config.kv_splits)
@@ -203,7 +200,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     masks = mask.spec_fields
     if splits == 1:
         kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, operands, kv_fp8,
-                             False, masks, serving.varlen, serving.page_size)
+                             False, masks, serving.varlen, serving.page_size, tiles.packed_tokens)
         lse_args = () if lse_arg is None else (lse_arg,)
         grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
                 if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
@@ -222,15 +219,12 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         o_part = (ptr, splits * B, H, Sq, H * Sq * D, Sq * D, D)
         lse_part = (ptr + 4 * rows * D, splits * B, H, Sq, H * Sq, Sq)
         kern = loaded_kernel(dev, dtype, D, config, causal, False, operands, kv_fp8, True,
-                             masks, False, serving.page_size)
+                             masks, False, serving.page_size, tiles.packed_tokens)
         launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
                (*qkv_args, o_part, lse_part, *descale_args, *scalars), dev)
-        comb = combine_kernel(dev, dtype, D, lse_arg is not None)
-        lse_args = () if lse_arg is None else (lse_arg,)
-        launch(comb, combine_grid(Sq, H, B),
-               (o_part, lse_part, out_arg, *lse_args, (splits,)), dev)
-    if tiles.unpack is not None:  # the packed rows' results to the caller's tensors
-        packed_out, packed_lse = tiles.unpack
-        plan.unpack_tokens(packed_out, out)
-        if lse is not None:
-            plan.unpack_tokens(packed_lse, lse)
+        # the combine writes the caller's (B, Hq, S_q) rows, unpacking q_group heads a token
+        comb = combine_kernel(dev, dtype, D, lse is not None)
+        final_out, final_lse = tiles.final
+        lse_args = () if final_lse is None else (final_lse,)
+        launch(comb, combine_grid(tokens, out.shape[1], B),
+               (o_part, lse_part, final_out, *lse_args, (q_group,), (splits,)), dev)

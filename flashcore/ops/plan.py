@@ -5,7 +5,9 @@ Decode (at most ``DECODE_MAX_Q`` query tokens per sequence) has too few query ti
 GPU: its keys are split over CTAs (flash-decoding), each writing an fp32 partial result that a
 second kernel combines. With grouped-query attention and one query token, the query heads that
 share a K/V head become the rows of one tile (they share every K/V load): a (B, Hq, 1, D) tensor
-is viewed as (B, Hkv, Hq / Hkv, D), for any strides.
+is viewed as (B, Hkv, Hq / Hkv, D), for any strides. With a few tokens, each K/V head's (token,
+head) pairs are its tiles' rows, token-major, which the kernel gathers and scatters itself
+(``packs_tokens``); the combine writes the caller's (B, Hq, S_q) rows either way.
 """
 
 from __future__ import annotations
@@ -49,8 +51,9 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
                  fixed_diagonal: bool) -> bool:
     """A few query tokens (multi-token decode: speculative drafts, short chunks) and several
     query heads per K/V head: pack each K/V head's (token, head) pairs into the rows of its
-    tiles (``pack_tokens``) where that takes fewer tiles than a head each, so fewer CTAs
-    stream the same keys. Under a top-left causal mask (``fixed_diagonal``) the tokens must
+    tiles, token-major (``AttentionSpec.packed_tokens``: the kernel gathers them from q and
+    scatters its results, no copies) where that takes fewer tiles than a head each, so fewer
+    CTAs stream the same keys. Under a top-left causal mask (``fixed_diagonal``) the tokens must
     see no more than the first key block: packed rows of several tokens start their diagonal
     anywhere in a block, which only the shifted masks' step count allows for
     (``block_info.masked_steps``)."""
@@ -58,48 +61,6 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
     return (1 < seqlen_q <= DECODE_MAX_Q and group > 1
             and not (fixed_diagonal and seqlen_q > tile_n)
             and -(-group * seqlen_q // tile_m) < group)
-
-
-# K/V bytes from which an eager call packs tokens (``packs_tokens``). Back-to-back eager calls
-# take max(host, GPU) time each; the two copies add ~35-40 µs of host time on the H100 host
-# (2026-11-25: 1,32/8,4x16384, 64 MiB, eager 69.9 -> 74.7 µs though its GPU time halves,
-# 70 -> 36), so eager calls pack from half again that. Under CUDA-graph capture host time
-# is paid once, and every call that can pack does.
-PACK_TOKENS_EAGER_BYTES = 96 << 20
-
-
-def _token_major(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """(B, Hq, S, ...) seen as (B, Hkv, S, g, ...): K/V head k's query heads k * g + h, each
-    token's heads together (one strided view)."""
-    b, hq, s = t.shape[:3]
-    g = hq // heads_kv
-    st = t.stride()
-    return t.as_strided((b, heads_kv, s, g, *t.shape[3:]),
-                        (st[0], g * st[1], st[2], st[1], *st[3:]))
-
-
-def pack_tokens(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
-    """(B, Hq, S, ...) -> a contiguous (B, Hkv, S, g, ...) copy: the rows of K/V head k,
-    token-major, row s * g + h holding query head k * g + h's token s (``block_info``'s packed
-    rows). One strided view and one copy (an eager decode call is host-bound)."""
-    return _token_major(t, heads_kv).contiguous()
-
-
-def packed_tokens_arg(t: torch.Tensor) -> tuple:
-    """The kernel argument of ``pack_tokens``' result (or an output of its shape) as
-    (B, Hkv, S * g) rows: ``inputs.tensor_arg`` for (B, Hkv, S, g, D), ``rows_arg`` for
-    (B, Hkv, S, g)."""
-    b, hkv, s, g = t.shape[:4]
-    rows = s * g
-    if t.dim() == 5:
-        d = t.shape[4]
-        return (t.data_ptr(), b, hkv, rows, hkv * rows * d, rows * d, d)
-    return (t.data_ptr(), b, hkv, rows, hkv * rows, rows)
-
-
-def unpack_tokens(packed_rows: torch.Tensor, out: torch.Tensor) -> None:
-    """``pack_tokens`` undone into ``out`` (B, Hq, S, ...), any strides (one copy)."""
-    _token_major(out, packed_rows.shape[1]).copy_(packed_rows)
 
 
 def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:

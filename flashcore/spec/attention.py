@@ -56,6 +56,9 @@ class AttentionSpec(SpecData):
     paged cache through a block table (vLLM's); lengths and tables are run-time arguments. A
     ``page_size`` compiled in lets a key block be copied in whole pages (the family says which
     sizes it can); 0 serves any page size, gathering the keys one row at a time.
+    ``packed_tokens``: grouped-query decode of a few tokens, each K/V head's (token, query
+    head) pairs the rows of its tiles, token-major (row t * q_group + h is query head
+    kv * q_group + h's token t), gathered from Q and scattered to O and LSE as they are.
     """
 
     arch: str = field(default="sm_89", metadata={"help": "target architecture", "choices": ARCHS})
@@ -88,6 +91,9 @@ class AttentionSpec(SpecData):
     page_size: int = field(default=0, metadata={
         "help": "a paged cache's page size, compiled in: key blocks are copied a page at a time "
                 "(0: any page size, keys gathered a row at a time)"})
+    packed_tokens: bool = field(default=False, metadata={
+        "help": "GQA decode of a few tokens: each K/V head's (token, query head) pairs are its "
+                "tiles' rows, token-major, read from and written to (batch, heads, seq, d)"})
     family: str = field(default="", metadata={"help": "kernel family (default: the arch's)"})
     op: str = field(default="attention_fwd", metadata={"cli": False})
 
@@ -132,7 +138,7 @@ class AttentionSpec(SpecData):
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
         for name in ("causal", "return_lse", "kv_fp8", "split_kv", "window", "softcap",
-                     "varlen", "paged_kv"):
+                     "varlen", "paged_kv", "packed_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if (self.precision == "fp8" or self.kv_fp8) and self.arch not in FP8_ARCHS:
@@ -166,6 +172,9 @@ class AttentionSpec(SpecData):
         if self.page_size < 0 or (self.page_size and not self.paged_kv):
             raise bad(f"page_size={self.page_size} needs paged_kv=True and is >= 1 "
                       "(0 leaves the page size to run time)")
+        if self.packed_tokens and (self.varlen or self.precision == "fp8"):
+            raise bad("packed_tokens=True packs a dense or paged decode's 16-bit queries; "
+                      "varlen batches and precision='fp8' keep a row per (head, token)")
         if self.varlen and self.split_kv:
             raise bad("varlen=True is the prefill layout and splits no keys across CTAs; "
                       "decode a paged cache (paged_kv=True) for split-KV")
@@ -242,7 +251,8 @@ class AttentionSpec(SpecData):
                  ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
                  ("varlen", self.varlen),
-                 (f"paged{self.page_size or ''}", self.paged_kv)]  # config.tag: family
+                 (f"paged{self.page_size or ''}", self.paged_kv),
+                 ("ptok", self.packed_tokens)]  # config.tag: family
         return "_".join(parts + [tag for tag, on in flags if on])
 
     # -- serialisation -------------------------------------------------------------------------

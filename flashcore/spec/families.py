@@ -31,6 +31,7 @@ class KernelFamily(Protocol):
     archs: tuple[str, ...]
     knobs: Mapping[str, tuple[int, ...]]
     splits_keys: bool  # builds split_kv kernels (flash-decoding's partials)
+    packs_tokens: bool  # builds packed_tokens kernels (multi-token GQA decode)
     producer_threads: int  # threads a CTA has beyond config.threads (a producer warpgroup)
 
     def dsl_arch(self, arch: str) -> str: ...
@@ -50,6 +51,7 @@ class MmaSync:
     archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")
     max_threads: int = 512  # 128 registers per thread still fit the 64K register file
     splits_keys: bool = True
+    packs_tokens: bool = True
     producer_threads: int = 0
 
     def dsl_arch(self, arch: str) -> str:
@@ -166,6 +168,7 @@ class Wgmma:
     archs: tuple[str, ...] = ("sm_90",)
     precisions: tuple[str, ...] = ("fp16",)
     splits_keys: bool = False
+    packs_tokens: bool = False
     rows_per_warpgroup: int = 64
     producer_threads: int = 0
 
@@ -184,7 +187,7 @@ class Wgmma:
             return SpecError(f"AttentionSpec ({self.name}): {what}")
 
         unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", "window",
-                                   "softcap") if getattr(spec, f)]
+                                   "softcap", "packed_tokens") if getattr(spec, f)]
         if spec.precision not in self.precisions:
             unsupported.append(f"precision={spec.precision!r}")
         if spec.mask_align != "top_left":

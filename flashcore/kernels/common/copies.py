@@ -121,14 +121,36 @@ def load_gathered(tiled_copy, thr_copy, row_of, dst, coords, n_block, slot, seql
         key = coords[0, m, 0, n_block][0]
         if cutlass.const_expr(ragged):
             if key < seqlen:
-                _copy_row(tiled_copy, thr_copy, row_of(key), dst, m, slot, tile)
+                copy_row(tiled_copy, thr_copy.partition_S, row_of(key),
+                         dst[None, m, None, slot], m, tile)
             else:
                 dst[None, m, None, slot].fill(0)
         else:
-            _copy_row(tiled_copy, thr_copy, row_of(key), dst, m, slot, tile)
+            copy_row(tiled_copy, thr_copy.partition_S, row_of(key), dst[None, m, None, slot],
+                     m, tile)
 
 
 @cute.jit
-def _copy_row(tiled_copy, thr_copy, row, dst, m, slot, tile: cutlass.Constexpr):
-    view = cute.make_tensor(row.iterator, cute.make_layout(tile, stride=(0, 1)))
-    cute.copy(tiled_copy, thr_copy.partition_S(view)[None, m, None], dst[None, m, None, slot])
+def load_scattered_rows(tiled_copy, thr_copy, row_of, dst, coords, seqlen,
+                        tile: cutlass.Constexpr):
+    """``load_rows`` for a (rows, cols) ``tile`` whose rows are scattered (packed tokens'
+    queries, ``grid.packed_row``): row ``r``'s (cols,) row is ``row_of(r)``."""
+    for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
+        row = coords[0, m, 0][0]
+        if row < seqlen:
+            copy_row(tiled_copy, thr_copy.partition_S, row_of(row), dst[None, m, None], m, tile)
+        else:
+            dst[None, m, None].fill(0)
+
+
+@cute.jit
+def copy_row(tiled_copy, partition, row, other, m, tile: cutlass.Constexpr, store=False):
+    """Copy a thread's pass ``m`` of a ``tile`` between ``other`` (its partitioned pass) and
+    global ``row``: a view whose rows all sit at the row's address (row stride 0),
+    partitioned like the whole tile (``partition``: the thread's partition_S or partition_D),
+    so its chunks keep the tile's columns and 16-byte copies. ``store``: into the row."""
+    view = partition(cute.make_tensor(row.iterator, cute.make_layout(tile, stride=(0, 1))))
+    if cutlass.const_expr(store):
+        cute.copy(tiled_copy, other, view[None, m, None])
+    else:
+        cute.copy(tiled_copy, view[None, m, None], other)

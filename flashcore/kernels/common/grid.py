@@ -17,12 +17,13 @@ from .tile_order import causal_tile
 
 
 @cute.jit
-def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr):
+def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr, q_group=1):
     """(query tile, head, batch, key share) of this CTA. Cheap enough to compute again where
     needed (from a fresh read of the block index, which the compiler cannot merge with the
     first) instead of keeping it live through the key loop (registers). A packed batch
     (``varlen``) has its batch in the grid's z and as many query tiles per head as its longest
-    sequence (the grid's x over the heads)."""
+    sequence (the grid's x over the heads). With ``packed_tokens`` the head is a K/V head, whose
+    rows are its ``q_group`` query heads' tokens (``packed_row``)."""
     lin, split, batch = fresh_ctaid("x"), 0, 0
     if cutlass.const_expr(spec.split_kv):
         split = fresh_ctaid("y")
@@ -31,6 +32,9 @@ def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr):
     if cutlass.const_expr(spec.varlen):
         m_blocks = cute.arch.grid_dim()[0] // heads
         batch = fresh_ctaid("z")
+    elif cutlass.const_expr(spec.packed_tokens):
+        heads = heads // q_group
+        m_blocks = cute.ceil_div(_dim(mQ, 2, spec) * q_group, spec.tile_m)
     else:
         m_blocks = cute.ceil_div(_dim(mQ, 2, spec), spec.tile_m)
     m_block, bh = 0, 0
@@ -62,6 +66,17 @@ def _select(cond, a, b):
 def kv_head_of(head, mQ: cute.Tensor, mK: cute.Tensor):
     """The K/V head of query head ``head`` (grouped-query attention)."""
     return head // (mQ.shape[1] // mK.shape[1])
+
+
+def packed_row(t: cute.Tensor, batch, kv_head, row, q_group):
+    """Row ``row`` of K/V head ``kv_head``'s packed tokens (``spec.packed_tokens``) in a
+    (batch, heads, seq, ...) tensor of the query's shape: query head kv_head * q_group +
+    row % q_group, token row // q_group (token-major, as ``block_info`` and ``mask`` count
+    rows). Its (head_dim,) row of Q or O, or for the LSE a (1,) view of its value."""
+    head, token = kv_head * q_group + row % q_group, row // q_group
+    if cute.rank(t) == 4:
+        return t[batch, head, token, None]
+    return cute.local_tile(t[batch, head, None], (1,), (token,))
 
 
 @cute.jit

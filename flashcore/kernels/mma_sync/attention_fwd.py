@@ -82,12 +82,15 @@ class AttentionForward:
         geometry (``flashcore.build.abi.attention_grid``)."""
         lay = KernelLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
-        m_blocks = cute.ceil_div(mQ.shape[2], self.spec.tile_m)
+        rows, heads = mQ.shape[2], mQ.shape[1]
+        if cutlass.const_expr(self.spec.packed_tokens):  # a K/V head's tokens of its queries
+            rows, heads = rows * q_group, mK.shape[1]
+        m_blocks = cute.ceil_div(rows, self.spec.tile_m)
         batches = 1 if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
         self.kernel(mQ, mK, mV, mO, mLSE, mQd, mKd, mVd, scale_log2, q_group, num_splits,
                     window_left, window_right, softcap_in, softcap_out, cu_seqlens_q,
                     cu_seqlens_k, block_table, seqlens_k).launch(
-            grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, batches),
+            grid=(m_blocks * heads * mQ.shape[0], num_splits, batches),
             block=[self.spec.threads, 1, 1], smem=self.smem_size,
             # a decode tile's CTAs (one warp row) run about one a SM: without a bound ptxas
             # budgets registers for a dozen such CTAs (168) and spilled in the key loop (bf16

@@ -10,7 +10,7 @@ import cutlass.cute as cute
 
 from ..common.block_info import UNBOUNDED, KeyBounds, key_range
 from ..common.fragments import mn_view
-from ..common.grid import kv_head_of, tile_coords
+from ..common.grid import kv_head_of, packed_row, tile_coords
 from ..common.mma import SmemOperand
 from .e4m3_operands import E4m3Operand, output_columns, permuted, query_columns
 from .layouts import KernelLayouts
@@ -29,18 +29,21 @@ class Cta:
         self.group, self.tidx = 0, cta_tidx  # kv_splits groups of `warps` warps
         if cutlass.const_expr(c.kv_splits > 1):
             self.group, self.tidx = cta_tidx // c.group_threads, cta_tidx % c.group_threads
-        self.m_block, head, batch, split = tile_coords(mQ, spec)
+        self.m_block, head, batch, split = tile_coords(mQ, spec, q_group)
         if cutlass.const_expr(not spec.split_kv):
             num_splits = 1  # one CTA per query tile: its key range is known at compile time
-        self.kv_head = kv_head_of(head, mQ, mK)
+        packed = spec.packed_tokens  # the grid's heads are K/V heads (``query_tile``)
+        self.kv_head = head if cutlass.const_expr(packed) else kv_head_of(head, mQ, mK)
         self.key_descales(mK, mKd, mVd, seqs, batch)
         self.seqs = seqs
         self.seqlen_q, self.seqlen_k = seqs.query_len(mQ, batch), seqs.key_len(mK, batch)
+        if cutlass.const_expr(packed):
+            self.seqlen_q = self.seqlen_q * q_group
         self.q_group = q_group
         self.key_share(split, num_splits, window_left, window_right)
 
         # ---- global tiles and their coordinates (for predicates and masks) --------------------
-        gQ = cute.local_tile(seqs.query_rows(mQ, batch, head), (tm, d), (self.m_block, 0))
+        gQ = self.query_tile(mQ, head, batch)
         if cutlass.const_expr(spec.paged_kv):  # pages, or rows of any page size (issue_paged)
             rows_of = seqs.page if spec.page_size else seqs.paged_row
             self.k_paged = lambda i: rows_of(mK, batch, self.kv_head, i)
@@ -79,9 +82,10 @@ class Cta:
             self.sO = cute.make_tensor(self.sQ.iterator, lay.sO)  # Q's buffer, free by then
 
         # ---- global->shared copy partitions ------------------------------------------------------
-        q_copy = lay.g2s_q.get_slice(self.tidx)
-        self.tQgQ, self.tQsQ, self.tQcQ = (q_copy.partition_S(gQ), q_copy.partition_D(self.sQ),
-                                           q_copy.partition_S(cQ))
+        self.q_copy = q_copy = lay.g2s_q.get_slice(self.tidx)
+        self.tQsQ, self.tQcQ = q_copy.partition_D(self.sQ), q_copy.partition_S(cQ)
+        if cutlass.const_expr(not spec.packed_tokens):
+            self.tQgQ = q_copy.partition_S(gQ)
         k_copy, v_copy = lay.g2s_k.get_slice(self.tidx), lay.g2s_v.get_slice(self.tidx)
         self.k_copy = k_copy
         if cutlass.const_expr(spec.paged_kv):
@@ -93,6 +97,17 @@ class Cta:
         self.tKVcKV = k_copy.partition_S(cKV)
 
         self.mma_operands(sK, sVt)
+
+    def query_tile(self, mQ, head, batch):
+        """The CTA's (tile_m, head_dim) tile of Q; with ``packed_tokens`` None, and row r of the
+        tile is gathered from ``q_row(r)`` (``grid.packed_row``)."""
+        spec = self.spec
+        if cutlass.const_expr(spec.packed_tokens):
+            q_group = self.q_group
+            self.q_row = lambda r: packed_row(mQ, batch, head, r, q_group)
+            return None
+        return cute.local_tile(self.seqs.query_rows(mQ, batch, head),
+                               (spec.tile_m, spec.head_dim), (self.m_block, 0))
 
     def key_descales(self, mK, mKd, mVd, seqs: Sequences, batch):
         """Per-key descales of this K/V head: of K (FP8 operands, or an FP8 KV cache) and of V

@@ -10,9 +10,10 @@
 import cutlass
 import cutlass.cute as cute
 
+from ..common.copies import copy_row
 from ..common.epilogue import store_lse
 from ..common.fragments import mn_view
-from ..common.grid import tile_coords
+from ..common.grid import packed_row, tile_coords
 from ..common.softmax import OnlineSoftmax
 from .cta import Cta
 from .pipeline import group_sync
@@ -72,11 +73,15 @@ def normalise(cta: Cta, softmax: OnlineSoftmax, o_scale):
 @cute.jit
 def store_output(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
     """The final output, in the output dtype, through shared memory to 16-byte stores."""
-    lay, c, d = cta.lay, cta.config, cta.spec.head_dim
-    m_block, head, batch, _ = tile_coords(mQ, cta.spec)
+    lay, c, d, packed = cta.lay, cta.config, cta.spec.head_dim, cta.spec.packed_tokens
+    m_block, head, batch, _ = tile_coords(mQ, cta.spec, cta.q_group)
     normalise(cta, softmax, o_scale)
     if cutlass.const_expr(mLSE is not None):
-        store_lse(cta, softmax, cta.seqs.query_rows(mLSE, batch, head), m_block)
+        if cutlass.const_expr(packed):
+            store_lse(cta, softmax, lambda r: packed_row(mLSE, batch, head, r, cta.q_group),
+                      m_block, scattered=True)
+        else:
+            store_lse(cta, softmax, cta.seqs.query_rows(mLSE, batch, head), m_block)
 
     rO = cute.make_rmem_tensor(cta.acc_O.layout, lay.out_dtype)
     rO.store(cta.acc_O.load().to(lay.out_dtype))
@@ -87,16 +92,29 @@ def store_output(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
     cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cta.output_view(cta.sO)))
     group_sync(cta, 0)
 
-    gO = cute.local_tile(cta.seqs.query_rows(mO, batch, head), (c.tile_m, d), (m_block, 0))
     cO = cute.local_tile(cute.make_identity_tensor((cta.seqlen_q, d)), (c.tile_m, d),
                          (m_block, 0))
     r2g = lay.r2g_o.get_slice(cta.tidx)
+    gO = None
+    if cutlass.const_expr(packed):
+        # each row goes to its (query head, token) (``packed_row``, ``copy_row``): a compact
+        # stand-in gives the registers their shape (a row stride of 0 would make the rows share
+        # registers)
+        gO = cute.make_tensor(mO.iterator, cute.make_layout((c.tile_m, d), stride=(d, 1)))
+    else:
+        gO = cute.local_tile(cta.seqs.query_rows(mO, batch, head), (c.tile_m, d), (m_block, 0))
     tOsO, tOgO, tOcO = r2g.partition_S(cta.sO), r2g.partition_D(gO), r2g.partition_D(cO)
     tOrO = cute.make_rmem_tensor_like(tOgO, lay.out_dtype)
     cute.autovec_copy(tOsO, tOrO)
     for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-        if cute.elem_less(tOcO[0, m, 0][0], cta.seqlen_q):
-            cute.copy(lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])
+        row = tOcO[0, m, 0][0]
+        if cute.elem_less(row, cta.seqlen_q):
+            if cutlass.const_expr(packed):
+                copy_row(lay.r2g_o, r2g.partition_D,
+                         packed_row(mO, batch, head, row, cta.q_group), tOrO[None, m, None], m,
+                         (c.tile_m, d), store=True)
+            else:
+                cute.copy(lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])
 
 
 @cute.jit
@@ -104,7 +122,7 @@ def store_partials(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
     """This CTA's share of the keys: normalised fp32 output rows and their LSE, at batch index
     split · batch_size + batch of the workspace."""
     c, d = cta.config, cta.spec.head_dim
-    m_block, head, batch, split = tile_coords(mQ, cta.spec)
+    m_block, head, batch, split = tile_coords(mQ, cta.spec, cta.q_group)
     at = split * mQ.shape[0] + batch
     normalise(cta, softmax, o_scale)
     store_lse(cta, softmax, mLSE[at, head, None], m_block)

@@ -19,7 +19,14 @@ always means "the oldest block in flight has landed".
 import cutlass
 import cutlass.cute as cute
 
-from ..common.copies import load_block, load_gathered, load_paged, load_rows, load_vector
+from ..common.copies import (
+    load_block,
+    load_gathered,
+    load_paged,
+    load_rows,
+    load_scattered_rows,
+    load_vector,
+)
 from ..common.fragments import mn_view, quad_max
 from ..common.pow2 import pow2_above, pow2_inverse
 from .cta import Cta
@@ -114,7 +121,11 @@ def prologue(cta: Cta):
     by (``e4m3_operands.query_to_fp16``); else None."""
     kv_fp8 = cta.lay.kv_fp8
     if cta.group == 0:
-        load_rows(cta.lay.g2s_q, cta.tQgQ, cta.tQsQ, cta.tQcQ, cta.seqlen_q)
+        if cutlass.const_expr(cta.spec.packed_tokens):
+            load_scattered_rows(cta.lay.g2s_q, cta.q_copy, cta.q_row, cta.tQsQ, cta.tQcQ,
+                                cta.seqlen_q, (cta.config.tile_m, cta.spec.head_dim))
+        else:
+            load_rows(cta.lay.g2s_q, cta.tQgQ, cta.tQsQ, cta.tQcQ, cta.seqlen_q)
     if cutlass.const_expr(kv_fp8):
         cute.arch.cp_async_commit_group()
     n_last = cta.n_hi - 1
