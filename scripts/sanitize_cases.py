@@ -94,12 +94,16 @@ def decode_cases():
 def packed_tokens_cases():
     # multi-token GQA decode with (token, head) rows packed token-major (ops.plan.packs_tokens,
     # gathered and scattered by the kernel): ragged keys, bottom-right causal, a window,
-    # top-left causal, split and not, FP8 KV
+    # top-left causal, split and not, FP8 KV; tiles of 16, 32 (17-32 rows) and 64 rows
+    # (ops.plan.packed_tokens_config), ragged in rows too
     for b, hq, hkv, sq, sk, d, causal, align, window, splits in (
             (1, 8, 2, 3, 777, 128, True, "bottom_right", None, None),
             (2, 12, 4, 5, 301, 64, True, "bottom_right", (60, 0), 3),
             (1, 16, 2, 2, 1000, 128, True, "top_left", None, None),
-            (1, 32, 8, 4, 4093, 128, False, "top_left", None, 1)):
+            (1, 32, 8, 4, 4093, 128, False, "top_left", None, 1),
+            (2, 16, 4, 7, 999, 64, True, "bottom_right", None, None),
+            (1, 32, 4, 6, 3001, 128, False, "top_left", None, None),
+            (3, 6, 2, 15, 45, 128, True, "bottom_right", (20, 0), 1)):
         q, k, v = qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=sk)
         masks = {"mask_align": align, "window": window}
         out, _ = attention(q, k, v, causal=causal, num_splits=splits, return_lse=True, **masks)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from flashcore.build.catalog import catalog_specs
 from flashcore.errors import SpecError
+from flashcore.ops.plan import packed_tokens_config
 from flashcore.spec import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
 from flashcore.spec.attention import MASK_ALIGNS
 from flashcore.tuned.table import BUCKETS, lookup, table_arch, winner_specs
@@ -54,6 +55,12 @@ def _tuned(arch: str, bucket: str, head_dim: int, causal: bool, precision="fp16"
     """What ``tile=None`` runs (borrowed, family-checked; a call with ``features`` its winner's
     family does not build gets the entry's fallback)."""
     return lookup(arch, head_dim, causal, bucket, precision, features)
+
+
+def _packed_tiles(config: TileConfig) -> list:
+    """A tuned decode config and the tiles it grows to for packed tokens' rows (17-32, 33+)."""
+    return list(dict.fromkeys([config, packed_tokens_config(config, 2, 16),
+                               packed_tokens_config(config, 2, 32)]))
 
 
 def prefill_specs(arch: str) -> list:
@@ -97,9 +104,10 @@ def decode_specs(arch: str) -> list:
                         kv_fp8=True, packed_tokens=[False, True])
     # test_multi_token_gqa_decode_packs_tokens: packed tokens under every mask it draws
     for d, causal in itertools.product(HEAD_DIMS, (False, True)):
-        specs += _specs(arch, [_tuned(arch, "decode", d, causal)], dtype=DTYPES, head_dim=d,
-                        causal=causal, return_lse=[False, True], split_kv=[False, True],
-                        mask_align=list(MASK_ALIGNS), window=[False, True], packed_tokens=True)
+        specs += _specs(arch, _packed_tiles(_tuned(arch, "decode", d, causal)), dtype=DTYPES,
+                        head_dim=d, causal=causal, return_lse=[False, True],
+                        split_kv=[False, True], mask_align=list(MASK_ALIGNS),
+                        window=[False, True], packed_tokens=True)
         if len(kv8) > 1:
             specs += _specs(arch, [_tuned(arch, "decode", d, causal, "fp8kv")], dtype=DTYPES,
                             head_dim=d, causal=causal, return_lse=[False, True],
@@ -127,8 +135,12 @@ def mask_specs(arch: str) -> list:
                 HEAD_DIMS, MASK_VARIANTS, lse_split):
             specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
                             causal=causal, return_lse=lse, split_kv=split, mask_align=align,
-                            window=window, softcap=softcap,
-                            packed_tokens=[False, True] if bucket == "decode" else False)
+                            window=window, softcap=softcap)
+            if bucket == "decode":  # GQA of a few tokens: packed rows
+                specs += _specs(arch, _packed_tiles(_tuned(arch, bucket, d, causal)),
+                                dtype=DTYPES, head_dim=d, causal=causal, return_lse=lse,
+                                split_kv=split, mask_align=align, window=window,
+                                softcap=softcap, packed_tokens=True)
     window = (("window", True),)
     specs += _specs(arch, [_tuned(arch, "long", 64, True, features=window)], head_dim=64,
                     causal=True, window=True)
@@ -177,7 +189,7 @@ def serving_specs(arch: str) -> list:
                         return_lse=[False, True], split_kv=[False, True], causal=causal,
                         mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES, page_size=pages)
         # test_paged_multi_token_gqa_packs_tokens
-        specs += _specs(arch, [_tuned(arch, "decode", d, causal)], paged_kv=True,
+        specs += _specs(arch, _packed_tiles(_tuned(arch, "decode", d, causal)), paged_kv=True,
                         return_lse=[False, True], split_kv=[False, True], causal=causal,
                         mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES,
                         page_size=pages, packed_tokens=True)

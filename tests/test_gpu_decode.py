@@ -111,6 +111,12 @@ def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal,
          align="top_left", window=None, bshd=False, num_splits=7, seed=2)
 @example(b=1, hkv=1, group=8, sq=3, sk=2000, d=128, dtype="float16", causal=True,
          align="bottom_right", window=(100, 0), bshd=True, num_splits=None, seed=3)
+@example(b=2, hkv=3, group=4, sq=7, sk=3001, d=64, dtype="bfloat16", causal=False,
+         align="top_left", window=None, bshd=True, num_splits=None, seed=4)  # a 32-row tile
+@example(b=1, hkv=2, group=8, sq=12, sk=5000, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=None, bshd=False, num_splits=None, seed=5)  # two of 64
+@example(b=3, hkv=2, group=3, sq=15, sk=40, d=128, dtype="float16", causal=False,
+         align="top_left", window=None, bshd=False, num_splits=1, seed=6)  # 45 rows, one 64-row tile, unsplit
 def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, causal, align,
                                              window, bshd, num_splits, seed):
     """A few query tokens per K/V head's query heads, packed token-major into rows that the
@@ -123,8 +129,10 @@ def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, ca
     if causal and window is not None and window[1] > 0:
         window = (window[0], 0)
     shifted = align == "bottom_right" or window is not None
-    assert plan.packs_tokens(sq, hkv * group, hkv, DECODE_DEFAULT.tile_m, DECODE_DEFAULT.tile_n,
-                             causal and not shifted) == (-(-group * sq // 16) < group)
+    # the tuned tile grows to hold a K/V head's rows (16, 32 or 64), and they always pack
+    cfg = plan.packed_tokens_config(DECODE_DEFAULT, sq, group)
+    assert cfg.tile_m == next(m for m in (16, 32, 64) if group * sq <= m or m == 64)
+    assert plan.packs_tokens(sq, hkv * group, hkv, cfg.tile_m, cfg.tile_n, causal and not shifted)
     dt = DTYPES[dtype]
     q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, dt, seed)
     if bshd:  # a projection's (B, S, H, D) output seen as (B, H, S, D)

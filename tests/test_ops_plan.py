@@ -119,6 +119,31 @@ def test_multi_token_gqa_rows_are_the_callers_tensors():
         assert not r.packed_tokens and (r.heads, r.q_group) == (hq, 1)
 
 
+def test_packed_tokens_tiles_hold_a_kv_heads_rows():
+    """A tuned one-warp decode tile grows to 32 or 64 rows to hold a K/V head's packed
+    (token, head) rows; one token, no group, prefill lengths, 16 rows or fewer and any other
+    config stay as they are; the grown tile still packs."""
+    cfg = DECODE_DEFAULT
+    assert cfg.tile == (16, 64) and cfg.warps == 1
+    for sq, group, rows in ((2, 4, 16), (2, 8, 16), (4, 8, 32), (8, 4, 32), (16, 4, 64),
+                            (16, 32, 64), (5, 7, 64), (3, 6, 32), (2, 9, 32)):
+        got = plan.packed_tokens_config(cfg, sq, group)
+        assert got.tile == (rows, cfg.tile_n) and got.warps == rows // 16
+        assert got.stages == cfg.stages and got.kv_splits == cfg.kv_splits
+        assert plan.packs_tokens(sq, 8 * group, 8, got.tile_m, got.tile_n, False)
+    for sq, group in ((1, 32), (4, 1), (17, 8)):
+        assert plan.packed_tokens_config(cfg, sq, group) is cfg
+    for other in (TileConfig((64, 64)), cfg.replace(kv_splits=2), TileConfig((32, 64), warps=2)):
+        assert plan.packed_tokens_config(other, 8, 8) is other
+    kw = {"arch": "sm_90", "head_dim": 128, "causal": False, "seqlen_q": 8}
+    assert resolve_config(None, None, None, None, None, precision="fp16", group=8,
+                          **kw).tile == (64, 64)
+    assert resolve_config(None, None, None, None, None, precision="fp8kv", group=8,
+                          **kw).tile_m == 16  # an FP8 KV cache keeps its tuned tile
+    assert resolve_config(None, None, None, 2, None, precision="fp16", group=8,
+                          **kw).tile_m == 16  # the caller's knobs on the tuned tile
+
+
 def test_which_decode_calls_pack_tokens():
     assert plan.packs_tokens(4, 32, 8, 16, 64, False)  # 16 rows: one tile for four heads
     assert plan.packs_tokens(2, 8, 1, 16, 64, True)  # top-left causal: every token in block 0

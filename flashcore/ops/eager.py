@@ -39,10 +39,12 @@ def explicit_config(tile, warps, stages, kv_splits) -> TileConfig:
 
 
 def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, causal,
-                   seqlen_q, precision, features: tuple = ()) -> TileConfig:
+                   seqlen_q, precision, features: tuple = (), group: int = 1) -> TileConfig:
     """One TileConfig from what the caller gave: ``config`` whole, or ``tile`` and knobs, or
     (``tile=None``) the tuned table's config for a call with these spec ``features``
-    (``plan.tuned_config``) with any knob the caller set on top."""
+    (``plan.tuned_config``) with any knob the caller set on top. A 16-bit decode of a few
+    tokens and ``group`` query heads a K/V head gets a tile that holds its packed rows
+    (``plan.packed_tokens_config``)."""
     if config is not None:
         if not isinstance(config, TileConfig):
             raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
@@ -53,7 +55,7 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
         return explicit_config(tuple(tile), warps, stages, kv_splits)
     tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision, features)
     if warps is None and stages is None and kv_splits is None:
-        return tuned
+        return plan.packed_tokens_config(tuned, seqlen_q, group) if precision == "fp16" else tuned
     return tuned.replace(**{k: v for k, v in (("warps", warps), ("stages", stages),
                                               ("kv_splits", kv_splits)) if v is not None})
 
@@ -78,7 +80,8 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     config = resolve_config(config, tile, warps, stages, kv_splits, arch=arch_of(dev),
                             head_dim=q.shape[3], causal=causal, seqlen_q=q.shape[2],
                             precision="fp8kv" if k.dtype == E4M3 else precision,
-                            features=mask.features + _split_feature(num_splits))
+                            features=mask.features + _split_feature(num_splits),
+                            group=q.shape[1] // k.shape[1])
     B, H, Sq, D = q.shape
     if out is not None:
         check_out(out, q.shape, q.dtype, q.device, (q, k, v))

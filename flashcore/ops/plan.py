@@ -63,6 +63,28 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
             and -(-group * seqlen_q // tile_m) < group)
 
 
+# The tile rows a packed-tokens call's tuned decode tile grows to: the fewest that hold a K/V
+# head's S_q * group rows, up to 64 (one warp per 16 rows). Each tile of a K/V head streams its
+# whole cache, so one tile over all its rows reads it once (H100, 2026-11-26, graph us with
+# 16 / 32 / 64-row tiles: 1,32/8,8x8192 22.4 / 17.5 / 17.7; 1,32/8,16x8192 38.0 / 21.3 / 19.0;
+# 16,32/8,16x4096 157.8 / 106.5 / 96.6; 1,64/8,4x32768 73.1 / 52.0 / 52.5; 16 rows or fewer:
+# level, 1,32/8,4x8192 17.0 / 17.0 / 17.2).
+PACKED_TILE_ROWS = (16, 32, 64)
+
+
+def packed_tokens_config(config: TileConfig, seqlen_q: int, group: int) -> TileConfig:
+    """The tuned decode ``config`` (a one-warp 16-row tile) for a call of ``seqlen_q`` tokens
+    (2 to ``DECODE_MAX_Q``) and ``group`` query heads a K/V head, whose (token, head) rows
+    ``packs_tokens`` packs: its tile grows to hold them (``PACKED_TILE_ROWS``). Anything else
+    is returned as it is (one token's heads: 16 rows measured only)."""
+    rows = seqlen_q * group
+    if (not 1 < seqlen_q <= DECODE_MAX_Q or group < 2 or rows <= 16
+            or (config.tile_m, config.warps, config.kv_splits) != (16, 1, 1)):
+        return config
+    tile_m = next((m for m in PACKED_TILE_ROWS if rows <= m), PACKED_TILE_ROWS[-1])
+    return config.replace(tile=(tile_m, config.tile_n), warps=tile_m // 16)
+
+
 def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
     """(B, Hq, 1, ...) -> (B, Hkv, Hq / Hkv, ...): the query heads of each K/V head as rows."""
     b, hq = t.shape[:2]

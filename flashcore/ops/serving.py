@@ -259,7 +259,8 @@ def run_paged(
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q,
                          precision="fp16" if kd is None else "fp8kv",
-                         features=(("paged_kv", True), ("varlen", packed), *mask.features))
+                         features=(("paged_kv", True), ("varlen", packed), *mask.features),
+                         group=1 if packed else heads // kv_heads)
     # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes
     k4, k_arg = prepared(k_cache.permute(0, 2, 1, 3))
     v4, v_arg = prepared(v_cache.permute(0, 2, 1, 3))
