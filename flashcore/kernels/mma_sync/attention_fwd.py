@@ -92,10 +92,11 @@ class AttentionForward:
                     cu_seqlens_k, block_table, seqlens_k).launch(
             grid=(m_blocks * heads * mQ.shape[0], num_splits, batches),
             block=[self.spec.threads, 1, 1], smem=self.smem_size,
-            # a decode tile's CTAs (one warp row) run about one a SM: without a bound ptxas
-            # budgets registers for a dozen such CTAs (168) and spilled in the key loop (bf16
-            # 16x64 s2 split: 24 B, five local accesses a block; with it 183 registers, none)
-            min_blocks_per_mp=1 if self.spec.tile_m == 16 else 0,
+            # a decode tile's CTAs (one warp row, or a K/V head's packed token rows) run about
+            # one a SM: without a bound ptxas budgets registers for a dozen such CTAs (168 for
+            # one or two warps, 128 for four) and spilled in the key loop (bf16 16x64 s2 split:
+            # 24 B, five local accesses a block; with it 183 registers, none)
+            min_blocks_per_mp=1 if self.spec.tile_m == 16 or self.spec.packed_tokens else 0,
         )
 
     @cute.kernel
