@@ -92,10 +92,11 @@ def decode_cases():
 
 
 def packed_tokens_cases():
-    # multi-token GQA decode with (token, head) rows packed token-major (ops.plan.packs_tokens,
-    # gathered and scattered by the kernel): ragged keys, bottom-right causal, a window,
-    # top-left causal, split and not, FP8 KV; tiles of 16, 32 (17-32 rows) and 64 rows
-    # (ops.plan.packed_tokens_config), ragged in rows too
+    # GQA decode with a K/V head's rows packed: multi-token (token, head) rows token-major
+    # (ops.plan.packs_tokens, gathered and scattered by the kernel) and one token's heads past
+    # 16: ragged keys, bottom-right causal, a window, top-left causal, split and not, FP8 KV;
+    # tiles of 16, 32 (17-32 rows, and past 64) and 64 rows (ops.plan.packed_rows_config),
+    # ragged in rows too
     for b, hq, hkv, sq, sk, d, causal, align, window, splits in (
             (1, 8, 2, 3, 777, 128, True, "bottom_right", None, None),
             (2, 12, 4, 5, 301, 64, True, "bottom_right", (60, 0), 3),
@@ -103,20 +104,26 @@ def packed_tokens_cases():
             (1, 32, 8, 4, 4093, 128, False, "top_left", None, 1),
             (2, 16, 4, 7, 999, 64, True, "bottom_right", None, None),
             (1, 32, 4, 6, 3001, 128, False, "top_left", None, None),
-            (3, 6, 2, 15, 45, 128, True, "bottom_right", (20, 0), 1)):
+            (3, 6, 2, 15, 45, 128, True, "bottom_right", (20, 0), 1),
+            (1, 24, 1, 4, 1500, 128, False, "top_left", None, None),  # 96 rows: 3 of 32
+            (1, 64, 2, 1, 3001, 128, False, "top_left", None, None),  # one token, 32 heads
+            (1, 48, 1, 1, 2000, 64, True, "bottom_right", None, None)):  # 48 heads, 64 rows
         q, k, v = qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=sk)
         masks = {"mask_align": align, "window": window}
         out, _ = attention(q, k, v, causal=causal, num_splits=splits, return_lse=True, **masks)
         yield check(f"packed tokens {(b, hq, hkv, sq, sk, d)} causal={causal} {align} "
                     f"window={window} splits={splits}", out, q, k, v, causal, **masks)
-    q, k, v = qkv(1, 8, 2, 3, 555, 128, seed=5)
-    k8, kd = quantize_fp8(k, granularity="token")
-    v8, vd = quantize_fp8(v, granularity="token")
-    kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
-    out = attention(q, k8, v8, causal=True, mask_align="bottom_right", k_descale=kd,
-                    v_descale=vd)
-    yield check("packed tokens fp8 kv (1, 8, 2, 3, 555, 128) bottom_right", out, q, kq, vq,
-                True, mask_align="bottom_right")
+    # FP8 KV: 12 rows (16-row tile), 32 (32), 64 (64, d64) and one token's 32 heads (32)
+    for shape in ((1, 8, 2, 3, 555, 128), (1, 16, 2, 4, 777, 128), (1, 8, 1, 8, 999, 64),
+                  (1, 32, 1, 1, 555, 128)):
+        q, k, v = qkv(*shape, seed=5)
+        k8, kd = quantize_fp8(k, granularity="token")
+        v8, vd = quantize_fp8(v, granularity="token")
+        kq, vq = k8.double() * kd.double()[..., None], v8.double() * vd.double()[..., None]
+        out = attention(q, k8, v8, causal=True, mask_align="bottom_right", k_descale=kd,
+                        v_descale=vd)
+        yield check(f"packed tokens fp8 kv {shape} bottom_right", out, q, kq, vq, True,
+                    mask_align="bottom_right")
 
 
 def mask_cases():

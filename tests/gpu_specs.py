@@ -16,7 +16,7 @@ from pathlib import Path
 
 from flashcore.build.catalog import catalog_specs
 from flashcore.errors import SpecError
-from flashcore.ops.plan import packed_tokens_config
+from flashcore.ops.plan import packed_rows_config
 from flashcore.spec import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
 from flashcore.spec.attention import MASK_ALIGNS
 from flashcore.tuned.table import BUCKETS, lookup, table_arch, winner_specs
@@ -58,9 +58,10 @@ def _tuned(arch: str, bucket: str, head_dim: int, causal: bool, precision="fp16"
 
 
 def _packed_tiles(config: TileConfig) -> list:
-    """A tuned decode config and the tiles it grows to for packed tokens' rows (17-32, 33+)."""
-    return list(dict.fromkeys([config, packed_tokens_config(config, 2, 16),
-                               packed_tokens_config(config, 2, 32)]))
+    """A tuned decode config and the tiles it grows to for packed rows (17-32 and past 64,
+    33-64)."""
+    return list(dict.fromkeys([config, packed_rows_config(config, 2, 16),
+                               packed_rows_config(config, 2, 32)]))
 
 
 def prefill_specs(arch: str) -> list:
@@ -98,6 +99,15 @@ def decode_specs(arch: str) -> list:
                 specs += _specs(arch, [_tuned(arch, bucket, d, causal, "fp8kv")], dtype=DTYPES,
                                 head_dim=d, causal=causal, return_lse=[False, True],
                                 split_kv=[False, True], kv_fp8=True)
+    # the tiles one token's query heads grow to (groups past 16), under either causal alignment
+    for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+        specs += _specs(arch, _packed_tiles(_tuned(arch, "decode", d, causal))[1:],
+                        dtype=DTYPES, head_dim=d, causal=causal, return_lse=[False, True],
+                        split_kv=[False, True], mask_align=list(MASK_ALIGNS))
+        if len(kv8) > 1:
+            specs += _specs(arch, _packed_tiles(_tuned(arch, "decode", d, causal, "fp8kv"))[1:],
+                            dtype=DTYPES, head_dim=d, causal=causal, return_lse=[False, True],
+                            split_kv=[False, True], kv_fp8=True, mask_align=list(MASK_ALIGNS))
     if len(kv8) > 1:  # test_fp8_kv_cache_in_every_kind_of_config (GQA of 1-5 tokens)
         specs += _specs(arch, FP8_KV_CONFIGS, dtype=DTYPES, head_dim=HEAD_DIMS,
                         causal=[False, True], return_lse=True, split_kv=[False, True],
@@ -109,8 +119,8 @@ def decode_specs(arch: str) -> list:
                         split_kv=[False, True], mask_align=list(MASK_ALIGNS),
                         window=[False, True], packed_tokens=True)
         if len(kv8) > 1:
-            specs += _specs(arch, [_tuned(arch, "decode", d, causal, "fp8kv")], dtype=DTYPES,
-                            head_dim=d, causal=causal, return_lse=[False, True],
+            specs += _specs(arch, _packed_tiles(_tuned(arch, "decode", d, causal, "fp8kv")),
+                            dtype=DTYPES, head_dim=d, causal=causal, return_lse=[False, True],
                             split_kv=[False, True], kv_fp8=True, packed_tokens=True,
                             mask_align=list(MASK_ALIGNS))
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)
@@ -213,10 +223,11 @@ def serving_specs(arch: str) -> list:
             fp8kv = {"head_dim": d, "causal": causal, "dtype": DTYPES, "paged_kv": True,
                      "kv_fp8": True, "page_size": pages,
                      "mask_align": "bottom_right" if causal else "top_left"}
-            config = [_tuned(arch, "decode", d, causal, "fp8kv")]
-            specs += _specs(arch, config, split_kv=[False, True], packed_tokens=[False, True],
-                            **fp8kv)
-            specs += _specs(arch, config, varlen=True, **fp8kv)
+            config = _tuned(arch, "decode", d, causal, "fp8kv")
+            specs += _specs(arch, [config], split_kv=[False, True], **fp8kv)
+            specs += _specs(arch, _packed_tiles(config), split_kv=[False, True],
+                            packed_tokens=True, **fp8kv)
+            specs += _specs(arch, [config], varlen=True, **fp8kv)
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)  # split decode
               for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
     return list(dict.fromkeys(specs))

@@ -114,7 +114,7 @@ def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal,
 @example(b=2, hkv=3, group=4, sq=7, sk=3001, d=64, dtype="bfloat16", causal=False,
          align="top_left", window=None, bshd=True, num_splits=None, seed=4)  # a 32-row tile
 @example(b=1, hkv=2, group=8, sq=12, sk=5000, d=128, dtype="float16", causal=True,
-         align="bottom_right", window=None, bshd=False, num_splits=None, seed=5)  # two of 64
+         align="bottom_right", window=None, bshd=False, num_splits=None, seed=5)  # 96 rows: 3 of 32
 @example(b=3, hkv=2, group=3, sq=15, sk=40, d=128, dtype="float16", causal=False,
          align="top_left", window=None, bshd=False, num_splits=1, seed=6)  # 45 rows, one 64-row tile, unsplit
 def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, causal, align,
@@ -129,9 +129,10 @@ def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, ca
     if causal and window is not None and window[1] > 0:
         window = (window[0], 0)
     shifted = align == "bottom_right" or window is not None
-    # the tuned tile grows to hold a K/V head's rows (16, 32 or 64), and they always pack
-    cfg = plan.packed_tokens_config(DECODE_DEFAULT, sq, group)
-    assert cfg.tile_m == next(m for m in (16, 32, 64) if group * sq <= m or m == 64)
+    # the tuned tile grows to hold a K/V head's rows (16, 32 or 64; 32-row tiles past 64),
+    # and they always pack
+    cfg = plan.packed_rows_config(DECODE_DEFAULT, sq, group)
+    assert cfg.tile_m >= min(group * sq, 32)
     assert plan.packs_tokens(sq, hkv * group, hkv, cfg.tile_m, cfg.tile_n, causal and not shifted)
     dt = DTYPES[dtype]
     q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, dt, seed)
@@ -247,6 +248,10 @@ def _rel_l2(out, ref):
          log_mag=0, log_q_mag=0, outlier=1e4, zero_lead=200, seed=6)
 @example(b=1, hkv=1, group=1, sq=1, sk=1, d=64, dtype="float16", causal=False, log_mag=-6.0,
          log_q_mag=0.0, outlier=0.0, zero_lead=0, seed=0)  # an fp16 output in subnormals
+@example(b=1, hkv=2, group=32, sq=1, sk=5000, d=128, dtype="bfloat16", causal=False,
+         log_mag=0, log_q_mag=0, outlier=100.0, zero_lead=0, seed=7)  # 32 heads: a 32-row tile
+@example(b=1, hkv=2, group=8, sq=8, sk=3000, d=64, dtype="float16", causal=True, log_mag=2,
+         log_q_mag=0, outlier=0.0, zero_lead=1, seed=8)  # 64 packed rows: a 64-row tile
 def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
     b, hkv, group, sq, sk, d, dtype, causal, log_mag, log_q_mag, outlier, zero_lead, seed
 ):

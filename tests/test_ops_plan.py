@@ -19,18 +19,22 @@ from flashcore.spec import TileConfig
 from flashcore.tuned.table import DECODE_DEFAULT
 
 
-@given(ctas=st.integers(1, 4000), n_blocks=st.integers(1, 2000), slots=st.integers(8, 600))
-def test_num_splits_is_the_cheapest_in_the_model(ctas, n_blocks, slots):
-    s = plan.num_splits(ctas, n_blocks, slots)
+@given(ctas=st.integers(1, 4000), n_blocks=st.integers(1, 2000), slots=st.integers(8, 600),
+       rows=st.sampled_from([16, 32, 64]), head_dim=st.sampled_from([64, 128]))
+def test_num_splits_is_the_cheapest_in_the_model(ctas, n_blocks, slots, rows, head_dim):
+    s = plan.num_splits(ctas, n_blocks, slots, rows=rows, head_dim=head_dim)
     assert 1 <= s <= min(plan.MAX_SPLITS, n_blocks)
 
-    def cost(x):
-        return math.ceil(ctas * x / slots) * (math.ceil(n_blocks / x) + plan.SHARE_OVERHEAD)
+    def cost(x):  # waves x (blocks a share + its fixed cost) + the partials' traffic
+        partials = x * ctas * rows * head_dim * 8 / plan.PARTIAL_BYTES_PER_BLOCK
+        waves = math.ceil(ctas * x / slots)
+        return waves * (math.ceil(n_blocks / x) + plan.SHARE_OVERHEAD) + partials
 
     if ctas >= slots:  # the grid already fills the GPU
         assert s == 1
     else:
-        assert all(cost(s) <= cost(x) for x in range(1, min(plan.MAX_SPLITS, n_blocks) + 1))
+        costs = [cost(x) for x in range(1, min(plan.MAX_SPLITS, n_blocks) + 1)]
+        assert cost(s) == min(costs) and costs.index(min(costs)) == s - 1  # the fewest best
 
 
 def test_num_splits_of_the_issue_shapes():
@@ -41,6 +45,24 @@ def test_num_splits_of_the_issue_shapes():
     assert plan.num_splits(8, 128, 132) == 16
     # 16,32,8,4096,128 packed: 128 CTAs nearly fill the GPU -> no split
     assert plan.num_splits(128, 64, 132) == 1
+
+
+def test_num_splits_of_few_ctas_stop_before_one_block_a_share():
+    """A few CTAs over a short cache (MQA, one head): the H100 share sweeps (2026-11-26, graph
+    us) found shares of a block each slower than shares of two to four, the more so the more
+    rows a CTA's partials carry."""
+    # one 32-row CTA (1,32/1,8192): 64 shares 7.6 us (43: 7.5; 128, one block each: 8.9)
+    assert plan.num_splits(1, 128, 132, rows=32) == 64
+    # one 64-row CTA (1,64/1,8192): 43 shares 8.4 us (64: 8.3; 128: 10.3)
+    assert plan.num_splits(1, 128, 132, rows=64) == 43
+    # one 16-row CTA (1,1/1,8192): 64 shares 7.1 us (128: 7.3); over 512 blocks 128 shares
+    # 11.9 us (64: 13.7)
+    assert plan.num_splits(1, 128, 132) == 64
+    assert plan.num_splits(1, 512, 132) == 128
+    # one 32-row CTA over 256 blocks (1,32/1,16384): 86 shares 9.6 us (64: 9.4; 128: 10.6)
+    assert plan.num_splits(1, 256, 132, rows=32) == 86
+    # a head dimension of 64 carries half the partial bytes a row
+    assert plan.num_splits(1, 128, 132, rows=64, head_dim=64) == 64
 
 
 @given(n=st.integers(0, 300), parts=st.integers(1, 64))
@@ -119,29 +141,42 @@ def test_multi_token_gqa_rows_are_the_callers_tensors():
         assert not r.packed_tokens and (r.heads, r.q_group) == (hq, 1)
 
 
-def test_packed_tokens_tiles_hold_a_kv_heads_rows():
-    """A tuned one-warp decode tile grows to 32 or 64 rows to hold a K/V head's packed
-    (token, head) rows; one token, no group, prefill lengths, 16 rows or fewer and any other
-    config stay as they are; the grown tile still packs."""
+def test_packed_rows_tiles_hold_a_kv_heads_rows():
+    """A tuned one-warp decode tile (with or without in-CTA key groups) grows to 32 or 64 rows
+    to hold a K/V head's packed rows, one token's heads or a few tokens' (token, head) pairs,
+    and to 32 rows past 64; no group, prefill lengths, 16 rows or fewer and any other config
+    stay as they are; the grown tile still packs."""
     cfg = DECODE_DEFAULT
     assert cfg.tile == (16, 64) and cfg.warps == 1
-    for sq, group, rows in ((2, 4, 16), (2, 8, 16), (4, 8, 32), (8, 4, 32), (16, 4, 64),
-                            (16, 32, 64), (5, 7, 64), (3, 6, 32), (2, 9, 32)):
-        got = plan.packed_tokens_config(cfg, sq, group)
-        assert got.tile == (rows, cfg.tile_n) and got.warps == rows // 16
-        assert got.stages == cfg.stages and got.kv_splits == cfg.kv_splits
-        assert plan.packs_tokens(sq, 8 * group, 8, got.tile_m, got.tile_n, False)
-    for sq, group in ((1, 32), (4, 1), (17, 8)):
-        assert plan.packed_tokens_config(cfg, sq, group) is cfg
-    for other in (TileConfig((64, 64)), cfg.replace(kv_splits=2), TileConfig((32, 64), warps=2)):
-        assert plan.packed_tokens_config(other, 8, 8) is other
+    for base in (cfg, cfg.replace(kv_splits=2)):  # the FP8 KV cache's tuned tile has two groups
+        for sq, group, rows in ((2, 4, 16), (2, 8, 16), (4, 8, 32), (8, 4, 32), (16, 4, 64),
+                                (5, 7, 64), (3, 6, 32), (2, 9, 32), (1, 32, 32), (1, 64, 64),
+                                (1, 24, 32), (1, 48, 64), (16, 32, 32), (12, 8, 32),
+                                (1, 128, 32), (3, 22, 32)):
+            got = plan.packed_rows_config(base, sq, group)
+            assert got.tile == (rows, cfg.tile_n) and got.warps == rows // 16
+            assert got.stages == base.stages and got.kv_splits == base.kv_splits
+            if sq == 1:
+                assert plan.packs_heads(sq, 8 * group, 8)
+            else:
+                assert plan.packs_tokens(sq, 8 * group, 8, got.tile_m, got.tile_n, False)
+    for sq, group in ((1, 16), (1, 8), (4, 1), (17, 8)):
+        assert plan.packed_rows_config(cfg, sq, group) is cfg
+    for other in (TileConfig((64, 64)), TileConfig((32, 64), warps=2),
+                  TileConfig((16, 64), warps=2)):
+        assert plan.packed_rows_config(other, 8, 8) is other
     kw = {"arch": "sm_90", "head_dim": 128, "causal": False, "seqlen_q": 8}
     assert resolve_config(None, None, None, None, None, precision="fp16", group=8,
                           **kw).tile == (64, 64)
-    assert resolve_config(None, None, None, None, None, precision="fp8kv", group=8,
-                          **kw).tile_m == 16  # an FP8 KV cache keeps its tuned tile
+    fp8kv = resolve_config(None, None, None, None, None, precision="fp8kv", group=8, **kw)
+    assert fp8kv.tile == (64, 64) and fp8kv.kv_splits == 2  # its key groups kept
+    assert resolve_config(None, None, None, None, None, precision="fp16", group=32,
+                          **{**kw, "seqlen_q": 1}).tile == (32, 64)  # one token's 32 heads
     assert resolve_config(None, None, None, 2, None, precision="fp16", group=8,
                           **kw).tile_m == 16  # the caller's knobs on the tuned tile
+    assert resolve_config(None, None, None, None, None, precision="fp8", group=8,
+                          **kw) == plan.tuned_config("sm_90", 128, False, 8, "fp8")  # FP8
+    # operands pack no rows: their decode tile stays the tuned one-warp tile
 
 
 def test_which_decode_calls_pack_tokens():

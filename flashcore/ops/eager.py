@@ -42,9 +42,9 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
                    seqlen_q, precision, features: tuple = (), group: int = 1) -> TileConfig:
     """One TileConfig from what the caller gave: ``config`` whole, or ``tile`` and knobs, or
     (``tile=None``) the tuned table's config for a call with these spec ``features``
-    (``plan.tuned_config``) with any knob the caller set on top. A 16-bit decode of a few
-    tokens and ``group`` query heads a K/V head gets a tile that holds its packed rows
-    (``plan.packed_tokens_config``)."""
+    (``plan.tuned_config``) with any knob the caller set on top. A decode whose ``group``
+    query heads a K/V head (of one token or a few) are packed into more than 16 rows gets a
+    tile that holds them (``plan.packed_rows_config``)."""
     if config is not None:
         if not isinstance(config, TileConfig):
             raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")
@@ -55,7 +55,8 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
         return explicit_config(tuple(tile), warps, stages, kv_splits)
     tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision, features)
     if warps is None and stages is None and kv_splits is None:
-        return plan.packed_tokens_config(tuned, seqlen_q, group) if precision == "fp16" else tuned
+        return (plan.packed_rows_config(tuned, seqlen_q, group)
+                if precision in ("fp16", "fp8kv") else tuned)
     return tuned.replace(**{k: v for k, v in (("warps", warps), ("stages", stages),
                                               ("kv_splits", kv_splits)) if v is not None})
 

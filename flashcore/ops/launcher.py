@@ -192,7 +192,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         if tokens <= plan.DECODE_MAX_Q and _family_of(config, dev).splits_keys:
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
                                      -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8,
-                                     config.kv_splits)
+                                     config.kv_splits, config.tile_m, D)
     scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
     if mask is not NO_MASK:
         scalars += mask.scalars(softmax_scale)

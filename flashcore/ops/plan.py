@@ -63,25 +63,32 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
             and -(-group * seqlen_q // tile_m) < group)
 
 
-# The tile rows a packed-tokens call's tuned decode tile grows to: the fewest that hold a K/V
-# head's S_q * group rows, up to 64 (one warp per 16 rows). Each tile of a K/V head streams its
-# whole cache, so one tile over all its rows reads it once (H100, 2026-11-26, graph us with
-# 16 / 32 / 64-row tiles: 1,32/8,8x8192 22.4 / 17.5 / 17.7; 1,32/8,16x8192 38.0 / 21.3 / 19.0;
-# 16,32/8,16x4096 157.8 / 106.5 / 96.6; 1,64/8,4x32768 73.1 / 52.0 / 52.5; 16 rows or fewer:
-# level, 1,32/8,4x8192 17.0 / 17.0 / 17.2).
-PACKED_TILE_ROWS = (16, 32, 64)
+# The tile rows a decode call's tuned one-warp tile grows to where a K/V head's packed rows (one
+# token's query heads, or a few tokens' (token, head) pairs) exceed its 16: 32 for 17-32 rows,
+# 64 for 33-64, and 32-row tiles beyond (each tile of a K/V head streams its whole cache, so one
+# tile over all its rows reads it once; with several tiles a head either way, more CTAs of fewer
+# rows won). H100, 2026-11-26, graph us with 16 / 32 / 64-row tiles:
+# - 16-bit, a few tokens: 1,32/8,8x8192 22.4 / 17.5 / 17.7; 1,32/8,16x8192 38.0 / 21.3 / 19.0;
+#   16,32/8,16x4096 157.8 / 106.5 / 96.6; 1,64/8,4x32768 73.1 / 52.0 / 52.5; 128 rows
+#   (1,32/1,4x8192) 12.6 / 8.8 / 9.6; 16 rows or fewer level (1,32/8,4x8192 17.0 / 17.0 / 17.2).
+# - one token, groups of 32: 8,32/1,8192 22.2 / 17.2 / 17.7; 1,64/2,32768 22.6 / 18.0 / 18.5;
+#   1,32/1,131072 40.0 / 31.8 / 32.3; groups of 64: 4,64/1,8192 21.2 / 12.8 / 12.2.
+# - an FP8 KV cache (its two key groups kept): 1,32/8,8x8192 17.1 / 12.9 / 17.2;
+#   16,32/8,16x4096 104.7 / 85.6 / 78.1; 1,64/8,4x32768 48.8 / 33.3 / 43.2; 128 rows 10.9 /
+#   8.9 / 12.1.
 
 
-def packed_tokens_config(config: TileConfig, seqlen_q: int, group: int) -> TileConfig:
-    """The tuned decode ``config`` (a one-warp 16-row tile) for a call of ``seqlen_q`` tokens
-    (2 to ``DECODE_MAX_Q``) and ``group`` query heads a K/V head, whose (token, head) rows
-    ``packs_tokens`` packs: its tile grows to hold them (``PACKED_TILE_ROWS``). Anything else
-    is returned as it is (one token's heads: 16 rows measured only)."""
+def packed_rows_config(config: TileConfig, seqlen_q: int, group: int) -> TileConfig:
+    """The tuned decode ``config`` (a one-warp 16-row tile, with any in-CTA key groups) for a
+    call of ``seqlen_q`` tokens (at most ``DECODE_MAX_Q``) and ``group`` query heads a K/V
+    head, whose heads (one token, ``packs_heads``) or (token, head) pairs (``packs_tokens``)
+    are packed into rows: past 16 rows its tile grows to 32 or 64 rows (the measurements
+    above). Anything else is returned as it is."""
     rows = seqlen_q * group
-    if (not 1 < seqlen_q <= DECODE_MAX_Q or group < 2 or rows <= 16
-            or (config.tile_m, config.warps, config.kv_splits) != (16, 1, 1)):
+    if (seqlen_q > DECODE_MAX_Q or group < 2 or rows <= 16
+            or (config.tile_m, config.warps) != (16, 1)):
         return config
-    tile_m = next((m for m in PACKED_TILE_ROWS if rows <= m), PACKED_TILE_ROWS[-1])
+    tile_m = 64 if 32 < rows <= 64 else 32
     return config.replace(tile=(tile_m, config.tile_n), warps=tile_m // 16)
 
 
@@ -105,19 +112,34 @@ def packed_arg(arg: tuple, heads_kv: int) -> tuple:
 
 
 FP8KV_WARPS_PER_SM = 2
+# The fp32 partial results (written by the shares, read back by the combine) that cost the time
+# of one key block of a share: a lone CTA's 64-key block takes ~0.5 us, in which the GPU moves
+# ~2 TB/s. Fitted to H100 share sweeps (2026-11-26, graph us): one 32-row CTA over 128 blocks
+# 10.6 / 7.7 / 7.5 / 7.6 / 8.9 with 16 / 32 / 43 / 64 / 128 shares, over 256 blocks 11.2 / 9.4 /
+# 10.6 with 32 / 64 / 128; one 64-row CTA over 128 blocks 8.8 / 8.3 / 10.3 with 32 / 64 / 128.
+PARTIAL_BYTES_PER_BLOCK = 2**20
+
+
+def share_cost(s: int, ctas: int, n_blocks: int, slots: int, rows: int, head_dim: int) -> float:
+    """The modelled time of ``s`` shares, in key blocks (``num_splits``)."""
+    partials = s * ctas * rows * head_dim * 8  # fp32, written and read back
+    return (math.ceil(ctas * s / slots) * (math.ceil(n_blocks / s) + SHARE_OVERHEAD)
+            + partials / PARTIAL_BYTES_PER_BLOCK)
 
 
 @functools.lru_cache(maxsize=4096)
 def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False,
-               groups: int = 1) -> int:
+               groups: int = 1, rows: int = 16, head_dim: int = 128) -> int:
     """How many CTAs share each row's ``n_blocks`` key blocks, when ``ctas`` CTAs (one per query
-    tile, each of ``groups`` warp groups over their own keys) would run on a GPU of ``slots``
-    SMs. One 16-bit decode CTA a SM keeps the SM's memory pipe full (its K/V stages are in
-    flight); more only add partial results to combine (measured on the H100, 2026-11-23: 16
-    shares of 1,8,8,32768,128 at 52 µs, 32 at 55, 64 at 59).
+    tile of ``rows`` rows, each of ``groups`` warp groups over their own keys) would run on a
+    GPU of ``slots`` SMs. One 16-bit decode CTA a SM keeps the SM's memory pipe full (its K/V
+    stages are in flight); more only add partial results to combine (measured on the H100,
+    2026-11-23: 16 shares of 1,8,8,32768,128 at 52 µs, 32 at 55, 64 at 59).
 
-    Time is modelled as waves x (blocks per share + ``SHARE_OVERHEAD``): a share's CTA first
-    waits for Q and its first blocks, and its partial result is read again by the combine. The
+    Time is modelled as waves x (blocks per share + ``SHARE_OVERHEAD``) plus the partial
+    results' traffic (``PARTIAL_BYTES_PER_BLOCK``): a share's CTA first waits for Q and its
+    first blocks, and every share's rows are written in fp32 and read again by the combine, so
+    a few CTAs of many rows stop splitting before their shares are a block or two each. The
     fewest shares of the least modelled time win. A grid that already fills the GPU is not
     split (its combine would cost more than a fuller last wave gains).
 
@@ -132,7 +154,7 @@ def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False,
         return 1
     best, choice = None, 1
     for s in range(1, min(MAX_SPLITS, n_blocks) + 1):
-        cost = math.ceil(ctas * s / slots) * (math.ceil(n_blocks / s) + SHARE_OVERHEAD)
+        cost = share_cost(s, ctas, n_blocks, slots, rows, head_dim)
         if best is None or cost < best:
             best, choice = cost, s
     return choice

@@ -102,6 +102,10 @@ MISSION = Shape(1, 8, 512, 64)
 # the decode issue's shapes: B, H_q, H_kv, S_k, D with one query token
 DECODE = [Shape(1, 8, 32768, 128, kv_heads=8, seq_q=1), Shape(1, 32, 8192, 128, kv_heads=8, seq_q=1),
           Shape(16, 32, 4096, 128, kv_heads=8, seq_q=1)]
+# decode with more query heads a K/V head than a tile's 16 rows (MQA-like: 32 heads over one),
+# and a few tokens a sequence (speculative drafts): their rows are packed into grown tiles
+DECODE_PACKED = [Shape(8, 32, 8192, 128, kv_heads=1, seq_q=1),
+                 Shape(1, 32, 8192, 128, kv_heads=8, seq_q=8)]
 GQA_PREFILL = [Shape(4, 32, 4096, 128, True, kv_heads=8)]
 
 
@@ -368,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [_parse_shape(x) for x in a.shapes.split(";")]
     elif a.decode:
         shapes = DECODE + [Shape(**{**asdict(s), "dtype": "bfloat16"}) for s in DECODE] \
-            + GQA_PREFILL
+            + DECODE_PACKED + GQA_PREFILL
     else:
         shapes = suite(a.quick)
     results = measure(shapes, implementations(ours), eager=not a.no_eager,
