@@ -252,6 +252,8 @@ def _rel_l2(out, ref):
          log_mag=0, log_q_mag=0, outlier=100.0, zero_lead=0, seed=7)  # 32 heads: a 32-row tile
 @example(b=1, hkv=2, group=8, sq=8, sk=3000, d=64, dtype="float16", causal=True, log_mag=2,
          log_q_mag=0, outlier=0.0, zero_lead=1, seed=8)  # 64 packed rows: a 64-row tile
+@example(b=1, hkv=2, group=8, sq=6, sk=2500, d=128, dtype="bfloat16", causal=False,
+         log_mag=0, log_q_mag=0, outlier=0.0, zero_lead=0, seed=9)  # 48 rows: 64 (32 on an L4)
 def test_fp8_kv_cache_never_overflows_and_matches_the_dequantised_cache(
     b, hkv, group, sq, sk, d, dtype, causal, log_mag, log_q_mag, outlier, zero_lead, seed
 ):

@@ -3,6 +3,7 @@ checks on what users pass (no GPU needed)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -174,6 +175,10 @@ def test_packed_rows_tiles_hold_a_kv_heads_rows():
                           **{**kw, "seqlen_q": 1}).tile == (32, 64)  # one token's 32 heads
     assert resolve_config(None, None, None, 2, None, precision="fp16", group=8,
                           **kw).tile_m == 16  # the caller's knobs on the tuned tile
+    # an L4 has no room for an FP8 KV cache's 64-row tile of two key groups at head_dim 128
+    # (115 KB of shared memory): 32 rows there
+    assert resolve_config(None, None, None, None, None, precision="fp8kv", group=8,
+                          **{**kw, "arch": "sm_89"}).tile == (32, 64)
     assert resolve_config(None, None, None, None, None, precision="fp8", group=8,
                           **kw) == plan.tuned_config("sm_90", 128, False, 8, "fp8")  # FP8
     # operands pack no rows: their decode tile stays the tuned one-warp tile
@@ -265,3 +270,20 @@ def test_fp8_kv_cache_splits_for_two_warp_groups_a_sm():
     assert plan.num_splits(1, 3, 132, kv_fp8=True, groups=2) == 2
     assert plan.num_splits(1, 10**6, 132, kv_fp8=True) == plan.MAX_SPLITS
     assert plan.num_splits(16 * 132, 128, 132, kv_fp8=True, groups=2) == 1  # a full grid
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_89", "sm_90"])
+def test_a_decode_calls_tile_is_a_spec_of_its_arch(arch):
+    """Whatever packed rows a decode call has, the tile ``tile=None`` resolves to builds on its
+    arch (split or not, its rows packed or not), for 16-bit K/V and an FP8 KV cache."""
+    from flashcore.spec import FP8_ARCHS, AttentionSpec
+
+    for precision, d, causal in itertools.product(("fp16", "fp8kv"), (64, 128), (False, True)):
+        if precision == "fp8kv" and arch not in FP8_ARCHS:
+            continue
+        for sq, group in itertools.product((1, 2, 3, 5, 8, 16), (2, 4, 8, 16, 24, 32, 64)):
+            cfg = resolve_config(None, None, None, None, None, arch=arch, head_dim=d,
+                                 causal=causal, seqlen_q=sq, precision=precision, group=group)
+            for split, packed in itertools.product((False, True), (False, sq > 1)):
+                AttentionSpec(arch=arch, head_dim=d, config=cfg, causal=causal,
+                              kv_fp8=precision == "fp8kv", split_kv=split, packed_tokens=packed)

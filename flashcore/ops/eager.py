@@ -55,8 +55,10 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
         return explicit_config(tuple(tile), warps, stages, kv_splits)
     tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision, features)
     if warps is None and stages is None and kv_splits is None:
-        return (plan.packed_rows_config(tuned, seqlen_q, group)
-                if precision in ("fp16", "fp8kv") else tuned)
+        if precision not in ("fp16", "fp8kv"):
+            return tuned
+        return plan.packed_rows_config(tuned, seqlen_q, group, arch, head_dim,
+                                       precision == "fp8kv")
     return tuned.replace(**{k: v for k, v in (("warps", warps), ("stages", stages),
                                               ("kv_splits", kv_splits)) if v is not None})
 

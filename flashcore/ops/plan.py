@@ -17,7 +17,8 @@ import math
 
 import torch
 
-from ..spec import MAX_SPLITS, TileConfig
+from ..errors import SpecError
+from ..spec import MAX_SPLITS, AttentionSpec, TileConfig
 from ..tuned.table import BUCKETS, bucket_of, lookup
 
 DECODE_MAX_Q = BUCKETS[0][1]  # the decode bucket's bound
@@ -78,18 +79,36 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
 #   8.9 / 12.1.
 
 
-def packed_rows_config(config: TileConfig, seqlen_q: int, group: int) -> TileConfig:
+@functools.lru_cache(maxsize=1024)
+def packed_rows_config(config: TileConfig, seqlen_q: int, group: int, arch: str | None = None,
+                       head_dim: int = 128, kv_fp8: bool = False) -> TileConfig:
     """The tuned decode ``config`` (a one-warp 16-row tile, with any in-CTA key groups) for a
     call of ``seqlen_q`` tokens (at most ``DECODE_MAX_Q``) and ``group`` query heads a K/V
     head, whose heads (one token, ``packs_heads``) or (token, head) pairs (``packs_tokens``)
     are packed into rows: past 16 rows its tile grows to 32 or 64 rows (the measurements
-    above). Anything else is returned as it is."""
+    above), to 32 where 64 rows do not fit ``arch``'s shared memory (an FP8 KV cache's 64-row
+    tile of two key groups at head_dim 128 needs 115 KB, over an L4's 99 KB). Anything else
+    is returned as it is. Memoised: every eager decode call asks."""
     rows = seqlen_q * group
     if (seqlen_q > DECODE_MAX_Q or group < 2 or rows <= 16
             or (config.tile_m, config.warps) != (16, 1)):
         return config
-    tile_m = 64 if 32 < rows <= 64 else 32
-    return config.replace(tile=(tile_m, config.tile_n), warps=tile_m // 16)
+    for tile_m in ((64, 32) if 32 < rows <= 64 else (32,)):
+        grown = config.replace(tile=(tile_m, config.tile_n), warps=tile_m // 16)
+        if arch is None or _fits(arch, head_dim, grown, kv_fp8):
+            return grown
+    return config
+
+
+def _fits(arch: str, head_dim: int, config: TileConfig, kv_fp8: bool) -> bool:
+    """Whether a split decode kernel of ``config`` is a valid spec on ``arch`` (its shared
+    memory within the budget, its copies shared evenly)."""
+    try:
+        AttentionSpec(arch=arch, head_dim=head_dim, config=config, kv_fp8=kv_fp8,
+                      split_kv=True)
+    except SpecError:
+        return False
+    return True
 
 
 def packed(t: torch.Tensor, heads_kv: int) -> torch.Tensor:
