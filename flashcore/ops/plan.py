@@ -79,7 +79,6 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
 #   8.9 / 12.1.
 
 
-@functools.lru_cache(maxsize=1024)
 def packed_rows_config(config: TileConfig, seqlen_q: int, group: int, arch: str | None = None,
                        head_dim: int = 128, kv_fp8: bool = False) -> TileConfig:
     """The tuned decode ``config`` (a one-warp 16-row tile, with any in-CTA key groups) for a
@@ -88,11 +87,18 @@ def packed_rows_config(config: TileConfig, seqlen_q: int, group: int, arch: str 
     are packed into rows: past 16 rows its tile grows to 32 or 64 rows (the measurements
     above), to 32 where 64 rows do not fit ``arch``'s shared memory (an FP8 KV cache's 64-row
     tile of two key groups at head_dim 128 needs 115 KB, over an L4's 99 KB). Anything else
-    is returned as it is. Memoised: every eager decode call asks."""
+    is returned as it is. Every eager decode call asks: 16 rows or fewer return at once, the
+    rest is memoised."""
     rows = seqlen_q * group
-    if (seqlen_q > DECODE_MAX_Q or group < 2 or rows <= 16
+    if (rows <= 16 or group < 2 or seqlen_q > DECODE_MAX_Q
             or (config.tile_m, config.warps) != (16, 1)):
         return config
+    return _grown(config, rows, arch, head_dim, kv_fp8)
+
+
+@functools.lru_cache(maxsize=1024)
+def _grown(config: TileConfig, rows: int, arch: str | None, head_dim: int,
+           kv_fp8: bool) -> TileConfig:
     for tile_m in ((64, 32) if 32 < rows <= 64 else (32,)):
         grown = config.replace(tile=(tile_m, config.tile_n), warps=tile_m // 16)
         if arch is None or _fits(arch, head_dim, grown, kv_fp8):
