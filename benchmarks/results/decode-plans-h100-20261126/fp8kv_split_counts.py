@@ -1,10 +1,13 @@
 """FP8 KV decode of one lone CTA of many rows: graph us per share count (the FP8 cache's split rule has no partials term)."""
 import json
+
 import torch
+
 from flashcore import reference
 from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
 from flashcore.tuning.timing import n_sets, time_kernel
+
 CASES = [(1, 64, 1, 1, 8192, [16, 22, 32, 43, 64]), (1, 32, 1, 1, 8192, [16, 22, 32, 43, 64]),
          (1, 64, 1, 1, 32768, [32, 43, 64, 86, 128]), (1, 32, 1, 1, 32768, [32, 43, 64, 86, 128]),
          (2, 64, 1, 1, 8192, [16, 22, 32, 43, 64]), (1, 32, 1, 4, 8192, [16, 22, 33])]
