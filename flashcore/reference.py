@@ -197,6 +197,7 @@ def attention_fp8(
     kv_splits: int = 1,
     num_splits: int = 1,
     k_scale: str = "token",
+    sum_rounded_p: bool = False,
 ) -> torch.Tensor:
     """Float64 attention of the FP8 kernel's quantised computation: q and k quantised per token
     (k per (batch, head) with ``k_scale="head"``) and v per head as the quantiser does (same
@@ -206,7 +207,8 @@ def attention_fp8(
     max, so the two differ by up to a few percent) and the result is not rounded further. With
     ``tile=(tile_m, tile_n)`` (and the kernel's ``kv_splits``) the kernel's block loop is replayed
     (``attention_fp8_online``) and the result is rounded to q's dtype, as the kernel's output is;
-    either way float64 is returned.
+    either way float64 is returned. ``sum_rounded_p`` (with ``tile``): the row sums add P as
+    rounded for the P·V MMA, as a kernel whose tensor cores sum the rows does.
     """
     codes = [quantize_e4m3(t, g) for t, g in ((q, "token"), (k, k_scale), (v, "head"))]
     if tile is not None:
@@ -216,7 +218,8 @@ def attention_fp8(
             kd = kd.unsqueeze(-1).expand(*kd.shape, kc.shape[2])
         out = attention_fp8_online(qc, qd, kc, kd, vc, vd, causal=causal,
                                    softmax_scale=softmax_scale, tile=tile, kv_splits=kv_splits,
-                                   num_splits=num_splits, round_p=round_p)
+                                   num_splits=num_splits, round_p=round_p,
+                                   sum_rounded_p=sum_rounded_p)
         return out.to(q.dtype).to(torch.float64)
     deq = [dequantize_e4m3(*c) for c in codes]
 
@@ -256,6 +259,7 @@ def attention_fp8_online(
     kv_splits: int = 1,
     num_splits: int = 1,
     round_p: bool = True,
+    sum_rounded_p: bool = False,
 ) -> torch.Tensor:
     """The FP8 kernel's online softmax replayed in float64 on e4m3 codes (as ``quantize_e4m3``
     returns them: qd (B, H, Sq), kd (B, H, Sk), vd (B, H)). Returns the float64 output, before
@@ -263,7 +267,8 @@ def attention_fp8_online(
 
     Per row, key blocks of ``tile_n`` go from the last to the first with a running max m, sum l
     and accumulator acc; P is rounded to e4m3 (``round_p``) against the running max, as the
-    kernel's P·V MMA sees it, while l sums the unrounded P. Each query tile of ``tile_m`` rows
+    kernel's P·V MMA sees it, while l sums the unrounded P (or, with ``sum_rounded_p``, P as
+    the MMA sees it: a kernel whose tensor cores sum the rows). Each query tile of ``tile_m`` rows
     walks only the blocks the kernel does (``kernel_key_blocks``: causal tiles skip those above
     their diagonal; ``kv_splits`` > 1 gives each split its own range and state, merged at the
     end). Not replayed: the kernel's float32 arithmetic (scale, logits, exp2, sums), ~1e-7
@@ -305,8 +310,9 @@ def attention_fp8_online(
             if causal:  # P = 0 for hidden keys explicitly, not via exp2(-inf * scale)
                 p = p.masked_fill(hidden, 0.0)
             corr = _rescale(m[:, :, r], safe, rs[:, :, r])
-            l[:, :, r] = l[:, :, r] * corr + p.sum(dim=-1, keepdim=True)
             pv = e4m3_round(p * P_SCALE).to(p.device) if round_p else p * P_SCALE
+            summed = pv / P_SCALE if sum_rounded_p else p
+            l[:, :, r] = l[:, :, r] * corr + summed.sum(dim=-1, keepdim=True)
             acc[:, :, r] = acc[:, :, r] * corr + pv @ vc[:, :, k]
             m[:, :, r] = cur
         splits.append((m, l, acc))

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from flashcore.spec import TileConfig
+from flashcore.spec import AttentionSpec, TileConfig
+from flashcore.spec.families import WgmmaWs
 
 requires_cuda = None
 try:
@@ -73,6 +74,19 @@ WGMMA_FP8_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"
                      TileConfig((192, 64), warps=12, stages=3, family="wgmma_ws"),
                      # the d128 K-per-head winner: at d128, P through shared memory
                      TileConfig((192, 128), warps=12, stages=4, family="wgmma_ws")]
+
+
+def fp8_sums_rounded_p(config: TileConfig | None, head_dim: int, causal: bool) -> bool:
+    """Whether an FP8 call's kernel sums its rows from P as rounded for P·V (its tensor cores
+    sum them: ``WgmmaWs.sums_by_mma``, warp-specialised FP8 kernels), which the simulation
+    must replay (``reference.attention_fp8(sum_rounded_p=...)``)."""
+    if config is None or config.family != "wgmma_ws":
+        return False
+    spec = AttentionSpec(arch="sm_90", head_dim=head_dim, causal=causal, precision="fp8",
+                         config=config)
+    return WgmmaWs.sums_by_mma(spec)
+
+
 STAGE_CONFIGS = [((64, 64), 4, 1, 2), ((128, 64), 8, 1, 3), ((32, 64), 2, 2, 2), ((16, 32), 1, 1, 3)]
 
 

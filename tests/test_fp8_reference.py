@@ -106,10 +106,12 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def _kernel_loop(codes, causal, scale, tile, round_p, kv_splits=1):
+def _kernel_loop(codes, causal, scale, tile, round_p, kv_splits=1, sum_rounded_p=False):
     """The kernel's loop written out row by row from its description, independently of the
     vectorised one. With one split every key block is visited, those a causal tile skips being
-    fully masked; with several, split g of a tile walks its share of the tile's blocks."""
+    fully masked; with several, split g of a tile walks its share of the tile's blocks.
+    ``sum_rounded_p``: the row sum adds P as the P·V product reads it (the Hopper kernel's
+    tensor cores sum the rows)."""
     (qc, qd), (kc, kd), (vc, vd) = codes
     tile_m, tile_n = tile
     b_, h_, sq, _ = qc.shape
@@ -136,9 +138,10 @@ def _kernel_loop(codes, causal, scale, tile, round_p, kv_splits=1):
                 safe = 0.0 if cur == -math.inf else cur
                 p = torch.exp2(s * rs - safe * rs)
                 corr = 0.0 if m == -math.inf else 2.0 ** (m * rs - safe * rs)
-                l = l * corr + p.sum().item()
                 pv = p * reference.P_SCALE
                 pr = reference.e4m3_round(pv) if round_p else pv
+                l = l * corr + (pr.sum().item() / reference.P_SCALE if sum_rounded_p
+                                else p.sum().item())
                 acc = acc * corr + pr @ vc[b, h, k0:k1]
                 m = cur
             states.append((m, l, acc))
@@ -161,16 +164,17 @@ def _kernel_loop(codes, causal, scale, tile, round_p, kv_splits=1):
     kv_splits=st.sampled_from([1, 1, 2, 4]),
     causal=st.booleans(),
     round_p=st.booleans(),
+    sum_rounded_p=st.booleans(),
 )
 def test_online_simulation_matches_the_loop_written_out(
-    seed, sq, sk, tile, kv_splits, causal, round_p
+    seed, sq, sk, tile, kv_splits, causal, round_p, sum_rounded_p
 ):
     # with one split this also shows that skipping a causal tile's blocks above its diagonal is
     # the same as visiting them fully masked
     _, codes = _qkv_fp8(seed, 1, 2, sq, sk, 16, torch.bfloat16)
     got = _online(codes, causal=causal, softmax_scale=0.3, tile=tile, kv_splits=kv_splits,
-                  round_p=round_p)
-    want = _kernel_loop(codes, causal, 0.3, tile, round_p, kv_splits)
+                  round_p=round_p, sum_rounded_p=sum_rounded_p)
+    want = _kernel_loop(codes, causal, 0.3, tile, round_p, kv_splits, sum_rounded_p)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12 * want.abs().max().item())
 
 
@@ -382,3 +386,18 @@ def test_per_head_scales_take_an_amax_pass_then_a_cast_of_many_ctas(tmp_path, mo
     text = sass(arts[0].cubin)
     if text is not None:
         assert "LDG.E.128" in sass_opcodes(text)
+
+
+def test_sums_of_rounded_p_weigh_v_by_weights_that_sum_to_one():
+    """Summing P as the P·V product reads it normalises the rounded weights exactly: a V of
+    ones gives exactly 1 in every row (times its descale), where the sums of unrounded P
+    leave each row off by its P's rounding (percents with few keys)."""
+    _, codes = _qkv_fp8(5, 1, 2, 9, 5, 16, torch.float16)
+    (qc, qd), (kc, kd), _ = codes
+    ones = torch.ones_like(codes[2][0])  # e4m3 1.0 codes, descale 1
+    vd = torch.ones(1, 2)
+    kw = {"causal": False, "softmax_scale": 2.0, "tile": (16, 16)}
+    summed = reference.attention_fp8_online(qc, qd, kc, kd, ones, vd, sum_rounded_p=True, **kw)
+    torch.testing.assert_close(summed, torch.ones_like(summed), rtol=1e-14, atol=0)
+    unrounded = reference.attention_fp8_online(qc, qd, kc, kd, ones, vd, **kw)
+    assert (unrounded - 1).abs().max() > 1e-3

@@ -20,7 +20,7 @@ from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
 from flashcore.spec import TileConfig
-from tests.gpu_utils import max_abs, requires_cuda
+from tests.gpu_utils import fp8_sums_rounded_p, max_abs, requires_cuda
 from tests.test_gpu_attention import _allowed, _sdpa
 from tests.test_gpu_fp8 import SIM_TOL
 from tests.test_gpu_wgmma import FP8_EXACT_MARGIN, FP8_SIM_TOL, _rel_l2
@@ -114,7 +114,8 @@ def test_negative_scale_fp8(scale, causal):
     tol, margin = (FP8_SIM_TOL, FP8_EXACT_MARGIN) if hopper else (SIM_TOL, 0.0)
     kx, vx = (t.repeat_interleave(2, dim=1) for t in (k, v))
     sim = reference.attention_fp8(-q, kx, vx, causal=causal, softmax_scale=-scale,
-                                  tile=config.tile, device=q.device)
+                                  tile=config.tile, device=q.device,
+                                  sum_rounded_p=fp8_sums_rounded_p(config, 128, causal))
     exact = reference.attention(q, k, v, causal=causal, softmax_scale=scale, device=q.device)
     assert _rel_l2(out, sim) <= tol
     assert _rel_l2(out, exact) <= _rel_l2(sim, exact) + margin + 1e-3
@@ -128,7 +129,8 @@ def test_negative_scale_fp8(scale, causal):
     torch.cuda.synchronize()
     assert torch.isfinite(out8).all()
     sim = reference.attention_fp8(-q, kx, vx, causal=causal, softmax_scale=-scale,
-                                  tile=config.tile, device=q.device, k_scale="head")
+                                  tile=config.tile, device=q.device, k_scale="head",
+                                  sum_rounded_p=fp8_sums_rounded_p(config, 128, causal))
     assert _rel_l2(out8, sim) <= tol
 
 

@@ -19,6 +19,7 @@ from tests.gpu_utils import (
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
     current_arch,
+    fp8_sums_rounded_p,
     max_abs,
     requires_cuda,
 )
@@ -231,7 +232,8 @@ def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, ca
     assert torch.isfinite(out).all(), "NaN/Inf or unwritten elements in the FP8 output"
     kx, vx = (t.repeat_interleave(group, dim=1) for t in (k, v))  # per-token/head scales kept
     sim = reference.attention_fp8(q, kx, vx, causal=causal, softmax_scale=scale,
-                                  tile=config.tile, device=q.device, k_scale=k_scale)
+                                  tile=config.tile, device=q.device, k_scale=k_scale,
+                                  sum_rounded_p=fp8_sums_rounded_p(config, d, causal))
     # QGMMA's accumulation error is relative to the scores: logits of hundreds move p by
     # percents, so those examples are held to 0.1 (a wrong max or exp2 argument is O(1))
     tol, margin = (FP8_SIM_TOL, FP8_EXACT_MARGIN) if logit_gain == 1.0 else (0.1, 0.1)
@@ -278,7 +280,8 @@ def test_wgmma_ws_fp8_k_per_head_walks_keys_in_either_softmax_form(causal):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     kx, vx = (t.repeat_interleave(2, dim=1) for t in (k, v))
     sim = reference.attention_fp8(q, kx, vx, causal=causal, tile=FP8_CONFIGS[0].tile,
-                                  device=q.device, k_scale="head")
+                                  device=q.device, k_scale="head",
+                                  sum_rounded_p=fp8_sums_rounded_p(FP8_CONFIGS[0], 128, causal))
     q_deq = q8.double() * qd[..., None].double()
     k_deq = (k8.double() * kd[..., None, None].double()).repeat_interleave(2, dim=1)
     _, lse_deq = reference.attention(q_deq, k_deq, vx.double(), causal=causal,

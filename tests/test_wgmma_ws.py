@@ -67,6 +67,8 @@ def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
     assert (d128[4].box_rows, d128[4].box_cols, d128[4].swizzle) == (128, 128, 128)
     # mbarriers, e4m3 Q, two stages of e4m3 K and Vᵀ, the fp16 output tile
     assert spec.smem_bytes == 1024 + 8 * 1024 + 2 * 2 * 4 * 1024 + 16 * 1024
+    # causal: the row sums' ones too (8 x 64 e4m3, aligned to 1 KB)
+    assert spec.replace(causal=True).smem_bytes == spec.smem_bytes + 1024
     with pytest.raises(SpecError, match="precision='fp8'"):
         AttentionSpec(arch="sm_90", head_dim=64, precision="fp8",
                       config=TileConfig((128, 64), warps=8, stages=2, family="wgmma"))
@@ -153,12 +155,39 @@ def test_each_walk_of_the_keys_has_one_copy_of_the_step(ws_artifacts, spec):
     """Step 0's Q·Kᵀ, one loop of overlapped steps whose first ones mask at run time, the last
     P·V: the wgmma of two steps a walk (a loop of masked steps beside one of unmasked ones was a
     second copy of the step, and spilled the 192-row causal tiles). FP8 with K per head walks
-    in either softmax form."""
+    in either softmax form; FP8's P·V group sums P's rows too (P times ones)."""
+    from flashcore.spec.families import WgmmaWs
+
     k = 32 if spec.precision == "fp8" else 16  # an MMA's K: e4m3 k32, 16-bit k16
-    step = spec.head_dim // k + spec.config.tile_n // k  # Q·Kᵀ, then P·V
+    sums = WgmmaWs.sums_by_mma(spec)
+    assert sums == (spec.precision == "fp8" and (spec.head_dim == 128 or spec.causal))
+    # Q·Kᵀ, then P·V (and P·ones)
+    step = spec.head_dim // k + (2 if sums else 1) * spec.config.tile_n // k
     walks = 2 if spec.precision == "fp8" and spec.k_scale == "head" else 1
     body = ws_artifacts[spec].ptx
     assert len(re.findall(r"wgmma\.mma_async", body[body.index(".entry"):])) == walks * 2 * step
+
+
+@pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
+def test_fp8_row_sums_come_from_the_tensor_cores_and_no_wgmma_is_serialised(ws_artifacts, spec):
+    """FP8's row sums are an n8 wgmma of P and a tile of ones in the P·V group (16-bit kernels
+    and FP8 d64 ones without a mask keep their FADDs); and ptxas serialises no kernel's wgmma (C7511: an accumulator register
+    that one walk of the keys left dead did it to every FP8 kernel, 1.27-1.30x their time)."""
+    from flashcore.build.cubin_info import ptxas_stats
+    from flashcore.spec.families import WgmmaWs
+
+    art = ws_artifacts[spec]
+    body = art.ptx[art.ptx.index(".entry"):]
+    narrow = re.findall(r"wgmma\.mma_async\S*\.m64n8k(\d+)", body)
+    if WgmmaWs.sums_by_mma(spec):
+        walks = 2 if spec.k_scale == "head" else 1
+        assert narrow == ["32"] * (walks * 2 * spec.config.tile_n // 32)
+    else:
+        assert narrow == []
+    stats = ptxas_stats(art.ptx, "sm_90a", art.entry)
+    if stats is None:
+        pytest.skip("ptxas is not installed")
+    assert stats.performance_losses == (), stats.performance_losses
 
 
 def _key_loops(text: str) -> list[list[tuple[str, str]]]:
@@ -301,13 +330,18 @@ def test_fp8_walks_keys_with_a_rounded_offset_where_k_is_descaled_per_head(ws_ar
     if text is None:
         pytest.skip("nvdisasm is not installed")
     # FADDs a key loop (unmasked or masked) spends on this thread's n scores of a block (64
-    # rows x tile_n over 128 threads): the exact form two a score (max, then the row sum),
-    # the rounded one only the sum's
+    # rows x tile_n over 128 threads): the exact form one a score (s - max), the rounded form
+    # none (the row sums are the tensor cores', ``WgmmaWs.sums_by_mma``: before, one FADD a
+    # score more in each form)
+    from flashcore.spec.families import WgmmaWs
+
     n = spec.config.tile_n // 2
+    sums = 0 if WgmmaWs.sums_by_mma(spec) else n  # a FADD a score where the rows sum P
     fadds = [sum(op == "FADD" for op, _ in loop) for loop in _key_loops(text)]
-    assert min(fadds) >= 2 * n or head, fadds
+    assert min(fadds) >= n + sums or head, fadds
+    assert max(fadds) < 1.5 * n + sums, fadds
     if head:
-        assert min(fadds) < 1.5 * n and max(fadds) >= 2 * n, fadds
+        assert min(fadds) < 0.25 * n + sums and max(fadds) >= n + sums, fadds
 
 
 def test_p_words_follow_the_key_permutation_of_v():
@@ -346,7 +380,11 @@ def test_fp8_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts,
         # S = Q·Kᵀ has both operands in shared memory; P·V reads P from registers unless shared
         assert (not register_a) == shared, mmas
     body = art.ptx[art.ptx.index(".entry"):]
+    # the row sums' ones: each thread's words of the tile (8 e4m3 a key), one fence
+    sums = WgmmaWs.sums_by_mma(spec)
+    ones = -(-2 * spec.config.tile_n // spec.threads) if sums else 0
     # 16 words a key step: step 0 and the loop's step, in each softmax form
-    words = len(re.findall(r"st\.shared\.b32", body))
+    words = len(re.findall(r"st\.shared\.b32", body)) - ones
     assert words % 16 == 0 and (words >= 48) == shared, words
-    assert ("fence.proxy.async.shared::cta" in body) == shared
+    fences = body.count("fence.proxy.async.shared::cta") - sums  # P's, after the ones' one
+    assert (fences > 0) == shared and fences >= 0, fences

@@ -124,6 +124,8 @@ class PtxasStats:
     stack_frame_bytes: int
     spill_store_bytes: int
     spill_load_bytes: int
+    # ptxas's "Potential Performance Loss" notes (as wgmma serialised for want of registers)
+    performance_losses: tuple[str, ...] = ()
 
 
 def read_resources(
@@ -256,6 +258,7 @@ _PTXAS_FRAME = re.compile(
 )
 _PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
+_PTXAS_LOSS = re.compile(r"Potential Performance Loss: (.*?) in the function '([^']+)'")
 
 
 def ptxas_stats(ptx: str, arch: str, entry: str | None = None) -> PtxasStats | None:
@@ -288,9 +291,12 @@ def ptxas_stats(ptx: str, arch: str, entry: str | None = None) -> PtxasStats | N
 def _parse_ptxas_report(report: str, entry: str | None) -> PtxasStats | None:
     frames: dict[str, tuple[int, int, int]] = {}
     regs: dict[str, int] = {}
+    losses: dict[str, list[str]] = {}
     current = compiling = None
     for line in report.splitlines():
-        if m := _PTXAS_ENTRY.search(line):
+        if m := _PTXAS_LOSS.search(line):
+            losses.setdefault(m.group(2), []).append(m.group(1))
+        elif m := _PTXAS_ENTRY.search(line):
             compiling = m.group(1)
         elif m := _PTXAS_FUNC.search(line):
             current = m.group(1)
@@ -305,7 +311,7 @@ def _parse_ptxas_report(report: str, entry: str | None) -> PtxasStats | None:
     if entry not in frames or entry not in regs:
         return None
     stack, stores, loads = frames[entry]
-    return PtxasStats(regs[entry], stack, stores, loads)
+    return PtxasStats(regs[entry], stack, stores, loads, tuple(losses.get(entry, ())))
 
 
 # -- occupancy -------------------------------------------------------------------------------------

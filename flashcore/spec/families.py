@@ -245,15 +245,28 @@ class WgmmaWs(Wgmma):
         return (spec.precision == "fp8" and spec.head_dim == 128 and c.warps == 12
                 and c.tile_n == 128)
 
+    @staticmethod
+    def sums_by_mma(spec: AttentionSpec) -> bool:
+        """Whether the softmax's row sums come from the tensor cores (P times a tile of ones,
+        ``flashcore/kernels/wgmma_ws/row_sums.py``) rather than one FADD a score: with FP8
+        operands, whose key step waits on its chain of dependent phases rather than on the
+        tensor pipe; not at head_dim 64 without a causal mask, whose P·V is four n64 MMAs a
+        step (the n8 sums add four more) and whose softmax chain has no masking. 16-bit steps
+        are tensor-bound at d128, where the n8 MMAs cost more than the FADDs (H100 A/B of
+        2026-11-26 in benchmarks/NOTES.md)."""
+        return spec.precision == "fp8" and (spec.head_dim >= 128 or spec.causal)
+
     def smem_bytes(self, spec: AttentionSpec) -> int:
         """The wgmma tiles, after 1 KB holding the pipelines' mbarriers; for fp8 operands a
-        16-bit output tile of its own (the e4m3 Q buffer is half its size), and P's e4m3 tile
-        where it goes through shared memory."""
+        16-bit output tile of its own (the e4m3 Q buffer is half its size), P's e4m3 tile
+        where it goes through shared memory, and the row sums' tile of ones."""
         out, c = 0, spec.config
         if spec.precision == "fp8":
             out = _align(c.tile_m * spec.head_dim * DTYPE_BYTES[spec.dtype])
         if self.p_in_shared(spec):
             out += _align(c.tile_m * c.tile_n)
+        if self.sums_by_mma(spec):  # 8 columns of ones (the narrowest wgmma N) a key
+            out += _align(8 * c.tile_n * spec.elem_bytes)
         return _SMEM_ALIGN + super().smem_bytes(spec) + out
 
 

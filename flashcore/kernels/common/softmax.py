@@ -53,12 +53,18 @@ class OnlineSoftmax:
 
     ``p_log2``: p comes out multiplied by 2**p_log2, the sums with it; ``lse`` takes it out
     again. An FP8 kernel scales P so for its e4m3 conversion at no cost.
+
+    ``sums``: ``"rows"``, each thread sums its p as it forms them; ``"mma"``, the kernel's
+    MMAs sum P (rescaled with O by the same corrections) and ``finish`` takes their totals.
     """
 
-    def __init__(self, rows: int, scale_log2, form: str = "offset", p_log2: float = 0.0):
+    def __init__(self, rows: int, scale_log2, form: str = "offset", p_log2: float = 0.0,
+                 sums: str = "rows"):
         assert form in FORMS, form
+        assert sums in ("rows", "mma"), sums
         self.form = form
         self.p_log2 = p_log2
+        self.sums = sums
         self.rounded = None  # run time: the key loop took the rounded form (``lse``)
         self.row_max = cute.make_rmem_tensor(rows, cutlass.Float32)
         self.row_sum = cute.make_rmem_tensor(rows, cutlass.Float32)
@@ -125,9 +131,10 @@ class OnlineSoftmax:
                 )
                 correction[r] = cute.math.exp2(cute.math.fma(prev_max, scale_log2, -offset),
                                                fastmath=True)
-            # each thread sums its own columns; the quad's partial sums meet in finish()
-            self.row_sum[r] = (self.row_sum[r] * correction[r]
-                               + p.reduce(cute.ReductionOp.ADD, 0.0, 0))
+            if cutlass.const_expr(self.sums == "rows"):
+                # each thread sums its own columns; the quad's partial sums meet in finish()
+                self.row_sum[r] = (self.row_sum[r] * correction[r]
+                                   + p.reduce(cute.ReductionOp.ADD, 0.0, 0))
             self.row_max[r] = cur_max
             S[r, None] = p
         return correction
@@ -139,10 +146,14 @@ class OnlineSoftmax:
             O[r, None] = O[r, None].load() * correction[r]
 
     @cute.jit
-    def finish(self):
-        """Sum each row's partial sums over the four lanes of its quad."""
+    def finish(self, totals: cute.Tensor | None = None):
+        """Sum each row's partial sums over the four lanes of its quad; with ``sums="mma"``
+        take each row's total from ``totals`` (one per row, the MMA's sums)."""
         for r in cutlass.range_constexpr(cute.size(self.row_sum)):
-            self.row_sum[r] = quad_sum(self.row_sum[r])
+            if cutlass.const_expr(self.sums == "mma"):
+                self.row_sum[r] = totals[r]
+            else:
+                self.row_sum[r] = quad_sum(self.row_sum[r])
 
     @cute.jit
     def inverse_sum(self, r: cutlass.Constexpr):

@@ -111,20 +111,28 @@ def refuse_extras(family: str, extras: tuple) -> None:
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor,
           zero_init: cutlass.Constexpr, wait: cutlass.Constexpr = 0):
     """acc (+)= A·B over the K steps of the fragments, as one wgmma group; then, unless
-    ``wait`` is None, wait until at most ``wait`` groups are in flight.
+    ``wait`` is None, wait until at most ``wait`` groups are in flight (``wgmmas``)."""
+    wgmmas([(tiled_mma, acc, a, b)], zero_init, wait)
 
-    ``wgmma.fence`` first: it orders this thread's earlier register writes (the accumulator's
+
+def wgmmas(products: list, zero_init: bool, wait: int | None = 0):
+    """Each (tiled_mma, acc, a, b) of ``products``: acc (+)= A·B over the K steps of the
+    fragments, all of them one wgmma group; then, unless ``wait`` is None, wait until at most
+    ``wait`` groups are in flight.
+
+    ``wgmma.fence`` first: it orders this thread's earlier register writes (the accumulators'
     rescaling, P's conversion) before the asynchronous MMAs read those registers. The first
-    step overwrites the accumulator when ``zero_init`` (no fill needed). A fresh atom per call:
-    its accumulate flag is mutated, which must not leak into other calls' IR."""
+    step overwrites the accumulator when ``zero_init`` (no fill needed). A fresh atom per
+    product: its accumulate flag is mutated, which must not leak into other calls' IR."""
     warpgroup.fence()
-    atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
-    for k in cutlass.range_constexpr(cute.size(a, mode=[2])):
-        cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
-        atom.set(warpgroup.Field.ACCUMULATE, True)
+    for tiled_mma, acc, a, b in products:  # (trace time: a Python loop, unrolled)
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, not zero_init)
+        for k in range(cute.size(a, mode=[2])):
+            cute.gemm(atom, acc, a[None, None, k], b[None, None, k], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
     warpgroup.commit_group()
-    if cutlass.const_expr(wait is not None):
+    if wait is not None:
         warpgroup.wait_group(wait)
 
 

@@ -28,7 +28,9 @@ warpgroup and 1-3 consumer warpgroups.
   walks its keys in the softmax's rounded form (one FMA a score), any other exactly
   (``common/fp8.offsets_bounded``, ``walk_keys``). With three consumers at head_dim 128, P
   goes to the P·V wgmma through a shared tile of its own (``Consumer.store_p``): 160
-  registers a thread hold S and O but not P beside them.
+  registers a thread hold S and O but not P beside them. FP8's row sums are the tensor
+  cores' (P times a tile of ones in the P·V group, ``row_sums.py``) except at head_dim 64
+  without a mask (``WgmmaWs.sums_by_mma``).
 """
 
 import math
@@ -50,11 +52,12 @@ from ..common.fp8 import (
 from ..common.grid import tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores
 from ..common.softmax import OnlineSoftmax
-from ..wgmma.attention_fwd import refuse_extras, wgmma
+from ..wgmma.attention_fwd import refuse_extras, wgmma, wgmmas
 from ..wgmma.fragments import acc_mn_view
 from ..wgmma.layouts import ROWS_PER_WARPGROUP, WARPGROUP
 from .consumer import Consumer
 from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
+from .row_sums import fill_ones, totals
 from .turns import Turns
 
 
@@ -124,8 +127,13 @@ class WgmmaWsAttentionForward:
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
         pipes = lay.pipelines(storage)
+        tidx, _, _ = cute.arch.thread_idx()
+        sOnes = None  # the row sums' ones (``row_sums.py``)
+        if cutlass.const_expr(lay.sums_by_mma):
+            sOnes = storage.sOnes.get_tensor(lay.sOnes.outer, swizzle=lay.sOnes.inner)
+            fill_ones(sOnes, lay.dtype, tidx, spec.threads)
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()  # the barriers are initialised before anyone waits on them
+        cute.arch.sync_threads()  # barriers and ones are ready before anyone waits or reads
         sQ = storage.sQ.get_tensor(lay.sQ.outer, swizzle=lay.sQ.inner)
         sK = storage.sK.get_tensor(lay.sKV.outer, swizzle=lay.sKV.inner)
         sV = storage.sV.get_tensor(lay.sV.outer, swizzle=lay.sV.inner)
@@ -147,14 +155,14 @@ class WgmmaWsAttentionForward:
                              (sQ, sK, sV), m_block, head, kv_head, batch, n_lo, n_hi)
         else:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
-            tidx, _, _ = cute.arch.thread_idx()
-            cons = Consumer(lay, sQ, sK, sV, sO, sP, tidx - WARPGROUP, m_block, seqlen_q,
-                            seqlen_k, q_group)
+            cons = Consumer(lay, sQ, sK, sV, sO, sP, sOnes, tidx - WARPGROUP, m_block,
+                            seqlen_q, seqlen_k, q_group)
             # FP8: p comes out times P_SCALE (one FMA), the row sums with it: O / sum needs
             # only V's descale
             softmax = OnlineSoftmax(cute.size(acc_mn_view(cons.acc_O), mode=[0]), scale_log2,
                                     form="exact" if lay.fp8 else "offset",
-                                    p_log2=math.log2(P_SCALE) if lay.fp8 else 0.0)
+                                    p_log2=math.log2(P_SCALE) if lay.fp8 else 0.0,
+                                    sums="mma" if lay.sums_by_mma else "rows")
             o_scale = None
             if cutlass.const_expr(lay.fp8 and spec.k_scale == "token"):
                 fold_query_descales(cons, softmax, mQd[batch, head, None], scale_log2)
@@ -171,7 +179,7 @@ class WgmmaWsAttentionForward:
                                                   EPILOGUE_BARRIER + cons.wg, WARPGROUP)
             if n_hi > n_lo:
                 self.walk_keys(cons, softmax, pipes, n_lo, n_hi)
-            softmax.finish()
+            softmax.finish(None if cons.acc_L is None else totals(cons.acc_L))
             self.store_output(cons, softmax, mO, mLSE, head, batch, o_scale)
 
     # ---- producer ----------------------------------------------------------------------------
@@ -245,7 +253,7 @@ class WgmmaWsAttentionForward:
         self.scale_keys(S, kd)
         self.load_key_descales(cons, kd, cutlass.max(n_hi - 2, n_lo), masked=True)
         mask_scores(S, cons.score_coords(n_hi - 1), cons.seqlen_k, cons.bounds, cons.q_group)
-        softmax.rescale(acc_mn_view(cons.acc_O), softmax.step(S))
+        cons.rescale(softmax, softmax.step(S))
         cons.set_probabilities(acc_S)
         blocks, steps_masked = n_hi - n_lo, masked_steps(c.tile_m, c.tile_n, cons.bounds)
         if cutlass.const_expr(steps_masked == 1):  # step 0 was the only one
@@ -304,7 +312,7 @@ class WgmmaWsAttentionForward:
         correction = softmax.step(S)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(vs)
-        softmax.rescale(acc_mn_view(cons.acc_O), correction)
+        cons.rescale(softmax, correction)
         cons.set_probabilities(acc_S)
         return ks
 
@@ -323,8 +331,7 @@ class WgmmaWsAttentionForward:
 
     @cute.jit
     def pv(self, cons: Consumer, slot, wait: cutlass.Constexpr):
-        wgmma(cons.lay.pv_mma, cons.acc_O, cons.operand_p(), cons.tOrVt[None, None, None, slot],
-              zero_init=False, wait=wait)
+        wgmmas(cons.pv_products(slot), zero_init=False, wait=wait)
 
     # ---- epilogue ------------------------------------------------------------------------------
     @cute.jit

@@ -11,6 +11,7 @@ from ..common.dtypes import E4M3
 from ..common.sync import st_shared_b32
 from ..wgmma.fragments import ThreadCoords, acc_as_fp8_operand_a, acc_as_operand_a, acc_mn_view
 from ..wgmma.layouts import WARPGROUP
+from . import row_sums
 from .layouts import WsLayouts
 
 
@@ -25,8 +26,8 @@ class Consumer(ThreadCoords):
     """Trace-time view of one consumer thread: its warpgroup's MMA fragments, accumulators and
     the coordinates of its scores."""
 
-    def __init__(self, lay: WsLayouts, sQ, sK, sV, sO, sP, ctid, m_block, seqlen_q, seqlen_k,
-                 q_group):
+    def __init__(self, lay: WsLayouts, sQ, sK, sV, sO, sP, sOnes, ctid, m_block, seqlen_q,
+                 seqlen_k, q_group):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
@@ -61,6 +62,16 @@ class Consumer(ThreadCoords):
                 p_layout = cute.make_layout(acc_as_fp8_operand_a(p_layout).shape)
             self.rP = cute.make_rmem_tensor(p_layout, lay.dtype)
         self.gKd = None  # FP8: this K/V head's per-key descales
+        self.acc_L = None  # the row sums by the tensor cores (``row_sums.py``)
+        if lay.sums_by_mma:
+            wg_sum = lay.sum_mma.get_slice(wg * WARPGROUP)
+            self.tLrOnes = wg_sum.make_fragment_B(wg_sum.partition_B(sOnes))
+            self.tLrP = (wg_sum.make_fragment_A(wg_sum.partition_A(sP)) if lay.p_in_shared
+                         else None)
+            self.acc_L = cute.make_rmem_tensor(
+                lay.sum_mma.get_slice(ctid).partition_shape_C((tm, row_sums.COLUMNS)),
+                cutlass.Float32)
+            self.acc_L.fill(0.0)
 
     def set_probabilities(self, acc_S: cute.Tensor):
         """P (the scores after ``softmax.step``) into the P·V MMA's A operand registers: e4m3
@@ -89,6 +100,22 @@ class Consumer(ThreadCoords):
             st_shared_b32((self.p_word ^ (16 * chunk)) + r * 8 * self.config.tile_n, words[w])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
+
+    def pv_products(self, slot) -> list:
+        """The P·V group's (tiled MMA, accumulator, A, B): O += P·V of stage ``slot``, and the
+        row sums += P·ones where the tensor cores sum the rows."""
+        products = [(self.lay.pv_mma, self.acc_O, self.operand_p(),
+                     self.tOrVt[None, None, None, slot])]
+        if self.lay.sums_by_mma:
+            p = self.tLrP if self.lay.p_in_shared else self.operand_p()
+            products.append((self.lay.sum_mma, self.acc_L, p, self.tLrOnes))
+        return products
+
+    def rescale(self, softmax, correction: cute.Tensor):
+        """O (and the MMA's row sums) times each row's correction."""
+        softmax.rescale(acc_mn_view(self.acc_O), correction)
+        if self.lay.sums_by_mma:
+            softmax.rescale(row_sums.sums_view(self.acc_L), correction)
 
     def operand_p(self) -> cute.Tensor:
         if self.lay.p_in_shared:

@@ -11,6 +11,7 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from ...spec.families import WgmmaWs
 from ..common.dtypes import DTYPES, E4M3
 from ..wgmma.layouts import WARPGROUP, k_major, smem_tiles, tiled_mmas
+from . import row_sums
 
 EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
 PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
@@ -50,6 +51,11 @@ class WsLayouts:
         self.qk_mma, self.pv_mma = tiled_mmas(
             self.dtype, self.consumers, tn, d,
             OperandMajorMode.K if self.fp8 else OperandMajorMode.MN, not self.p_in_shared)
+        # the row sums by the tensor cores (``WgmmaWs.sums_by_mma``): P times a tile of ones
+        self.sums_by_mma = WgmmaWs.sums_by_mma(spec)
+        self.sOnes = row_sums.ones_layout(self.dtype, tn) if self.sums_by_mma else None
+        self.sum_mma = (row_sums.sum_mma(self.dtype, self.consumers, not self.p_in_shared)
+                        if self.sums_by_mma else None)
         # the epilogue: each consumer warpgroup's 64 rows of O, shared -> global in 16-byte
         # vectors, 8 threads per 64 columns (its own 128 threads)
         self.r2g_o = cute.make_tiled_copy_tv(
@@ -66,6 +72,7 @@ class WsLayouts:
         n_q, n_kv = cute.cosize(self.sQ), cute.cosize(self.sKV)
         out_dtype, n_o = self.out_dtype, cute.cosize(self.sO) if fp8 else 0
         p_in_shared, n_p = self.p_in_shared, cute.cosize(self.sP) if self.p_in_shared else 0
+        ones, n_ones = self.sums_by_mma, cute.cosize(self.sOnes) if self.sums_by_mma else 0
         Align, Mem = cute.struct.Align, cute.struct.MemRange
 
         @cute.struct
@@ -80,6 +87,8 @@ class WsLayouts:
                 sO: Align[Mem[out_dtype, n_o], _ALIGN]
             if p_in_shared:
                 sP: Align[Mem[dtype, n_p], _ALIGN]
+            if ones:
+                sOnes: Align[Mem[dtype, n_ones], _ALIGN]
 
         return SharedStorage
 
