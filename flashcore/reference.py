@@ -210,6 +210,9 @@ def attention_fp8(
     either way float64 is returned. ``sum_rounded_p`` (with ``tile``): the row sums add P as
     rounded for the P·V MMA, as a kernel whose tensor cores sum the rows does.
     """
+    if sum_rounded_p and tile is None:
+        raise ValueError("attention_fp8: sum_rounded_p replays a kernel's block loop; pass its "
+                         "tile too")
     codes = [quantize_e4m3(t, g) for t, g in ((q, "token"), (k, k_scale), (v, "head"))]
     if tile is not None:
         dev = torch.device(device) if device is not None else torch.device("cpu")

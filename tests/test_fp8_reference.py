@@ -401,3 +401,6 @@ def test_sums_of_rounded_p_weigh_v_by_weights_that_sum_to_one():
     torch.testing.assert_close(summed, torch.ones_like(summed), rtol=1e-14, atol=0)
     unrounded = reference.attention_fp8_online(qc, qd, kc, kd, ones, vd, **kw)
     assert (unrounded - 1).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="sum_rounded_p"):
+        reference.attention_fp8(*_qkv_fp8(5, 1, 1, 3, 3, 16, torch.float16)[0],
+                                sum_rounded_p=True)
