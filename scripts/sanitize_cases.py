@@ -270,7 +270,7 @@ def wgmma_fp8_cases():
     from flashcore.spec import TileConfig
 
     for tile, warps, stages in (((128, 128), 8, 2), ((128, 64), 8, 3), ((192, 128), 12, 2),
-                                ((192, 64), 12, 3)):
+                                ((192, 64), 12, 3), ((64, 64), 4, 2)):  # 64x64: short and d64 mid
         config = TileConfig(tile, warps=warps, stages=stages, family="wgmma_ws")
         for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
                                   (130, 257, 128, False), (200, 700, 64, True),
@@ -291,7 +291,8 @@ def fp8_khead_cases():
     if arch_of(torch.cuda.current_device()) == "sm_90":
         configs += [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                     TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
-                    TileConfig((192, 128), warps=12, stages=4, family="wgmma_ws")]
+                    TileConfig((192, 128), warps=12, stages=4, family="wgmma_ws"),
+                    TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws")]
     for config in configs:
         for sq, sk, d, causal in ((77, 200, 64, True), (1, 1, 128, False),
                                   (130, 257, 128, False), (1, 700, 128, True),

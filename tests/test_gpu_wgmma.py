@@ -16,6 +16,7 @@ from flashcore.errors import SpecError
 from flashcore.ops import attention
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from tests.gpu_utils import (
+    ROUNDED_SUMS_LSE_SLACK,
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
     current_arch,
@@ -265,7 +266,8 @@ def test_wgmma_ws_fp8_k_per_head_walks_keys_in_either_softmax_form(causal):
     keys with a rounded-up offset (one FMA a score), any other warp exactly. Rows 64..79 (one
     warp of the second consumer) get queries 1000x larger, so that warp takes the exact loop,
     the others the rounded one. Every row must match the replay; its LSE that of exact
-    attention of the dequantised inputs (what the tensor cores multiply)."""
+    attention of the dequantised inputs (what the tensor cores multiply), within the slack of
+    row sums of e4m3-rounded P where the tensor cores sum them."""
     g = torch.Generator(device="cuda").manual_seed(31 + causal)
     q = torch.randn(1, 2, 300, 128, device="cuda", generator=g)
     q[:, :, 64:80] *= 1000.0
@@ -291,7 +293,9 @@ def test_wgmma_ws_fp8_k_per_head_walks_keys_in_either_softmax_form(causal):
     for rows, tol in ((~big, FP8_SIM_TOL), (big, 0.1)):  # logits of thousands: a hard argmax
         assert _rel_l2(out[:, :, rows], sim[:, :, rows]) <= tol
         err = (lse[:, :, rows].double() - lse_deq[:, :, rows].to(lse.device)).abs()
-        assert (err <= 2e-2 + 1e-2 * lse_deq[:, :, rows].abs().to(lse.device)).all(), err.max()
+        slack = ROUNDED_SUMS_LSE_SLACK if fp8_sums_rounded_p(FP8_CONFIGS[0], 128, causal) else 0
+        bound = 2e-2 + slack + 1e-2 * lse_deq[:, :, rows].abs().to(lse.device)
+        assert (err <= bound).all(), err.max()
 
 
 def test_fp8_on_hopper_takes_the_wgmma_family_without_a_warning():
