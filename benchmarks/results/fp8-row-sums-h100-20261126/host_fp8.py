@@ -10,9 +10,9 @@ import warnings
 import torch
 
 sys.path.insert(0, os.getcwd())
-from flashcore.ops import attention  # noqa: E402
-from flashcore.ops.fp8 import attention_fp8, quantize_fp8  # noqa: E402
-from scripts.host_overhead import per_call_us  # noqa: E402
+from flashcore.ops import attention
+from flashcore.ops.fp8 import attention_fp8, quantize_fp8
+from scripts.host_overhead import per_call_us
 
 q, k, v = (torch.randn(1, 8, 512, 64, device="cuda", dtype=torch.float16) for _ in range(3))
 q8, qd = quantize_fp8(q, granularity="token")
