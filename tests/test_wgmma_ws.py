@@ -292,6 +292,9 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
     class FakeKernel:
         tensor_maps = (TensorMapParam("vt_tma", "vt", 64, 64, "float8_e4m3fn", 64, True),)
 
+        def __init__(self):
+            self.tma_args_memo = {}
+
     vt = (0x40000, 1, 2, 256, 2 * 64 * 256, 64 * 256, 256)  # ops.inputs.transposed_arg
     (desc,), extents = launcher._tma_args(FakeKernel(), (vt,), "float16", 64)
     assert extents == (256, 2, 1) and len(desc) == 128
@@ -299,6 +302,47 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
     dims, strides, box = ([int(x) for x in xs] for xs in lists[:3])
     assert dims == [256, 64, 2, 1] and strides[:2] == [256, 64 * 256] and box == [64, 64, 1, 1]
     assert "UINT8" in str(dtype) and "SWIZZLE_64B" in str(calls[-1][-3])
+
+
+def test_tma_arguments_are_built_once_per_kernel_and_buffers(monkeypatch):
+    """An eager loop over the same buffers looks its three descriptors up once a call, not three
+    times (H100, 2026-11-26: FP8 at 1,8,512,64 paid ~4 us more a call on the TMA kernel than on
+    the mma_sync one); other buffers, or another dtype, get their own; the memo stays bounded."""
+    from flashcore.ops import launcher
+    from flashcore.runtime import tensor_map
+
+    encoded = []
+
+    def fake_encode(rows, dtype, inner, box_rows, box_cols, swizzle):
+        encoded.append((rows[0], dtype))
+        return bytes([len(encoded)]) * 128
+
+    monkeypatch.setattr(tensor_map, "encode", fake_encode)
+
+    class FakeKernel:
+        tensor_maps = (TensorMapParam("q_tma", "q", 64), TensorMapParam("k_tma", "k", 64),
+                       TensorMapParam("v_tma", "v", 64))
+
+        def __init__(self):
+            self.tma_args_memo = {}
+
+    def qkv(base):
+        return tuple((base + i * 0x100000, 1, 8, 512, 8 * 512 * 64, 512 * 64, 64)
+                     for i in range(3))
+
+    kern = FakeKernel()
+    first = launcher._tma_args(kern, qkv(0x10000), "float16", 64)
+    assert len(encoded) == 3 and [e[0] for e in encoded] == [a[0] for a in qkv(0x10000)]
+    assert launcher._tma_args(kern, qkv(0x10000), "float16", 64) is first and len(encoded) == 3
+    other = launcher._tma_args(kern, qkv(0x90000), "float16", 64)
+    assert len(encoded) == 6 and other[0] != first[0]
+    launcher._tma_args(kern, qkv(0x10000), "bfloat16", 64)
+    assert len(encoded) == 9 and encoded[-1][1] == "bfloat16"
+    again = launcher._tma_args(FakeKernel(), qkv(0x10000), "float16", 64)  # its own memo
+    assert len(encoded) == 12 and again[1::2] == first[1::2]
+    for i in range(launcher._TMA_MEMO_SIZE + 5):
+        launcher._tma_args(kern, qkv(0x1000000 * (i + 1)), "float16", 64)
+    assert len(kern.tma_args_memo) <= launcher._TMA_MEMO_SIZE
 
 
 @pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.k_scale == "head"],

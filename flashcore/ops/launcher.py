@@ -40,6 +40,7 @@ class Serving:
 
 DENSE = Serving(False, 0, (), 0, 0, 0)
 _kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
+_TMA_MEMO_SIZE = 64  # TMA arguments kept per kernel (``_tma_args``)
 
 
 def loaded_kernel(device: int, *fields) -> Any:
@@ -90,14 +91,23 @@ def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
 def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     """A TMA kernel's Q, K, V arguments: each tensor's descriptor, then its (seq, heads, batch)
     (``build.abi.tma_attention_params``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
-    slot, the head_dim stride in the seq stride's) is described as head_dim rows of keys."""
-    out: tuple = ()
+    slot, the head_dim stride in the seq stride's) is described as head_dim rows of keys.
+    Memoised on the kernel per (arguments, dtype): a descriptor depends on nothing else, and an
+    eager loop that reuses its buffers then pays one look-up a call, not three."""
+    key = (qkv_args, dtype)
+    out = kern.tma_args_memo.get(key)
+    if out is not None:
+        return out
+    out = ()
     for p, arg in zip(kern.tensor_maps, qkv_args):
         ptr, b, h, s = arg[:4]
         rows, inner = (((ptr, b, h, head_dim, *arg[4:]), s) if p.transposed else (arg, head_dim))
         desc = tensor_map.encode(rows, p.dtype or dtype, inner, p.box_rows, p.box_cols,
                                  p.swizzle)
         out += ((desc,), (s, h, b))
+    if len(kern.tma_args_memo) >= _TMA_MEMO_SIZE:  # buffers vary without bound in some programs
+        kern.tma_args_memo.clear()
+    kern.tma_args_memo[key] = out
     return out
 
 

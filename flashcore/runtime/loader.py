@@ -59,6 +59,7 @@ class LoadedKernel:
         self.programmatic = getattr(self.artifact.spec, "programmatic_launch", False)
         # TMA kernels: the descriptors the launcher encodes, in parameter order
         self.tensor_maps = tuple(p for p in self.params if isinstance(p, TensorMapParam))
+        self.tma_args_memo: dict[tuple, tuple] = {}  # the launcher's, per call arguments
         self._configs: dict[tuple, object] = {}  # (grid, stream) -> CUlaunchConfig
 
     def launch(self, grid: tuple[int, int, int], values: tuple, stream: int) -> None:
