@@ -242,7 +242,12 @@ def fp8_paged_cases():
 
 
 def wgmma_cases():
-    # the Hopper family (sm_90): ragged lengths (S_q != S_k, not multiples of the tile, 1),
+    yield from wgmma_16bit_cases()
+    yield from wgmma_fp8_cases()
+
+
+def wgmma_16bit_cases():
+    # the Hopper families (sm_90): ragged lengths (S_q != S_k, not multiples of the tile, 1),
     # GQA, causal rows with no key, 2- and 3-block rings wrapping around (700 keys: 6-11 blocks)
     from flashcore.spec import TileConfig
 
@@ -261,7 +266,6 @@ def wgmma_cases():
         q, k, v = qkv(2, 9, 3, 100, 130, 64, seed=9)  # 18 (batch, head) pairs: 3 grid sections
         out = attention(q, k, v, causal=True, config=config)
         yield check(f"wgmma {config} 2x9 heads causal", out, q, k, v, True)
-    yield from wgmma_fp8_cases()
 
 
 def wgmma_fp8_cases():
@@ -393,7 +397,7 @@ def main() -> int:
              "fp8-kv": lambda: fp8_kv_cases(False, ((1, 4, 2, 1, 150, 64), (2, 8, 2, 1, 700, 128),
                                                     (1, 32, 8, 1, 2049, 128))),
              "decode": decode_cases, "packed-tokens": packed_tokens_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
-             "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases,
+             "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases, "wgmma-16bit": wgmma_16bit_cases,
              "wgmma-fp8": wgmma_fp8_cases, "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]

@@ -95,6 +95,10 @@ def _check(b, hq, hkv, sq, sk, d, dt, causal, config, return_lse, seed, mag=1.0)
          config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=8)  # three taking turns
 @example(b=1, hkv=2, group=2, sq=777, sk=777, d=64, dtype="float16", causal=True,
          config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=9)  # masked, then unmasked steps
+@example(b=2, hkv=2, group=2, sq=500, sk=1000, d=128, dtype="bfloat16", causal=False,
+         config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=10)  # d128: P through shared
+@example(b=1, hkv=3, group=1, sq=700, sk=555, d=128, dtype="float16", causal=True,
+         config=CONFIGS[7], return_lse=True, log_mag=1.0, seed=11)
 def test_wgmma_matches_the_reference(b, hkv, group, sq, sk, d, dtype, causal, config,
                                      return_lse, log_mag, seed):
     _check(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], causal, config, return_lse, seed,

@@ -84,6 +84,8 @@ WS_SPECS = [
     AttentionSpec(arch="sm_90", head_dim=64, config=WS.replace(tile=(192, 128), warps=12)),
     AttentionSpec(arch="sm_90", head_dim=128, causal=True,
                   config=WS.replace(tile=(192, 64), warps=12)),
+    # three consumers at d128: P through shared memory (the fp16 d128 long winner)
+    AttentionSpec(arch="sm_90", head_dim=128, config=WS.replace(tile=(192, 128), warps=12)),
     # causal 192-row tiles meet the diagonal in two 128-key steps (it spilled 352 B when those
     # steps had a loop of their own)
     AttentionSpec(arch="sm_90", head_dim=64, causal=True,
@@ -201,7 +203,7 @@ def _key_loops(text: str) -> list[list[tuple[str, str]]]:
     for first, last in loop_bodies(text):
         body = [m.groups() for ln in lines[first:last + 1] if (m := instr.match(ln))]
         ops = [op for op, _ in body]
-        if any(op.startswith("QGMMA") for op in ops) and "MUFU.EX2" in ops:
+        if any(op.startswith(("QGMMA", "HGMMA")) for op in ops) and "MUFU.EX2" in ops:
             spans.append((first, last, body))
     return [body for first, last, body in spans
             if not any(f >= first and la <= last and (f, la) != (first, last)
@@ -400,6 +402,38 @@ def test_p_words_follow_the_key_permutation_of_v():
         row_half, chunk = p_word_place(4 * kk + v // 4)
         assert row_half == r
         assert 16 * chunk + 4 * t + i == 32 * kk + 16 * h + 4 * t + i
+
+
+@pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision != "fp8"],
+                         ids=lambda s: s.name)
+def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts, spec):
+    """Three consumers of 128-key steps at d128 (``WgmmaWs.p_in_shared``; H100, 2026-11-26:
+    4,16,4096,128 891 against 924 us for 128x128 s3): the P·V HGMMAs read P through a
+    descriptor, after eight ``stmatrix`` x4 a key step and an async-proxy fence, with no
+    spills; else P is the register A operand. The shared-memory budget counts P's 16-bit tile."""
+    from flashcore.spec.families import WgmmaWs
+
+    art = ws_artifacts[spec]
+    shared = WgmmaWs.p_in_shared(spec)
+    assert shared == (spec.head_dim == 128 and spec.config.tile == (192, 128))
+    c = spec.config
+    base = spec.replace(config=c.replace(tile=(128, c.tile_n), warps=8))  # P in registers
+    assert (spec.smem_bytes - (c.tile_m - 128) * spec.head_dim * 2 - base.smem_bytes
+            == (c.tile_m * c.tile_n * 2 if shared else 0))
+    assert art.resources.spill_store_bytes == 0
+    text = sass(art.cubin)
+    if text is None:
+        pytest.skip("nvdisasm is not installed")
+    loops = _key_loops(text)
+    assert loops
+    for body in loops:
+        mmas = [args for op, args in body if op.startswith("HGMMA")]
+        register_a = [a for a in mmas if re.search(r"R\d+, R\d+, gdesc", a)]
+        assert (not register_a) == shared, mmas
+        stores = [op for op, _ in body if op.startswith("STSM")]
+        assert len(stores) == (8 if shared else 0), stores
+    body = art.ptx[art.ptx.index(".entry"):]
+    assert ("fence.proxy.async.shared::cta" in body) == shared
 
 
 @pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision == "fp8"],

@@ -238,12 +238,11 @@ class WgmmaWs(Wgmma):
     @staticmethod
     def p_in_shared(spec: AttentionSpec) -> bool:
         """Whether P reaches the P·V wgmma through shared memory (its SS form) rather than in
-        registers: FP8 operands at head_dim 128 with three consumer warpgroups of 128-key
-        steps, whose 160 registers a thread hold S and O (64 each) but not P beside them
-        (288 bytes of spills with P in registers; 64-key steps fit)."""
+        registers: head_dim 128 with three consumer warpgroups of 128-key steps, whose 160
+        registers a thread hold S and O (64 each) but not P beside them (FP8: 288 bytes of
+        spills with P in registers; 64-key steps fit)."""
         c = spec.config
-        return (spec.precision == "fp8" and spec.head_dim == 128 and c.warps == 12
-                and c.tile_n == 128)
+        return spec.head_dim == 128 and c.warps == 12 and c.tile_n == 128
 
     @staticmethod
     def sums_by_mma(spec: AttentionSpec) -> bool:
@@ -258,13 +257,13 @@ class WgmmaWs(Wgmma):
 
     def smem_bytes(self, spec: AttentionSpec) -> int:
         """The wgmma tiles, after 1 KB holding the pipelines' mbarriers; for fp8 operands a
-        16-bit output tile of its own (the e4m3 Q buffer is half its size), P's e4m3 tile
-        where it goes through shared memory, and the row sums' tile of ones."""
+        16-bit output tile of its own (the e4m3 Q buffer is half its size), P's tile where
+        it goes through shared memory, and the row sums' tile of ones."""
         out, c = 0, spec.config
         if spec.precision == "fp8":
             out = _align(c.tile_m * spec.head_dim * DTYPE_BYTES[spec.dtype])
         if self.p_in_shared(spec):
-            out += _align(c.tile_m * c.tile_n)
+            out += _align(c.tile_m * c.tile_n * spec.elem_bytes)
         if self.sums_by_mma(spec):  # 8 columns of ones (the narrowest wgmma N) a key
             out += _align(8 * c.tile_n * spec.elem_bytes)
         return _SMEM_ALIGN + super().smem_bytes(spec) + out

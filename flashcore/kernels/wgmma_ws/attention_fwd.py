@@ -15,6 +15,9 @@ warpgroup and 1-3 consumer warpgroups.
   parameter) with its coordinate tensor's run-time extents; flashcore's runtime encodes them
   (``flashcore.runtime.tensor_map``, parameters in ``flashcore.build.abi``). TMA zero-fills rows
   past a sequence end; the masked first block hides those keys.
+* Three consumers of 128-key steps at head_dim 128 (16-bit or e4m3): P goes to the P·V wgmma
+  through a shared tile of its own (``Consumer.store_p``, the SS form): 160 registers a thread
+  hold S and O but not P beside them.
 * Epilogue: O / row sum, each consumer warpgroup through its own rows of Q's tile (a named
   barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q; natural-log LSE if
   asked.
@@ -26,9 +29,7 @@ warpgroup and 1-3 consumer warpgroups.
   per-head one is in the rows' exp2 scales); O is staged in its own 16-bit tile. With K per
   head, e4m3 bounds every row's max * scale before the loop: a warpgroup whose rows it bounds
   walks its keys in the softmax's rounded form (one FMA a score), any other exactly
-  (``common/fp8.offsets_bounded``, ``walk_keys``). With three consumers at head_dim 128, P
-  goes to the P·V wgmma through a shared tile of its own (``Consumer.store_p``): 160
-  registers a thread hold S and O but not P beside them. FP8's row sums are the tensor
+  (``common/fp8.offsets_bounded``, ``walk_keys``). FP8's row sums are the tensor
   cores' (P times a tile of ones in the P·V group, ``row_sums.py``) except at head_dim 64
   without a mask (``WgmmaWs.sums_by_mma``).
 """

@@ -48,7 +48,16 @@ class Consumer(ThreadCoords):
         self.acc_O = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((tm, d)),
                                            cutlass.Float32)
         self.acc_O.fill(0.0)
-        if lay.p_in_shared:
+        if lay.p_in_shared and not lay.fp8:
+            # 16-bit P in the accumulator's layout, stored by stmatrix (four 8x8 tiles a warp)
+            self.tOrP = wg_pv.make_fragment_A(wg_pv.partition_A(sP))
+            self.rP = cute.make_rmem_tensor(self.thr_qk.partition_shape_C((tm, tn)), lay.dtype)
+            r2s = cute.make_tiled_copy_C(
+                cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), lay.dtype),
+                lay.qk_mma)
+            self.r2s_p, self.r2s_p_thr = r2s, r2s.get_slice(ctid)
+            self.tPsP = self.r2s_p_thr.partition_D(sP)
+        elif lay.p_in_shared:
             self.tOrP = wg_pv.make_fragment_A(wg_pv.partition_A(sP))
             # this thread's first word of P (rows g and g + 8 of its warp's 16, 4 keys at 4t):
             # in the 128-byte swizzle row r of a 1 KB-aligned tile has its 16-byte chunks
@@ -86,18 +95,24 @@ class Consumer(ThreadCoords):
 
     @cute.jit
     def store_p(self, acc_S: cute.Tensor):
-        """P into its shared tile: the e4m3 A operand's registers (``acc_as_fp8_operand_a``,
-        in the order Vᵀ's keys are stored) are the tile's 32-bit words (``p_word_place``).
-        Written after the previous P·V has completed; then fenced for the async proxy, and the
-        warp synchronised (its part of the wgmma reads only its own 16 rows)."""
-        as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
-        codes = cute.make_rmem_tensor(cute.make_layout(as_a.shape), E4M3)
-        codes.store(as_a.load().to(E4M3))
-        words = cute.make_tensor(cute.recast_ptr(codes.iterator, dtype=cutlass.Int32),
-                                 cute.make_layout(cute.size(codes) // 4))
-        for w in cutlass.range_constexpr(cute.size(words)):
-            r, chunk = p_word_place(w)
-            st_shared_b32((self.p_word ^ (16 * chunk)) + r * 8 * self.config.tile_n, words[w])
+        """P into its shared tile: 16-bit P by ``stmatrix`` from the accumulator's layout; e4m3
+        P as the A operand's registers (``acc_as_fp8_operand_a``, in the order Vᵀ's keys are
+        stored), the tile's 32-bit words (``p_word_place``). Written after the previous P·V has
+        completed; then fenced for the async proxy, and the warp synchronised (its part of the
+        wgmma reads only its own 16 rows)."""
+        if cutlass.const_expr(not self.lay.fp8):
+            self.rP.store(acc_S.load().to(self.lay.dtype))
+            cute.copy(self.r2s_p, self.r2s_p_thr.retile(self.rP), self.tPsP)
+        else:
+            as_a = cute.make_tensor(acc_S.iterator, acc_as_fp8_operand_a(acc_S.layout))
+            codes = cute.make_rmem_tensor(cute.make_layout(as_a.shape), E4M3)
+            codes.store(as_a.load().to(E4M3))
+            words = cute.make_tensor(cute.recast_ptr(codes.iterator, dtype=cutlass.Int32),
+                                     cute.make_layout(cute.size(codes) // 4))
+            for w in cutlass.range_constexpr(cute.size(words)):
+                r, chunk = p_word_place(w)
+                st_shared_b32((self.p_word ^ (16 * chunk)) + r * 8 * self.config.tile_n,
+                              words[w])
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_warp()
 

@@ -45,7 +45,7 @@ class WsLayouts:
         # e4m3 Q buffer is half its size)
         self.sV = k_major(self.dtype, (d, tn, c.stages)) if self.fp8 else self.sKV
         self.sO = smem_tiles(self.out_dtype, tm, tn, d, 1)[0] if self.fp8 else None
-        # P through shared memory (``WgmmaWs.p_in_shared``): its e4m3 tile, the SS P·V
+        # P through shared memory (``WgmmaWs.p_in_shared``): its own tile, the SS P·V
         self.p_in_shared = WgmmaWs.p_in_shared(spec)
         self.sP = k_major(self.dtype, (tm, tn)) if self.p_in_shared else None
         self.qk_mma, self.pv_mma = tiled_mmas(
