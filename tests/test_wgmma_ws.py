@@ -404,6 +404,27 @@ def test_p_words_follow_the_key_permutation_of_v():
         assert 16 * chunk + 4 * t + i == 32 * kk + 16 * h + 4 * t + i
 
 
+def _p_operand_loops(art, spec, mma: str) -> tuple[bool, list]:
+    """Whether P goes to P·V through its shared tile (``WgmmaWs.p_in_shared``: three consumers
+    of 128-key steps at d128), checked against the key loops' ``mma`` instructions: S = Q·Kᵀ
+    reads both operands through descriptors, P·V reads P from registers unless it is shared.
+    Returns (shared, the key loops); skips where nvdisasm is missing."""
+    from flashcore.spec.families import WgmmaWs
+
+    shared = WgmmaWs.p_in_shared(spec)
+    assert shared == (spec.head_dim == 128 and spec.config.tile == (192, 128))
+    text = sass(art.cubin)
+    if text is None:
+        pytest.skip("nvdisasm is not installed")
+    loops = _key_loops(text)
+    assert loops
+    for body in loops:
+        mmas = [args for op, args in body if op.startswith(mma)]
+        register_a = [a for a in mmas if re.search(r"R\d+, R\d+, gdesc", a)]
+        assert (not register_a) == shared, mmas
+    return shared, loops
+
+
 @pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision != "fp8"],
                          ids=lambda s: s.name)
 def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts, spec):
@@ -413,23 +434,13 @@ def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifact
     spills; else P is the register A operand. The shared-memory budget counts P's 16-bit tile."""
     from flashcore.spec.families import WgmmaWs
 
-    art = ws_artifacts[spec]
-    shared = WgmmaWs.p_in_shared(spec)
-    assert shared == (spec.head_dim == 128 and spec.config.tile == (192, 128))
-    c = spec.config
+    art, c = ws_artifacts[spec], spec.config
     base = spec.replace(config=c.replace(tile=(128, c.tile_n), warps=8))  # P in registers
-    assert (spec.smem_bytes - (c.tile_m - 128) * spec.head_dim * 2 - base.smem_bytes
-            == (c.tile_m * c.tile_n * 2 if shared else 0))
+    p_tile = c.tile_m * c.tile_n * 2 if WgmmaWs.p_in_shared(spec) else 0
+    assert spec.smem_bytes - (c.tile_m - 128) * spec.head_dim * 2 - base.smem_bytes == p_tile
     assert art.resources.spill_store_bytes == 0
-    text = sass(art.cubin)
-    if text is None:
-        pytest.skip("nvdisasm is not installed")
-    loops = _key_loops(text)
-    assert loops
+    shared, loops = _p_operand_loops(art, spec, "HGMMA")
     for body in loops:
-        mmas = [args for op, args in body if op.startswith("HGMMA")]
-        register_a = [a for a in mmas if re.search(r"R\d+, R\d+, gdesc", a)]
-        assert (not register_a) == shared, mmas
         stores = [op for op, _ in body if op.startswith("STSM")]
         assert len(stores) == (8 if shared else 0), stores
     body = art.ptx[art.ptx.index(".entry"):]
@@ -445,18 +456,7 @@ def test_fp8_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts,
     from flashcore.spec.families import WgmmaWs
 
     art = ws_artifacts[spec]
-    shared = WgmmaWs.p_in_shared(spec)
-    assert shared == (spec.head_dim == 128 and spec.config.tile == (192, 128))
-    text = sass(art.cubin)
-    if text is None:
-        pytest.skip("nvdisasm is not installed")
-    loops = _key_loops(text)
-    assert loops
-    for body in loops:
-        mmas = [args for op, args in body if op.startswith("QGMMA")]
-        register_a = [a for a in mmas if re.search(r"R\d+, R\d+, gdesc", a)]
-        # S = Q·Kᵀ has both operands in shared memory; P·V reads P from registers unless shared
-        assert (not register_a) == shared, mmas
+    shared, _ = _p_operand_loops(art, spec, "QGMMA")
     body = art.ptx[art.ptx.index(".entry"):]
     # the row sums' ones: each thread's words of the tile (8 e4m3 a key), one fence
     sums = WgmmaWs.sums_by_mma(spec)
