@@ -91,4 +91,6 @@ def _fix_oob_mode(words: list, dims: list, strides: list, esize: int) -> None:
 
 
 def clear() -> None:
+    """Forget the encoded descriptors. The launcher's per-kernel argument memos
+    (``ops.launcher._tma_args``) keep theirs: a descriptor depends only on what keys it."""
     _cache.clear()
