@@ -173,8 +173,9 @@ def test_each_walk_of_the_keys_has_one_copy_of_the_step(ws_artifacts, spec):
 @pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
 def test_fp8_row_sums_come_from_the_tensor_cores_and_no_wgmma_is_serialised(ws_artifacts, spec):
     """FP8's row sums are an n8 wgmma of P and a tile of ones in the P·V group (16-bit kernels
-    and FP8 d64 ones without a mask keep their FADDs); and ptxas serialises no kernel's wgmma (C7511: an accumulator register
-    that one walk of the keys left dead did it to every FP8 kernel, 1.27-1.30x their time)."""
+    and FP8 d64 ones without a mask keep their FADDs); and ptxas serialises no kernel's wgmma
+    (C7511: an accumulator register that one walk of the keys left dead did it to every FP8
+    kernel, 1.27-1.30x their time)."""
     from flashcore.build.cubin_info import ptxas_stats
     from flashcore.spec.families import WgmmaWs
 

@@ -48,9 +48,10 @@ class Consumer(ThreadCoords):
         self.acc_O = cute.make_rmem_tensor(self.thr_pv.partition_shape_C((tm, d)),
                                            cutlass.Float32)
         self.acc_O.fill(0.0)
+        if lay.p_in_shared:
+            self.tOrP = wg_pv.make_fragment_A(wg_pv.partition_A(sP))
         if lay.p_in_shared and not lay.fp8:
             # 16-bit P in the accumulator's layout, stored by stmatrix (four 8x8 tiles a warp)
-            self.tOrP = wg_pv.make_fragment_A(wg_pv.partition_A(sP))
             self.rP = cute.make_rmem_tensor(self.thr_qk.partition_shape_C((tm, tn)), lay.dtype)
             r2s = cute.make_tiled_copy_C(
                 cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), lay.dtype),
@@ -58,7 +59,6 @@ class Consumer(ThreadCoords):
             self.r2s_p, self.r2s_p_thr = r2s, r2s.get_slice(ctid)
             self.tPsP = self.r2s_p_thr.partition_D(sP)
         elif lay.p_in_shared:
-            self.tOrP = wg_pv.make_fragment_A(wg_pv.partition_A(sP))
             # this thread's first word of P (rows g and g + 8 of its warp's 16, 4 keys at 4t):
             # in the 128-byte swizzle row r of a 1 KB-aligned tile has its 16-byte chunks
             # XORed with r % 8 (= g), so here at chunk 0, and chunk c at this ^ (16 c)
