@@ -14,7 +14,7 @@ Two measurements, in one process, kernel time in a CUDA graph over rotating inpu
 
     python scripts/decode_floor.py [--quick]      # on the GPU host; needs Triton
 
-Not a test: it prints tables and writes ``$OUT/decode-floor.json``.
+Not a test: it prints tables and writes ``$OUT/decode-floor.json`` (default: ``bench-results/``).
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def main() -> int:
             fits[f"{kind} {col}"] = (fa, fb / 1e6)
             print(f"decode {kind} {col} fit: {fa:.2f} us + bytes / {fb / 1e6:.3f} TB/s",
                   flush=True)
-    out = Path(os.environ.get("OUT", "."))
+    out = Path(os.environ.get("OUT", "bench-results"))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "decode-floor.json").write_text(json.dumps(
         {"device": props.name, "reads": {str(k): v for k, v in reads.items()},
          "read_fit": [a_us, bw / 1e6], "decode": series, "decode_fits": fits}, indent=1, default=str))

@@ -1,6 +1,6 @@
 """Decode on the GPU: flashcore's decode configs and split counts, fp16 and an FP8 (e4m3) KV
 cache, against SDPA's backends (and FlashAttention-4 when importable), kernel time in a CUDA
-graph, one table per shape. Writes JSON to $OUT.
+graph, one table per shape. Writes JSON to $OUT (default: bench-results/, git-ignored).
 
     python scripts/decode_sweep.py [--quick] [--fp8kv-only] [--dtypes float16 bfloat16]
 
@@ -33,7 +33,7 @@ from flashcore.tuning.timing import n_sets, time_kernel
 
 FP16_CONFIGS = [TileConfig((16, t), warps=1, stages=s) for t in (32, 64, 128) for s in (1, 2, 3)]
 # warp groups over their own keys, each with its own K/V ring (the last two exceed an L4's 99 KB;
-# H100, 2026-11-25: none beat the tuned 16x64 s2 by more than the run's noise)
+# on the H100 none beats the tuned 16x64 s2 by more than a run's noise)
 FP16_CONFIGS += [TileConfig((16, t), warps=1, stages=s, kv_splits=k)
                  for t, s, k in ((64, 1, 2), (32, 2, 2), (32, 1, 4), (64, 2, 2), (32, 3, 2))]
 FP8KV_CONFIGS = [TileConfig((16, t), warps=1, stages=s, kv_splits=k)
@@ -189,7 +189,8 @@ def main() -> int:
             show(shape, res)
             rows.append({"shape": shape.label, "floor_us": shape.min_bytes() / TB_S,
                          "fp8kv_floor_us": fp8kv_bytes(shape) / TB_S, "results": res})
-    out = Path(os.environ.get("OUT", "."))
+    out = Path(os.environ.get("OUT", "bench-results"))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "decode-sweep.json").write_text(json.dumps(rows, indent=1))
     return 0
 

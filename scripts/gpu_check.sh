@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run the GPU tests and the quick benchmark on a CUDA host; logs and records go to $OUT
-# (or ./gpu-results). Wheels in .whl/ (platformdirs, pyelftools: pure Python) are installed first
+# (or ./bench-results/gpu). Wheels in .whl/ (platformdirs, pyelftools: pure Python) are installed first
 # when present, for hosts without a package index.
 #   FLASHCORE_CACHE_DIR=.cache/sm90 bash scripts/gpu_check.sh     # prebuilt kernels, no DSL
 set -uo pipefail
-out=${OUT:-gpu-results}
+out=${OUT:-bench-results/gpu}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Device runs with the CuTe DSL installed on the GPU host (see README, "Running the GPU tests"):
 # compile every kernel the tests and the benchmark use there (16 workers), then run the phases
-# named on the command line. Logs and records go to $OUT (or ./gpu-results).
+# named on the command line. Logs and records go to $OUT (or ./bench-results/gpu).
 #   build ARCH...   compile tests.gpu_specs for each arch (sm_90; sm_89 = an L4's kernels)
 #   tests ARCH      the GPU tests, the kernels of ARCH (sm_89 runs from PTX on an H100)
 #   sanitize ARCH   compute-sanitizer memcheck, racecheck, synccheck (scripts/sanitize.sh)
@@ -10,7 +10,7 @@
 #                   NVIDIA's CuTe DSL FA2 example, fetched outside git)
 #   hostprof        eager host time at the mission shape, this tree and OLD_TREE if set
 set -u
-out=${OUT:-gpu-results}
+out=${OUT:-bench-results/gpu}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 FLASHCORE_NO_SHRINK=1
 cache=${CACHE_ROOT:-/tmp/fc}  # one cache per arch: tests.gpu_specs writes a catalog index there

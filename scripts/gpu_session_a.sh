@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Device runs from a carried sm_90 catalog (no DSL on the host); everything lands in $OUT.
+# Device runs from a carried sm_90 catalog (no DSL on the host); everything lands in $OUT
+# (or ./bench-results/gpu).
 #   bash scripts/gpu_session_a.sh tests          # the GPU tests
 #   bash scripts/gpu_session_a.sh tune           # autotuner, then the quick benchmark with its table
 #   bash scripts/gpu_session_a.sh tests tune     # both, in one call
 # TUNE_BUCKETS="short" limits the autotuner (winners of other buckets are kept).
 set -u
+OUT=${OUT:-bench-results/gpu}
+mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FLASHCORE_NO_SHRINK=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fc-site .whl/*.whl
 export PYTHONPATH=/tmp/fc-site

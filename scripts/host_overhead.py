@@ -1,7 +1,7 @@
 """Host time of one eager call at the mission shape (1, 8, 512, 64, fp16), for whichever flashcore
 is first on sys.path: the median µs per call over runs of back-to-back calls (the kernel takes
-~6 µs, less than the host's work, so the loop measures the host). Compare two trees by running
-this twice in one session, e.g. with PYTHONPATH pointing at an older checkout.
+a few µs, less than the host's work, so the loop measures the host). Compare two trees by running
+this twice on one machine, back to back, e.g. with PYTHONPATH pointing at an older checkout.
 
     python scripts/host_overhead.py --tag new
     PYTHONPATH=path/to/old python scripts/host_overhead.py --tag old

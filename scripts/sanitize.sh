@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # compute-sanitizer over every kernel family on ragged shapes (scripts/sanitize_cases.py):
-# memcheck, racecheck, synccheck. Logs and a summary go to $OUT (or ./sanitize-results).
+# memcheck, racecheck, synccheck. Logs and a summary go to $OUT (or ./bench-results/sanitize).
 #   bash scripts/sanitize.sh                 # the kernels of this GPU's arch
 #   FLASHCORE_ARCH=sm_89 bash scripts/sanitize.sh   # an L4's kernels, from PTX, on an H100
 set -uo pipefail
-out=${OUT:-sanitize-results}
+out=${OUT:-bench-results/sanitize}
 mkdir -p "$out"
 tag=${FLASHCORE_ARCH:-native}
 export PYTHONUNBUFFERED=1

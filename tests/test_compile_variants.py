@@ -116,7 +116,7 @@ def test_combine_kernel(artifacts, spec):
     assert "shfl.sync.bfly" in body  # the shares' max and sum over the warp
     assert "ex2.approx" in body  # exp2 of the shares' LSEs (the log is computed exactly)
     # the partial rows in 16-byte loads, several in flight: each pass of the share loop
-    # issues four before it adds them up (one at a time, 16 shares took 3.8 us on the H100)
+    # issues four before it adds them up (one at a time, each share costs an L2 round trip)
     text = sass(art.cubin)
     lines = text.splitlines()
     # (into distinct registers: loads that share their destination wait for each other)

@@ -351,7 +351,7 @@ def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
         assert qmma == n_mma and hmma == 0
     else:
         # Hopper has e4m3 only in wgmma: ptxas lowers each e4m3 mma.sync to unpacks to f16 and
-        # two HMMA.16816, so this kernel cannot beat the fp16 one there (benchmarks/NOTES.md)
+        # two HMMA.16816, so this kernel cannot beat the fp16 one there (docs/tried-and-dropped.md)
         assert qmma == 0 and hmma == 2 * n_mma
         assert any(op.startswith("F2FP.F16.E4M3.UNPACK") for op in ops)
 

@@ -38,7 +38,7 @@ def _inputs(b, h, sq, sk, d, dtype, magnitude, seed):
 
 def _sdpa(q, k, v, causal, scale):
     """SDPA, the baseline of our error bound (K/V may have fewer heads: GQA). Its flash and
-    efficient backends overflow on a negative scale (NaN on the H100, torch 2.11) as ours did:
+    efficient backends overflow on a negative scale (NaN on the H100 with torch 2.11):
     there it gets -q with |scale|, the same logits."""
     if scale is not None and scale < 0:
         q, scale = -q, -scale

@@ -148,7 +148,7 @@ FP8_CONFIGS = WGMMA_FP8_CONFIGS
 # Relative L2 against the float64 replay of the kernel's quantised arithmetic. The mma_sync
 # family's FP8 kernel matches it to 3e-6..8e-6; e4m3 wgmma (QGMMA) does not accumulate in IEEE
 # fp32 (Hopper's FP8 tensor cores keep fewer mantissa bits), which costs 1.9e-3..5.1e-3 on the
-# same inputs (2026-11-23, one and many key blocks alike: not a drift over blocks). So the
+# same inputs (one and many key blocks alike: not a drift over blocks). So the
 # bound here is 1e-2, and the error against exact attention must match the replay's.
 FP8_SIM_TOL = 1e-2
 FP8_EXACT_MARGIN = 5e-3  # rel L2 vs exact may exceed the replay's by this much
@@ -245,8 +245,8 @@ def test_wgmma_ws_fp8_matches_its_simulation(b, hkv, group, sq, sk, d, dtype, ca
     if sk < 128:
         # a P whose exp2 lies at an e4m3 rounding boundary can round the other way in the
         # kernel (ex2.approx in fp32) than in the replay: one code, 6-12% of that P; among few
-        # keys it moves its row by percents (H100, 2026-11-25: 32 keys, bf16, one row of four
-        # 2.0% off, the rest <= 4e-4: rel L2 1.07e-2; from exact attention 0.0545, the replay 0.0559)
+        # keys it moves its row by percents (32 keys, bf16: one row of four 2% off, the rest
+        # <= 4e-4, rel L2 about 1e-2, while exact attention and the replay agree)
         tol *= 2
     err = _rel_l2(out, sim)
     assert err <= tol, f"vs simulated quantisation: rel L2 {err:.3g}"

@@ -49,18 +49,17 @@ def test_num_splits_of_the_issue_shapes():
 
 
 def test_num_splits_of_few_ctas_stop_before_one_block_a_share():
-    """A few CTAs over a short cache (MQA, one head): the H100 share sweeps (2026-11-26, graph
-    us) found shares of a block each slower than shares of two to four, the more so the more
-    rows a CTA's partials carry."""
-    # one 32-row CTA (1,32/1,8192): 64 shares 7.6 us (43: 7.5; 128, one block each: 8.9)
+    """A few CTAs over a short cache (MQA, one head): shares of a block each are slower than
+    shares of two to four (on the H100's share sweeps), the more so the more rows a CTA's
+    partials carry, so the split model stops before them."""
+    # one 32-row CTA (1,32/1,8192): 64 shares, not 128 of one block each
     assert plan.num_splits(1, 128, 132, rows=32) == 64
-    # one 64-row CTA (1,64/1,8192): 43 shares 8.4 us (64: 8.3; 128: 10.3)
+    # one 64-row CTA (1,64/1,8192): its partial rows cost twice as much
     assert plan.num_splits(1, 128, 132, rows=64) == 43
-    # one 16-row CTA (1,1/1,8192): 64 shares 7.1 us (128: 7.3); over 512 blocks 128 shares
-    # 11.9 us (64: 13.7)
+    # one 16-row CTA (1,1/1,8192), and over 512 blocks
     assert plan.num_splits(1, 128, 132) == 64
     assert plan.num_splits(1, 512, 132) == 128
-    # one 32-row CTA over 256 blocks (1,32/1,16384): 86 shares 9.6 us (64: 9.4; 128: 10.6)
+    # one 32-row CTA over 256 blocks (1,32/1,16384)
     assert plan.num_splits(1, 256, 132, rows=32) == 86
     # a head dimension of 64 carries half the partial bytes a row
     assert plan.num_splits(1, 128, 132, rows=64, head_dim=64) == 64

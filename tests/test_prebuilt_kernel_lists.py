@@ -24,7 +24,7 @@ def test_split_kernels_are_listed_as_the_launcher_builds_them(specs):
 
 
 def test_the_kernels_the_sm89_run_missed_are_listed(specs):
-    """Kernels that sm_89's GPU run of 2026-11-24 found missing from the catalog."""
+    """Kernels sm_89's GPU tests need that a catalog of the listed specs once lacked."""
     arch, listed = specs
     names = {s.name for s in listed}
     tile = TileConfig((64, 64))
@@ -58,7 +58,7 @@ def test_the_fp8_kv_configs_the_decode_tests_run_are_listed(specs):
 
 
 def test_the_kernels_the_sm90_catalog_run_missed_are_listed():
-    """Kernels the sm_90 whole-suite run from a DSL-less catalog found missing (2026-11-25):
+    """Kernels the sm_90 suite needs from a DSL-less catalog, which the list once left out:
     the Hopper tests' explicit configs, fp16 and FP8, and the mma_sync fallback a tuned Hopper
     entry hands a sliding window."""
     names = {s.name for s in gpu_test_specs("sm_90", [])}

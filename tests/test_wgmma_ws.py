@@ -234,8 +234,8 @@ def _load_to_use(text: str) -> list[int]:
                                   and s.k_scale == "token"], ids=lambda s: s.name)
 def test_fp8_key_descales_are_loaded_a_block_ahead(ws_artifacts, spec):
     """A global load takes longer than an e4m3 Q·Kᵀ: the key loop loads the next block's
-    descales while this block's softmax runs (H100 ncu, 2026-11-24: with the load issued
-    beside the Q·Kᵀ, 12% of the FP8 kernel's stall samples sat on the first use)."""
+    descales while this block's softmax runs (a load issued beside the Q·Kᵀ stalls the
+    kernel at its first use)."""
     text = sass(ws_artifacts[spec].cubin)
     if text is None:
         pytest.skip("nvdisasm is not installed")
@@ -309,8 +309,8 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
 
 def test_tma_arguments_are_built_once_per_kernel_and_buffers(monkeypatch):
     """An eager loop over the same buffers looks its three descriptors up once a call, not three
-    times (H100, 2026-11-26: FP8 at 1,8,512,64 paid ~4 us more a call on the TMA kernel than on
-    the mma_sync one); other buffers, or another dtype, get their own; the memo stays bounded."""
+    times (three look-ups a call cost a short eager call microseconds of host time); other
+    buffers, or another dtype, get their own; the memo stays bounded."""
     from flashcore.ops import launcher
     from flashcore.runtime import tensor_map
 
@@ -353,7 +353,7 @@ def test_tma_arguments_are_built_once_per_kernel_and_buffers(monkeypatch):
 def test_fp8_per_head_key_descale_leaves_the_key_loop_without_loads(ws_artifacts, spec):
     """A per-head K descale is one (batch, heads) float32 parameter, folded into each row's
     exp2 scale before the loop: the key loop loads nothing from global memory and scales no
-    score column (H100, 2026-11-25: 1.19x -> 1.41x our fp16 at 4,16,4096,128)."""
+    score column (that scaling is what makes per-token K slower)."""
     params = {p.name: p for p in tma_attention_params(spec)}
     assert params["k_descale"].dynamic_shapes == 2 and params["q_descale"].dynamic_shapes == 3
     text = sass(ws_artifacts[spec].cubin)
@@ -368,8 +368,8 @@ def test_fp8_walks_keys_with_a_rounded_offset_where_k_is_descaled_per_head(ws_ar
     """K per head puts every scale of a row's scores in its exp2 scale, and e4m3 operands bound
     the scores: a warpgroup whose rows' |max * scale| stays under 2**16 (one
     ``bar.red.and.pred``) walks its keys with the offset rounded up (``mul.rp``, ``add.rp``),
-    one FMA a score; the other loop subtracts the max exactly, one FADD a score more (H100,
-    2026-11-25: 2-4% faster at 4,16,4096). K per token has no such bound: one exact loop."""
+    one FMA a score; the other loop subtracts the max exactly, one FADD a score more. K per
+    token has no such bound: one exact loop."""
     body = ws_artifacts[spec].ptx
     head = spec.k_scale == "head"
     assert ("bar.red.and.pred" in body) == head and ("mul.rp.f32" in body) == head
@@ -429,10 +429,10 @@ def _p_operand_loops(art, spec, mma: str) -> tuple[bool, list]:
 @pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision != "fp8"],
                          ids=lambda s: s.name)
 def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts, spec):
-    """Three consumers of 128-key steps at d128 (``WgmmaWs.p_in_shared``; H100, 2026-11-26:
-    4,16,4096,128 891 against 924 us for 128x128 s3): the P·V HGMMAs read P through a
-    descriptor, after eight ``stmatrix`` x4 a key step and an async-proxy fence, with no
-    spills; else P is the register A operand. The shared-memory budget counts P's 16-bit tile."""
+    """Three consumers of 128-key steps at d128 (``WgmmaWs.p_in_shared``): the P·V HGMMAs read
+    P through a descriptor, after eight ``stmatrix`` x4 a key step and an async-proxy fence,
+    with no spills; else P is the register A operand. The shared-memory budget counts P's
+    16-bit tile."""
     from flashcore.spec.families import WgmmaWs
 
     art, c = ws_artifacts[spec], spec.config

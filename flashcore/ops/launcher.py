@@ -148,7 +148,7 @@ def _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask
     """A call's rows: a K/V head's (token, head) pairs of a few tokens, which the kernel
     gathers (``plan.packs_tokens``), the query heads of one token as views' arguments
     (``plan.packs_heads``), or each head's tokens as they are. Arguments, not views: an eager
-    decode call is host-bound, and a view costs ~1 µs."""
+    decode call is host-bound, and a view costs more than its arguments."""
     _, H, Sq, _ = q.shape
     Hkv = k.shape[1]
     out_arg = tensor_arg(out)

@@ -68,15 +68,9 @@ def packs_tokens(seqlen_q: int, heads_q: int, heads_kv: int, tile_m: int, tile_n
 # token's query heads, or a few tokens' (token, head) pairs) exceed its 16: 32 for 17-32 rows,
 # 64 for 33-64, and 32-row tiles beyond (each tile of a K/V head streams its whole cache, so one
 # tile over all its rows reads it once; with several tiles a head either way, more CTAs of fewer
-# rows won). H100, 2026-11-26, graph us with 16 / 32 / 64-row tiles:
-# - 16-bit, a few tokens: 1,32/8,8x8192 22.4 / 17.5 / 17.7; 1,32/8,16x8192 38.0 / 21.3 / 19.0;
-#   16,32/8,16x4096 157.8 / 106.5 / 96.6; 1,64/8,4x32768 73.1 / 52.0 / 52.5; 128 rows
-#   (1,32/1,4x8192) 12.6 / 8.8 / 9.6; 16 rows or fewer level (1,32/8,4x8192 17.0 / 17.0 / 17.2).
-# - one token, groups of 32: 8,32/1,8192 22.2 / 17.2 / 17.7; 1,64/2,32768 22.6 / 18.0 / 18.5;
-#   1,32/1,131072 40.0 / 31.8 / 32.3; groups of 64: 4,64/1,8192 21.2 / 12.8 / 12.2.
-# - an FP8 KV cache (its two key groups kept): 1,32/8,8x8192 17.1 / 12.9 / 17.2;
-#   16,32/8,16x4096 104.7 / 85.6 / 78.1; 1,64/8,4x32768 48.8 / 33.3 / 43.2; 128 rows 10.9 /
-#   8.9 / 12.1.
+# rows won on the H100's decode shapes: one tile of 64 rows reads a K/V head's cache once where
+# 16-row tiles read it up to four times; at 16 rows or fewer the tile sizes are level; an FP8 KV
+# cache's 64-row tile of two key groups loses to 32 rows past 32 packed rows, on its registers).
 
 
 def packed_rows_config(config: TileConfig, seqlen_q: int, group: int, arch: str | None = None,
@@ -139,9 +133,8 @@ def packed_arg(arg: tuple, heads_kv: int) -> tuple:
 FP8KV_WARPS_PER_SM = 2
 # The fp32 partial results (written by the shares, read back by the combine) that cost the time
 # of one key block of a share: a lone CTA's 64-key block takes ~0.5 us, in which the GPU moves
-# ~2 TB/s. Fitted to H100 share sweeps (2026-11-26, graph us): one 32-row CTA over 128 blocks
-# 10.6 / 7.7 / 7.5 / 7.6 / 8.9 with 16 / 32 / 43 / 64 / 128 shares, over 256 blocks 11.2 / 9.4 /
-# 10.6 with 32 / 64 / 128; one 64-row CTA over 128 blocks 8.8 / 8.3 / 10.3 with 32 / 64 / 128.
+# ~2 TB/s; fitted to the H100's share sweeps of one CTA of 32 and of 64 rows over 128 and 256
+# key blocks (``tests/test_ops_plan.py`` holds the choices it makes).
 PARTIAL_BYTES_PER_BLOCK = 2**20
 
 
@@ -158,8 +151,8 @@ def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False,
     """How many CTAs share each row's ``n_blocks`` key blocks, when ``ctas`` CTAs (one per query
     tile of ``rows`` rows, each of ``groups`` warp groups over their own keys) would run on a
     GPU of ``slots`` SMs. One 16-bit decode CTA a SM keeps the SM's memory pipe full (its K/V
-    stages are in flight); more only add partial results to combine (measured on the H100,
-    2026-11-23: 16 shares of 1,8,8,32768,128 at 52 µs, 32 at 55, 64 at 59).
+    stages are in flight); more only add partial results to combine (on the H100, 1,8/8,32768 at
+    d128 is fastest with 16 shares and slower with 32 or 64).
 
     Time is modelled as waves x (blocks per share + ``SHARE_OVERHEAD``) plus the partial
     results' traffic (``PARTIAL_BYTES_PER_BLOCK``): a share's CTA first waits for Q and its
@@ -169,9 +162,8 @@ def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False,
     split (its combine would cost more than a fuller last wave gains).
 
     An FP8 KV cache's warps convert their e4m3 K/V in registers as well: about
-    ``FP8KV_WARPS_PER_SM`` warp groups a SM, no more, keep it busy (H100, 2026-11-25, 16x64
-    with two groups a CTA: 1,32/8,8192 13.3 µs with 16 shares, 17.1 with 8, 13.2 with 32;
-    16,32/8,4096 55.1 µs unsplit, 56.6 with 2 shares, 58.7 with 4)."""
+    ``FP8KV_WARPS_PER_SM`` warp groups a SM, no more, keep it busy (on the H100, 16x64 tiles of
+    two groups a CTA: fewer shares leave SMs idle, more only add partials to combine)."""
     if kv_fp8:
         want = round(FP8KV_WARPS_PER_SM * slots / (ctas * groups))
         return max(1, min(MAX_SPLITS, want, -(-n_blocks // groups)))

@@ -27,7 +27,7 @@ def launch(kernel: LoadedKernel, grid: tuple[int, int, int], args: tuple, device
 
     ``args``: one tuple per parameter; flattened here for the loader's single pack."""
     values = sum(args, ())  # C-level concatenation: cheaper per call than a generator
-    # the raw handle: torch.cuda.current_stream() builds a Stream object (~6 µs)
+    # the raw handle: torch.cuda.current_stream() builds a Stream object, microseconds a call
     if torch._C._cuda_getDevice() == device:
         kernel.launch(grid, values, torch._C._cuda_getCurrentRawStream(device))
     else:

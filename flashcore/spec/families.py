@@ -251,8 +251,8 @@ class WgmmaWs(Wgmma):
         operands, whose key step waits on its chain of dependent phases rather than on the
         tensor pipe; not at head_dim 64 without a causal mask, whose P·V is four n64 MMAs a
         step (the n8 sums add four more) and whose softmax chain has no masking. 16-bit steps
-        are tensor-bound at d128, where the n8 MMAs cost more than the FADDs (H100 A/B of
-        2026-11-26 in benchmarks/NOTES.md)."""
+        are tensor-bound at d128, where the n8 MMAs cost more than the FADDs they replace
+        (docs/tried-and-dropped.md)."""
         return spec.precision == "fp8" and (spec.head_dim >= 128 or spec.causal)
 
     def smem_bytes(self, spec: AttentionSpec) -> int:

@@ -29,9 +29,8 @@ DEFAULT = TileConfig((64, 64), warps=4)
 DECODE_DEFAULT = TileConfig((16, 64), warps=1, stages=2)
 # An FP8 KV cache (any query length): its e4m3 K/V are converted in registers, so each warp has
 # more to do than in a 16-bit decode and the keys are shared by two warp groups per CTA as well
-# as across CTAs (flashcore.ops.plan); 81 KB at d128, within an L4's 99 KB (H100 sweep,
-# 2026-11-25, each config at its best share count: 32.9 / 13.3 / 55.1 µs at 1,8,32k,
-# 1,32/8,8k and 16,32/8,4k, against 35.7 / 15.7 / 56.2 for the old 16x32 one-stage default)
+# as across CTAs (flashcore.ops.plan); 81 KB at d128, within an L4's 99 KB. Two stages of
+# 64-key blocks beat one stage of 32 keys at every decode shape timed, each at its best share count
 FP8KV_DEFAULT = TileConfig((16, 64), warps=1, stages=2, kv_splits=2)
 # (name, upper bound of seq_q, the shape timed for it: batch, query heads, key/value heads,
 # query tokens, keys)

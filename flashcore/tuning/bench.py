@@ -3,7 +3,7 @@
     python -m flashcore.bench                 # the full suite
     python -m flashcore.bench --quick         # the mission shape, the large shapes, decode
     python -m flashcore.bench --decode        # the decode (and GQA prefill) section only
-    python -m flashcore.bench --out benchmarks/results
+    python -m flashcore.bench --out DIR       # records go to DIR (default: ./bench-results)
 
 For each shape: kernel time (median over CUDA-graph replays of several launches, inputs rotated so
 the L2 cache does not flatter; ``--rounds N`` times every implementation N times in turn and
@@ -306,6 +306,11 @@ def chart(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# Records of runs stay out of the source tree: this folder (relative to the working directory)
+# is git-ignored; --out names another.
+DEFAULT_OUT = "bench-results"
+
+
 def record(results: list[Result], out: Path, tag: str = "bench") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
@@ -330,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="mission shape, large shapes and decode only (a few minutes)")
     ap.add_argument("--decode", action="store_true", help="the decode and GQA section only")
-    ap.add_argument("--out", default="benchmarks/results", help="folder for the JSON and PNG")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help=f"folder for the JSON and PNG (default: {DEFAULT_OUT}, git-ignored)")
     ap.add_argument("--no-eager", action="store_true", help="skip eager timings")
     ap.add_argument("--tile", type=int, nargs=2, default=None,
                     help="force our tile (default: the tuned config)")

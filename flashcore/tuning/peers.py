@@ -138,7 +138,7 @@ def read_floor(fraction: float = 1.0) -> Impl:
     bytes of an e4m3 cache), from one buffer that size made beforehand: what streaming the
     cache costs on this GPU, launch and ramp included, beside the bytes-over-bandwidth floor.
     A tuned Triton read (``read_floor.streaming_read``) where Triton is installed, else torch's
-    sum (slower: on the H100 our decode beats it by 2-13%)."""
+    sum (slower than a tuned read: a floor our decode can beat)."""
     from . import read_floor as rf
 
     stream = rf.streaming_read() if rf.available() else None

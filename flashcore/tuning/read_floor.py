@@ -3,10 +3,9 @@
 The benchmark's decode rows set our decode beside it. A Triton kernel (imported only when
 called; the GPU host has Triton, a build host need not): 16-byte loads, ``unroll`` blocks in flight
 a program, a grid of ``per_sm`` programs a SM walking the buffer; it XORs every word so none is
-optimised away. The defaults won a sweep of 72 configs on the H100 (2026-11-25,
-``scripts/decode_floor.py``): 16, 32, 64, 128 and 256 MiB in 7.8, 13.8, 24.8, 46.5 and 89.7 us
-in a CUDA graph, i.e. 2.8 us + bytes / 3.08 TB/s; torch's sum, the floor before, took 53.1 us for
-128 MiB, and our decode beat it.
+optimised away. The defaults are the best of ``scripts/decode_floor.py``'s sweep of configs on
+the H100, where the read's time fits a fixed launch cost plus bytes over a bandwidth close to the
+HBM's peak; torch's sum reads slower than that, so as a floor it would flatter our decode.
 """
 
 from __future__ import annotations

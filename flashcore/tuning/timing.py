@@ -23,8 +23,8 @@ def time_kernel(call: Callable[..., object], sets: Sequence[tuple], reps: int = 
                 warmup_ms: float = 100.0) -> float:
     """Median µs per call of a CUDA graph that replays one call per input set, after replaying
     it for ``warmup_ms``: the GPU idles while inputs are made and kernels load, and its clocks
-    take tens of ms to come back (measured on the H100: the first implementation timed after a
-    pause ran 1.2x slower than the same kernel timed later in the same run)."""
+    take tens of ms to come back (without the warm-up, the first implementation timed after a
+    pause runs slower than the same kernel timed later in the same run)."""
     for inputs in sets:
         call(*inputs)  # compile, load, allocate (and any per-input preparation) first
     torch.cuda.synchronize()

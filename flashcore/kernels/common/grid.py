@@ -41,8 +41,7 @@ def tile_coords(mQ: cute.Tensor, spec: cutlass.Constexpr, q_group=1):
     if cutlass.const_expr(spec.causal):
         pairs = heads if cutlass.const_expr(spec.varlen) else heads * _dim(mQ, 0, spec)
         # a grid of one wave starts every tile at once: sections would only cost instructions
-        # (1,8,512,64 causal: 5.5 us with them, 5.2 without); no pairs in sections is the plain
-        # per-head order
+        # on the critical path of a short call; no pairs in sections is the plain per-head order
         pairs = _select(fresh_nctaid("x") > sm_count(), pairs, 0)
         m_block, bh = causal_tile(lin, m_blocks, pairs, select=_select)
     else:

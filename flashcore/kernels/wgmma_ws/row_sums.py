@@ -40,7 +40,7 @@ def sums_view(acc: cute.Tensor) -> cute.Tensor:
 def totals(acc: cute.Tensor) -> cute.Tensor:
     """Each of this thread's rows' sums (its two equal columns: each one is read, so that
     neither accumulator register is dead in a kernel with two walks of the keys, where ptxas
-    then serialised every wgmma, C7511: 1.27-1.30x the FP8 kernels' time on the H100)."""
+    then serialises every wgmma, warning C7511, and the FP8 kernels run much slower)."""
     view = sums_view(acc)
     rows = cute.size(view, mode=[0])
     out = cute.make_rmem_tensor(rows, cutlass.Float32)

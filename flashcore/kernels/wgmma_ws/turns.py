@@ -18,8 +18,9 @@ TURN_BARRIER = 4  # named barriers 4..6 (the epilogue's are 1..3, the CTA's 0)
 
 
 def takes_turns(consumers: int, tile_n: int) -> bool:
-    """Ping-pong pays where each turn's MMAs are long: 128-key blocks (H100 A/B, 2026-11-23:
-    128x128 tiles 1.02-1.10x faster with turns, 128x64 tiles 0.75-0.97x)."""
+    """Ping-pong pays where each turn's MMAs are long: 128-key blocks. With 64-key blocks the
+    turn barriers cost more than the overlap gains (on the H100, 128x128 tiles are faster with
+    turns, 128x64 tiles slower)."""
     return consumers > 1 and tile_n >= 128
 
 
