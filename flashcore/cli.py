@@ -168,22 +168,55 @@ def _print_report(report: dict, out: Path | None) -> None:
 
 def _report_source(x: str) -> dict | AttentionSpec:
     """A dump folder's report, or spec flags as 'arch=sm_89,head_dim=128,...' (to compile)."""
+    from .build.safe_read import JSON_MAX, read_regular
+
     p = Path(x)
     if p.is_dir():
+        path = p / "resources.json"
         try:
-            report = json.loads((p / "resources.json").read_text())
+            report = json.loads(read_regular(path, JSON_MAX).decode())
         except FileNotFoundError:
             raise CliError(f"--compare: {p} is not a dump folder (no resources.json)") from None
-        except (OSError, ValueError) as e:
-            raise CliError(f"--compare: {p / 'resources.json'} is unreadable: {e}") from None
-        if not isinstance(report, dict) or "occupancy" not in report:
-            raise CliError(f"--compare: {p / 'resources.json'} is not a flashcore dump report")
+        except OSError as e:
+            raise CliError(f"--compare: {path} is unreadable: {e.strerror or e}") from None
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON
+            raise CliError(f"--compare: {path} is unreadable: {e}") from None
+        problem = _report_problem(report)
+        if problem:
+            raise CliError(f"--compare: {path} is not a flashcore dump report ({problem})")
         return report
     if "=" not in x:
         raise CliError(
             f"--compare: {x!r} is neither a dump folder (no such folder) nor name=value pairs"
         )
     return _parse_pairs(x)
+
+
+_REPORT_NUMBERS = ("registers", "stack_frame_bytes", "spill_store_bytes", "spill_load_bytes",
+                   "smem_dynamic_bytes", "smem_static_bytes", "threads_per_block")
+
+
+def _report_problem(report) -> str | None:
+    """What keeps ``report`` (a parsed resources.json) from being compared, or None."""
+    if not isinstance(report, dict):
+        return f"a {type(report).__name__}, not an object"
+    if not isinstance(report.get("kernel"), str):
+        return "no 'kernel' name"
+    occ = report.get("occupancy")
+    if not isinstance(occ, dict) or not _is_int(occ.get("ctas_per_sm")):
+        return "no 'occupancy.ctas_per_sm'"
+    for k in _REPORT_NUMBERS:
+        if k in report and report[k] is not None and not _is_int(report[k]):
+            return f"{k!r} is not a number"
+    for src in ("instructions_ptx", "instructions_sass"):
+        h = report.get(src)
+        if h is not None and not (isinstance(h, dict) and all(_is_int(v) for v in h.values())):
+            return f"{src!r} is not a table of counts"
+    return None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _load_report(source: dict | AttentionSpec) -> dict:
@@ -242,13 +275,12 @@ def _compare(ra: dict, rb: dict) -> int:
     t.add_column("A", justify="right")
     t.add_column("B", justify="right")
     t.add_column("change", justify="right")
-    keys = ["registers", "stack_frame_bytes", "spill_store_bytes", "spill_load_bytes",
-            "smem_dynamic_bytes", "smem_static_bytes", "threads_per_block"]
-    rows = [(k, ra.get(k), rb.get(k)) for k in keys]
+    rows = [(k, ra.get(k), rb.get(k)) for k in _REPORT_NUMBERS]
     rows.append(("ctas_per_sm", ra["occupancy"]["ctas_per_sm"], rb["occupancy"]["ctas_per_sm"]))
     for src in ("instructions_ptx", "instructions_sass"):
-        if src in ra and src in rb:
-            rows += [(f"{k} ({src[13:]})", ra[src][k], rb[src][k]) for k in ra[src]]
+        if ra.get(src) is not None and rb.get(src) is not None:  # reports of other versions
+            keys = list(ra[src]) + [k for k in rb[src] if k not in ra[src]]
+            rows += [(f"{k} ({src[13:]})", ra[src].get(k), rb[src].get(k)) for k in keys]
     for k, x, y in rows:
         change = "" if x == y else (f"{y - x:+d}" if isinstance(x, int) and isinstance(y, int) else "*")
         t.add_row(k, str(x), str(y), change)
@@ -266,10 +298,22 @@ def cmd_precompile(a: argparse.Namespace) -> int:
         arts = _compile_with_progress(specs, a.jobs, None)
         print(f"{len(arts)} kernels in the cache")
         return 0
+    from .build.catalog_folder import build_catalog_folder, check_target
+    from .errors import CatalogError
+
     out = Path(a.out)
-    _check_catalog_target(out)
-    n, digest = _precompile_catalog(specs, out.resolve(), a)
-    print(f"catalog of {n} kernels for {', '.join(a.arch)} in {a.out} (index.json)")
+    try:
+        check_target(out)  # before compiling anything
+    except CatalogError as e:
+        raise CliError(f"--out {e}") from None
+    built = build_catalog_folder(
+        specs, out.resolve(), lambda specs, cache: _compile_with_progress(specs, a.jobs, cache),
+        no_ir=a.no_ir)
+    if built.not_reused:
+        print(f"note: the kernels of the catalog that was in {a.out} were compiled again: "
+              f"{built.not_reused}", file=sys.stderr)
+    digest = built.sha256
+    print(f"catalog of {built.kernels} kernels for {', '.join(a.arch)} in {a.out} (index.json)")
     print(f"index.json sha256 {digest}: pin it with FLASHCORE_CATALOG_SHA256={digest} or "
           "flashcore.load_catalog(path, sha256=...)")
     return 0
@@ -284,73 +328,6 @@ def _compile_with_progress(specs, jobs, cache):
         task = progress.add_task("compiling", total=len(specs))
         return compile_many(specs, jobs=jobs, cache=cache,
                             progress=lambda s: progress.advance(task))
-
-
-def _check_catalog_target(out: Path) -> None:
-    """``--out`` may be missing, empty or a catalog (replaced); anything else is refused."""
-    from .build.catalog import INDEX
-
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise CliError(f"--out {out}: exists and is not a folder")
-    if not (out / INDEX).is_file() and any(out.iterdir()):
-        raise CliError(
-            f"--out {out}: not empty and not a flashcore catalog (no {INDEX}); refusing to "
-            "replace it (choose a new or empty folder)"
-        )
-
-
-def _precompile_catalog(specs, out: Path, a: argparse.Namespace) -> tuple[int, str]:
-    """Build the catalog in a fresh folder beside ``out`` and swap it into place: the old
-    catalog stays whole until the new one is complete and verified. Nothing is left behind."""
-    import shutil
-    import tempfile
-    import uuid
-
-    from .build.cache import KernelCache
-    from .build.catalog import INDEX, catalog_sha256, read_index, write_catalog
-
-    parent = out.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=parent))
-    scratch = old = None
-    try:
-        if a.no_ir:  # compile (with IR) beside it, keep cubins and metadata only
-            scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.build-", dir=parent))
-        cache = KernelCache(scratch or stage)
-        if (out / INDEX).is_file():  # reuse what the old catalog already holds
-            try:
-                previous = KernelCache(out, catalog=read_index(out).served())
-            except FlashcoreError:
-                previous = None
-            for spec in specs if previous else []:
-                art = previous.get(spec)
-                if art is not None and (art.ir or a.no_ir):
-                    cache.put(art)
-        arts = _compile_with_progress(specs, a.jobs, cache)
-        if a.no_ir:
-            slim = KernelCache(stage)
-            arts = [dataclasses.replace(art, ir="") for art in arts]
-            for art in arts:
-                slim.put(art)
-        write_catalog(stage, arts)
-        digest = catalog_sha256(stage)
-        if out.exists():
-            old = parent / f".{out.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(out, old)
-        try:
-            os.rename(stage, out)
-        except OSError:
-            if old is not None:
-                os.rename(old, out)
-                old = None
-            raise
-        return len(arts), digest
-    finally:
-        for d in (stage, scratch, old):
-            if d is not None and d.exists():
-                shutil.rmtree(d, ignore_errors=True)
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
@@ -461,6 +438,16 @@ def _size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="flashcore", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"flashcore {__version__}")
@@ -481,13 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("precompile", help="build the catalog in parallel worker processes")
     p.add_argument("--arch", nargs="+", default=["sm_89"], choices=ARCHS,
                    help="the archs to build for (default sm_89)")
-    p.add_argument("--jobs", type=int, default=None,
-                   help="parallel compile workers (default: one per CPU core)")
+    p.add_argument("--jobs", type=_positive_int, default=None,
+                   help="parallel compile workers, at least 1 (default: one per CPU core)")
     p.add_argument("--out", default=None,
                    help="write a self-contained catalog folder (built beside it, then swapped "
-                        "in; an existing catalog there is replaced, any other non-empty folder "
-                        "refused)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N specs of each arch")
+                        "in; an existing valid catalog there is replaced, any other non-empty "
+                        "folder refused and left as it is)")
+    p.add_argument("--limit", type=_positive_int, default=None,
+                   help="only the first N specs of each arch (N >= 1)")
     p.add_argument("--no-ir", action="store_true", help="leave the IR out of the --out catalog")
     p.set_defaults(fn=cmd_precompile)
 

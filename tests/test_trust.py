@@ -28,7 +28,7 @@ import pytest
 from flashcore import cli
 from flashcore.build import cache as cache_mod
 from flashcore.build import catalog as catalog_mod
-from flashcore.build import compiler, fingerprint
+from flashcore.build import compiler, fingerprint, owner
 from flashcore.build.artifact import CUBIN, META, MLIR, PTX, KernelArtifact
 from flashcore.build.cache import CacheWarning, KernelCache, parse_size
 from flashcore.build.catalog import copy_catalog, verify_catalog, write_catalog
@@ -379,11 +379,12 @@ def test_worker_exits_and_removes_its_output_when_its_parent_dies(tmp_path):
 
 def test_compiler_sweeps_build_dirs_of_dead_processes_before_a_build(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    dead = tmp_path / f"flashcore-build-{_dead_pid()}-x1y2z3"
+    host = owner.host_tag()  # build folders are named by host tag and pid (flashcore.build.owner)
+    dead = tmp_path / f"flashcore-build-h{host}-{_dead_pid()}-x1y2z3"
     (dead / "0").mkdir(parents=True)
     (dead / "0" / "kernel.ptx").write_text("left by a killed process")
-    mine = tmp_path / f"flashcore-build-{os.getpid()}-abc"
-    alive = tmp_path / "flashcore-build-1-def"  # pid 1 is alive
+    mine = tmp_path / f"flashcore-build-{owner.owner_tag()}-abc"
+    alive = tmp_path / f"flashcore-build-h{host}-1-def"  # pid 1 is alive
     other = tmp_path / "someone-elses"
     for d in (mine, alive, other):
         d.mkdir()
@@ -400,7 +401,7 @@ def test_compiler_sweeps_build_dirs_of_dead_processes_before_a_build(tmp_path, m
     assert dead.name not in seen[0]
     assert {mine.name, alive.name, other.name} <= set(seen[0])
     assert not dead.exists() and mine.exists() and alive.exists() and other.exists()
-    assert list(tmp_path.glob(f"flashcore-build-{os.getpid()}-*")) == [mine]  # its own: removed
+    assert list(tmp_path.glob(f"flashcore-build-{owner.owner_tag()}-*")) == [mine]  # its own: gone
 
 
 # == 3. the cache key covers the build ============================================================
@@ -795,9 +796,10 @@ def test_put_and_prune_remove_temporaries_of_dead_or_old_writers(tmp_path, fake_
     cache = KernelCache(tmp_path / "cache")
     sdir = cache.spec_dir(SPEC)
     sdir.mkdir(parents=True)
-    dead = sdir / f".tmp-x-dsl{DSL}-{_dead_pid()}-0123abcd"
-    old = sdir / f".tmp-x-dsl{DSL}-{os.getpid()}-4567abcd"
-    live = sdir / f".tmp-x-dsl{DSL}-{os.getpid()}-89abcdef"
+    me = owner.owner_tag()  # temporaries are named by host tag and pid (flashcore.build.owner)
+    dead = sdir / f".tmp-x-dsl{DSL}-h{owner.host_tag()}-{_dead_pid()}-0123abcd"
+    old = sdir / f".tmp-x-dsl{DSL}-{me}-4567abcd"
+    live = sdir / f".tmp-x-dsl{DSL}-{me}-89abcdef"
     for d in (dead, old, live):
         d.mkdir()
         (d / CUBIN).write_bytes(b"half")
@@ -807,7 +809,7 @@ def test_put_and_prune_remove_temporaries_of_dead_or_old_writers(tmp_path, fake_
     assert not dead.exists() and not old.exists() and live.exists()
     osdir = cache.spec_dir(OTHER)
     osdir.mkdir(parents=True)
-    dead2 = osdir / f".tmp-y-{_dead_pid()}-0123abcd"
+    dead2 = osdir / f".tmp-y-h{owner.host_tag()}-{_dead_pid()}-0123abcd"
     dead2.mkdir()
     report = cache.prune()
     assert dead2 in report.removed and live.exists()
@@ -867,14 +869,14 @@ def test_a_lock_wait_that_times_out_is_a_compile_error(tmp_path, fake_dsl, monke
 
 # == 10. unreadable entries ====================================================================
 def _eio(monkeypatch, target: Path, err: int):
-    real = Path.read_bytes
+    real = os.open
 
-    def read_bytes(self):
-        if self == target:
-            raise OSError(err, os.strerror(err), str(self))
-        return real(self)
+    def os_open(path, flags, *args, **kw):
+        if os.fspath(path) == str(target):
+            raise OSError(err, os.strerror(err), str(path))
+        return real(path, flags, *args, **kw)
 
-    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(os, "open", os_open)
 
 
 UNREADABLE = {

@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import CacheCorruptionError, SpecError
 from ..spec import KernelSpec, spec_from_dict
+from .safe_read import CUBIN_MAX, JSON_MAX, TEXT_MAX, read_regular
 
 ARTIFACT_FORMAT = 1
 META = "meta.json"
@@ -25,6 +26,7 @@ CUBIN = "kernel.cubin"
 PTX = "kernel.ptx"
 MLIR = "kernel.mlir"
 _META_HASH = "meta_sha256"
+_LIMITS = {META: JSON_MAX, CUBIN: CUBIN_MAX, PTX: TEXT_MAX, MLIR: TEXT_MAX}
 
 
 @dataclass(frozen=True)
@@ -173,9 +175,10 @@ def _str(v: Any) -> str:
 
 
 def _read_bytes(path: Path) -> bytes:
-    """The file's bytes; any failure to read it (not only a missing file) is damage."""
+    """The file's bytes; any failure to read it (not only a missing file) is damage, and so is
+    anything but a regular file of at most its kind's size (a FIFO, ``/dev/zero``)."""
     try:
-        return path.read_bytes()
+        return read_regular(path, _LIMITS[path.name])
     except FileNotFoundError:
         raise CacheCorruptionError(f"{path}: missing") from None
     except OSError as e:  # PermissionError, IsADirectoryError, ELOOP, EIO, ...
@@ -197,7 +200,7 @@ def _read_meta(path: Path, want_sha256: str | None = None) -> dict[str, Any]:
         raise CacheCorruptionError(f"{path}: not UTF-8 text ({e})") from None
     try:
         meta = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, RecursionError) as e:
         raise CacheCorruptionError(f"{path}: broken JSON ({e})") from None
     if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
         raise CacheCorruptionError(f"{path}: not an artifact's meta (no 'files' table)")

@@ -5,8 +5,16 @@ Layout: ``<root>/v1/<spec.name>-<spec.content_hash>/<source_hash>-dsl<version>/`
 so readers never see half an entry and need no lock; builders of one key serialise on a file lock
 next to it (``<entry>.lock``), and a build that fails leaves ``<entry>.failed`` for a minute so
 that the processes waiting on that lock fail at once with the same error instead of each
-compiling again. A host without the DSL (it cannot compile) accepts an entry built by any DSL
+compiling again (not a build that timed out or whose worker was killed: that says nothing about
+the kernel). A host without the DSL (it cannot compile) accepts an entry built by any DSL
 version.
+
+Files are read as regular files only, each kind up to a size cap (``safe_read.py``): a FIFO, a
+device or a huge file in an entry is damage like any other, never a hang. Temporaries carry their
+owner (``owner.py``), and are abandoned when that is a dead process of this host or when they are
+an hour old. Maintenance (``clear``, ``prune``, the eviction after each write under
+``FLASHCORE_CACHE_MAX_SIZE``) never follows a symlink: one that carries the cache's own name may
+be removed as an entry, what it points to is never touched.
 
 What can go wrong with the directory does not make compiles fail: an unreadable entry is damage
 (set aside, or skipped where it cannot be moved); a cache that cannot be written is used
@@ -15,7 +23,8 @@ whose entry could not be written (a full disk).
 
 A catalog root (``index.json`` beside ``v1/``, see ``catalog.py``) opened by ``default_cache`` or
 ``load_catalog`` serves only the entries its index lists, each checked against the index's
-meta.json checksum, and is never written to.
+meta.json checksum, and is never written to. Under ``FLASHCORE_CATALOG_SHA256`` the cache folder
+must be a catalog with that index: without one it is refused, never used as a plain cache.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -38,7 +48,7 @@ from pathlib import Path
 import platformdirs
 from filelock import FileLock, Timeout
 
-from ..errors import CacheCorruptionError, CompileError
+from ..errors import CacheCorruptionError, CatalogError, CompileError
 from ..spec import KernelSpec, spec_from_dict
 from .artifact import META, KernelArtifact
 from .catalog_index import CATALOG_SHA256_ENV, read_index
@@ -54,6 +64,8 @@ from .layout import (
     entry_name,
     spec_dir_name,
 )
+from .owner import OWNER, abandoned, owner_tag, parse_owner
+from .safe_read import JSON_MAX, read_regular
 
 CACHE_ENV = "FLASHCORE_CACHE_DIR"
 MAX_SIZE_ENV = "FLASHCORE_CACHE_MAX_SIZE"
@@ -62,8 +74,13 @@ _LOCK_TIMEOUT_S = 1800  # longer than any compile; a dead holder's flock is rele
 _FAILURE_TTL_S = 60.0  # a failed build's marker: long enough for every waiter of that lock
 _STALE_TMP_S = 3600.0  # a temporary this old is abandoned even if its pid lives (pid reuse)
 _READ_ONLY_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS}
-# What the cache writes, and so what `clear` removes: nothing else in the folder is touched.
-_TMP_PID = re.compile(r"-(\d+)-[0-9a-f]{8}$")
+# A temporary's name ends in its owner (see owner.py) and a random part.
+_TMP_OWNER = re.compile(rf"-{OWNER}-[0-9a-f]{{8}}$")
+
+
+class TransientCompileError(CompileError):
+    """A build that failed for a reason of its own run (a timeout, a killed worker), not of the
+    kernel: it is not remembered, so the next caller builds again."""
 
 
 class CacheWarning(UserWarning):
@@ -84,24 +101,22 @@ def parse_size(text: str) -> int:
     return int(float(m[1]) * 1024 ** " KMGT".index(m[2].upper() or " "))
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # e.g. EPERM: it exists, owned by someone else
-        return True
-    return True
+def _tmp_name(name: str) -> str:
+    """A temporary's name beside ``name``: its owner and a random part (see owner.py)."""
+    return f"{_TMP_PREFIX}{name}-{owner_tag()}-{uuid.uuid4().hex[:8]}"
 
 
 def _is_stale_tmp(path: Path, now: float) -> bool:
-    m = _TMP_PID.search(path.name)
-    if m and not pid_alive(int(m[1])):
-        return True
     try:
-        return now - path.lstat().st_mtime > _STALE_TMP_S
+        changed = path.lstat().st_mtime
     except OSError:
         return False
+    return abandoned(parse_owner(_TMP_OWNER.search(path.name)), changed, _STALE_TMP_S, now)
+
+
+def _is_real_dir(path: Path) -> bool:
+    """A directory, not a symlink to one: maintenance never follows a link out of the cache."""
+    return path.is_dir() and not path.is_symlink()
 
 
 def _rmtree(path: Path, failed: list[tuple[Path, str]]) -> None:
@@ -127,15 +142,23 @@ def _rmtree(path: Path, failed: list[tuple[Path, str]]) -> None:
 
 
 def _tree_size(path: Path) -> int:
-    total = 0
+    """Bytes of the regular files under ``path``, symlinks not followed (``path`` included)."""
     try:
-        if not path.is_dir() or path.is_symlink():
+        if not _is_real_dir(path):
             return path.lstat().st_size
-        for p in path.rglob("*"):
-            with contextlib.suppress(OSError):  # removed while we walked, or unreadable
-                total += p.lstat().st_size if p.is_file() else 0
     except OSError:
-        pass
+        return 0
+    return _walk_size(path)
+
+
+def _walk_size(path: Path) -> int:
+    """Bytes of the regular files under the folder ``path``; symlinks below it not followed."""
+    total = 0
+    for top, _dirs, files in os.walk(path, followlinks=False):
+        for name in files:
+            with contextlib.suppress(OSError):  # removed while we walked, or unreadable
+                st = os.lstat(os.path.join(top, name))
+                total += st.st_size if stat.S_ISREG(st.st_mode) else 0
     return total
 
 
@@ -157,7 +180,8 @@ class KernelCache:
     """Artifacts by spec: an in-process table in front of a directory tree (see module doc).
 
     ``catalog``: the entries to serve (``path -> meta.json sha256``, a catalog index's ``served()``);
-    with it, nothing else is served and nothing is written into the folder.
+    with it, nothing else is served and nothing is written into the folder. ``catalog_sha256``:
+    the sha256 of the index those entries come from (what a pin is compared with).
     """
 
     def __init__(
@@ -166,9 +190,11 @@ class KernelCache:
         *,
         catalog: dict[str, str] | None = None,
         read_only: bool = False,
+        catalog_sha256: str | None = None,
     ) -> None:
         self.root = Path(root) if root is not None else cache_root()
         self.catalog = dict(catalog) if catalog is not None else None
+        self.catalog_sha256 = catalog_sha256
         self.read_only = read_only or catalog is not None  # set when a write is refused
         self._memory: dict[tuple[KernelSpec, str], KernelArtifact] = {}
         self._memory_lock = threading.Lock()
@@ -247,8 +273,8 @@ class KernelCache:
     def _touch(self, path: Path) -> None:
         """Record a use (the entry folder's mtime): ``prune`` evicts the least recently used."""
         if not self.read_only:
-            with contextlib.suppress(OSError):
-                os.utime(path)
+            with contextlib.suppress(OSError, NotImplementedError):
+                os.utime(path, follow_symlinks=False)  # a linked entry's target is not ours
 
     # -- store ---------------------------------------------------------------------------------
     def put(self, artifact: KernelArtifact) -> Path:
@@ -263,7 +289,7 @@ class KernelCache:
         dest = sdir / entry_name(artifact.source_hash, version)
         sdir.mkdir(parents=True, exist_ok=True)
         self._prune_temporaries(sdir, PruneReport())  # what killed writers left here
-        tmp = sdir / f"{_TMP_PREFIX}{dest.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = sdir / _tmp_name(dest.name)
         try:
             artifact.save(tmp)
             os.rename(tmp, dest)
@@ -275,7 +301,7 @@ class KernelCache:
             shutil.rmtree(tmp, ignore_errors=True)
         with self._memory_lock:
             self._memory.setdefault((artifact.spec, artifact.source_hash), artifact)
-        self._prune_to_env_limit()
+        self._prune_to_env_limit(keep=dest)
         return dest
 
     def get_or_build(
@@ -297,6 +323,8 @@ class KernelCache:
             self._raise_recent_failure(spec, key)
             try:
                 art = build(spec)
+            except TransientCompileError:
+                raise  # says nothing about the kernel: the next caller tries again
             except CompileError as e:
                 self._record_failure(spec, key, str(e), locked=locked)
                 raise
@@ -343,8 +371,12 @@ class KernelCache:
     def _lock(self, spec: KernelSpec) -> FileLock:
         sdir = self.spec_dir(spec)
         sdir.mkdir(parents=True, exist_ok=True)
-        name = entry_name(source_hash(), dsl_fingerprint())
-        return FileLock(sdir / f"{name}{LOCK_SUFFIX}", timeout=_LOCK_TIMEOUT_S)
+        path = sdir / f"{entry_name(source_hash(), dsl_fingerprint())}{LOCK_SUFFIX}"
+        # FileLock opens it with O_TRUNC: a symlink or a FIFO in its place is not ours to open
+        with contextlib.suppress(OSError):
+            if not stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
+        return FileLock(path, timeout=_LOCK_TIMEOUT_S)
 
     def _store(self, art: KernelArtifact) -> None:
         """``put``, but a folder that cannot take it costs a warning, not the compiled kernel."""
@@ -385,7 +417,7 @@ class KernelCache:
             self._failures[key] = (time.time(), message)
         if locked:  # only the lock holder writes it, and only waiters of that lock read it
             marker = self._failure_marker(spec)
-            tmp = marker.with_name(f"{_TMP_PREFIX}{marker.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            tmp = marker.with_name(_tmp_name(marker.name))
             try:
                 tmp.write_text(json.dumps({"time": time.time(), "pid": os.getpid(),
                                            "error": message}))
@@ -402,12 +434,12 @@ class KernelCache:
         if not failure and not self.read_only:
             marker = self._failure_marker(spec)
             try:
-                data = json.loads(marker.read_text())
+                data = json.loads(read_regular(marker, JSON_MAX).decode())
                 when, message = float(data["time"]), str(data["error"])
                 who = f"process {int(data['pid'])}"
             except FileNotFoundError:
                 return
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
                 with contextlib.suppress(OSError):
                     marker.unlink()
                 return
@@ -450,6 +482,9 @@ class KernelCache:
             except CacheCorruptionError:
                 pass
             qdir = self.base / QUARANTINE
+            if qdir.is_symlink():
+                raise OSError(errno.ELOOP, "the quarantine is a symlink; nothing is moved out of "
+                              "the cache", str(qdir))
             qdir.mkdir(parents=True, exist_ok=True)
             stamp = time.strftime("%Y%m%d-%H%M%S")
             dest = qdir / f"{path.parent.name}--{path.name}-{stamp}-{uuid.uuid4().hex[:8]}"
@@ -465,15 +500,20 @@ class KernelCache:
         """Every entry directory, with its spec (None if meta.json cannot be read)."""
         return [(path, _peek_spec(path)) for path in self._scan()[0]]
 
-    def _spec_dirs(self, problems: list[tuple[Path, str]]) -> list[Path]:
+    def _spec_dirs(self, problems: list[tuple[Path, str]], *,
+                   links: list[Path] | None = None) -> list[Path]:
+        """The spec folders (real directories only: a symlinked one is never walked into, so
+        maintenance stays inside the cache); symlinks with a spec folder's name go to ``links``."""
         try:
-            return sorted(
-                p for p in self.base.iterdir()
-                if p.name != QUARANTINE and SPEC_DIR.fullmatch(p.name) and p.is_dir()
-            ) if self.base.is_dir() else []
+            named = [p for p in self.base.iterdir()
+                     if p.name != QUARANTINE and SPEC_DIR.fullmatch(p.name)
+                     ] if self.base.is_dir() else []
         except OSError as e:
             problems.append((self.base, f"cannot be listed: {e.strerror or e}"))
             return []
+        if links is not None:
+            links += sorted(p for p in named if p.is_symlink())
+        return sorted(p for p in named if _is_real_dir(p))
 
     def _scan(self) -> tuple[list[Path], list[tuple[Path, str]]]:
         """The entry folders, and the folders that could not be listed."""
@@ -495,8 +535,6 @@ class KernelCache:
         paths, problems = self._scan()
         served = self.catalog
         if served is None and self.is_catalog_root():
-            from ..errors import CatalogError
-
             try:
                 served = read_index(self.root).served()
             except CatalogError as e:
@@ -531,8 +569,6 @@ class KernelCache:
         could not be removed.
 
         A catalog root (index.json) is refused unless ``force``; then its index goes too."""
-        from ..errors import CatalogError
-
         index = self.root / CATALOG_INDEX
         if index.exists() and not force:
             raise CatalogError(
@@ -542,9 +578,11 @@ class KernelCache:
         failed: list[tuple[Path, str]] = []
         if force and index.exists():
             _rmtree(index, failed)
-        if (self.base / QUARANTINE).exists():
-            _rmtree(self.base / QUARANTINE, failed)
-        for sdir in self._spec_dirs(failed):
+        qdir = self.base / QUARANTINE
+        if qdir.exists() or qdir.is_symlink():
+            _rmtree(qdir, failed)  # a symlink is unlinked, its target left alone
+        links: list[Path] = []
+        for sdir in self._spec_dirs(failed, links=links):
             try:
                 children = list(sdir.iterdir())
             except OSError as e:
@@ -557,6 +595,8 @@ class KernelCache:
                     _rmtree(p, failed)
             with contextlib.suppress(OSError):
                 sdir.rmdir()  # only when empty: a file of the user's keeps it
+        for link in links:  # the cache's own name: the link goes, what it points to stays
+            _rmtree(link, failed)
         with contextlib.suppress(OSError):
             self.base.rmdir()
         with self._memory_lock:
@@ -564,21 +604,24 @@ class KernelCache:
             self._failures.clear()
         return failed
 
-    def prune(self, max_size: int | None = None) -> PruneReport:
-        """Remove abandoned temporaries (their writer's pid is dead, or older than an hour), the
-        quarantine's contents and expired failure markers; then, with ``max_size`` (bytes), the
-        least recently used entries until the cache is no larger. A catalog's entries are
-        never evicted."""
+    def prune(self, max_size: int | None = None, *, keep: Path | None = None) -> PruneReport:
+        """Remove abandoned temporaries (see ``owner.abandoned``: their writer is gone, or they
+        are older than an hour), the quarantine's contents and expired failure markers; then,
+        with ``max_size`` (bytes), the least recently used entries until the cache is no larger,
+        never ``keep`` (the entry just written). A catalog's entries are never evicted. Symlinks
+        are removed as entries where they carry the cache's names, never followed."""
         report = PruneReport()
         for sdir in self._spec_dirs(report.failed):
             self._prune_temporaries(sdir, report)
             now = time.time()
             with contextlib.suppress(OSError):
                 for f in sdir.glob(f"*{FAILED_SUFFIX}"):
-                    if now - f.stat().st_mtime > _FAILURE_TTL_S:
+                    if now - f.lstat().st_mtime > _FAILURE_TTL_S:
                         self._remove(f, report)
         qdir = self.base / QUARANTINE
-        if qdir.is_dir():
+        if qdir.is_symlink():  # not the cache's: the link goes, its target is never emptied
+            self._remove(qdir, report)
+        elif qdir.is_dir():
             with contextlib.suppress(OSError):
                 for q in sorted(qdir.iterdir()):
                     self._remove(q, report)
@@ -587,9 +630,10 @@ class KernelCache:
             for path in sorted(self._scan()[0], key=_last_use):
                 if total <= max_size:
                     break
+                if keep is not None and path == keep:
+                    continue
                 # out of the key's name first, so no reader sees half an entry
-                gone = path.with_name(
-                    f"{_TMP_PREFIX}{path.name}-evict-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                gone = path.with_name(_tmp_name(f"{path.name}-evict"))
                 size = _tree_size(path)
                 try:
                     os.rename(path, gone)
@@ -608,6 +652,8 @@ class KernelCache:
         return report
 
     def _prune_temporaries(self, sdir: Path, report: PruneReport) -> None:
+        if not _is_real_dir(sdir):  # a symlinked spec folder: not the cache's to sweep
+            return
         now = time.time()
         try:
             stale = [p for p in sdir.iterdir()
@@ -626,7 +672,7 @@ class KernelCache:
             report.removed.append(path)
             report.freed_bytes += size
 
-    def _prune_to_env_limit(self) -> None:
+    def _prune_to_env_limit(self, keep: Path) -> None:
         text = os.environ.get(MAX_SIZE_ENV)
         if not text:
             return
@@ -635,10 +681,14 @@ class KernelCache:
         except ValueError as e:
             self._warn(f"{MAX_SIZE_ENV}: {e}; not pruning")
             return
-        self.prune(limit)
+        size = _tree_size(keep)
+        if size > limit:
+            self._warn(f"{MAX_SIZE_ENV}={text} is below the size of one entry ({size} bytes, "
+                       f"{keep.parent.name}); keeping the entry just written")
+        self.prune(limit, keep=keep)
 
     def size_bytes(self) -> int:
-        return _tree_size(self.base) if self.base.is_dir() else 0
+        return _walk_size(self.base) if self.base.is_dir() else 0
 
 
 def _mtime(path: Path) -> float:
@@ -657,8 +707,8 @@ def _last_use(path: Path) -> float:
 
 def _peek_spec(path: Path) -> KernelSpec | None:
     try:
-        return spec_from_dict(json.loads((path / META).read_text())["spec"])
-    except (OSError, ValueError, KeyError, TypeError):  # unreadable: reported, not trusted
+        return spec_from_dict(json.loads(read_regular(path / META, JSON_MAX).decode())["spec"])
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):  # reported, not trusted
         return None
 
 
@@ -669,26 +719,34 @@ _defaults_lock = threading.Lock()
 def default_cache() -> KernelCache:
     """The process's cache for the current root (``$FLASHCORE_CACHE_DIR`` is read each call).
 
-    A catalog root (index.json) is opened as a catalog: only what its index lists is served,
-    and ``FLASHCORE_CATALOG_SHA256``, when set, pins its index."""
+    A catalog root (index.json) is opened as a catalog: only what its index lists is served.
+    ``FLASHCORE_CATALOG_SHA256``, when set, pins it: the folder must then be a catalog whose
+    index.json has that sha256, else CatalogError (a folder without an index is never used as
+    a plain, writable cache under a pin)."""
     root = cache_root().resolve()
+    pin = (os.environ.get(CATALOG_SHA256_ENV) or "").strip().lower() or None
     with _defaults_lock:
         cache = _defaults.get(root)
-        if cache is None:
-            if (root / CATALOG_INDEX).exists():
-
-                index = read_index(root, sha256=os.environ.get(CATALOG_SHA256_ENV) or None)
-                cache = KernelCache(root, catalog=index.served())
+        if cache is None or (pin is not None and cache.catalog_sha256 != pin):
+            index_path = root / CATALOG_INDEX
+            if pin is not None or index_path.exists() or index_path.is_symlink():
+                try:
+                    index = read_index(root, sha256=pin)  # no index under a pin: refused
+                except CatalogError as e:
+                    if pin is None:
+                        raise
+                    raise CatalogError(f"{CATALOG_SHA256_ENV} is set: {e}") from None
+                cache = KernelCache(root, catalog=index.served(), catalog_sha256=index.sha256)
             else:
                 cache = KernelCache(root)
             _defaults[root] = cache
         return cache
 
 
-def use_catalog(root: Path, served: dict[str, str]) -> KernelCache:
+def use_catalog(root: Path, served: dict[str, str], sha256: str | None = None) -> KernelCache:
     """Make the process's cache for ``root`` serve exactly ``served`` (a verified index's
-    entries: ``load_catalog`` calls this)."""
+    entries, ``sha256`` that index's: ``load_catalog`` calls this)."""
     root = Path(root).resolve()
     with _defaults_lock:
-        cache = _defaults[root] = KernelCache(root, catalog=served)
+        cache = _defaults[root] = KernelCache(root, catalog=served, catalog_sha256=sha256)
         return cache

@@ -24,7 +24,7 @@ from pathlib import Path
 from .. import __version__
 from ..errors import CacheCorruptionError, CatalogError
 from ..spec import AttentionSpec, TileConfig
-from .artifact import KernelArtifact
+from .artifact import META, KernelArtifact
 from .cache import KernelCache
 from .catalog_index import (  # noqa: F401 - re-exported: the catalog API in one place
     CATALOG_FORMAT,
@@ -36,6 +36,7 @@ from .catalog_index import (  # noqa: F401 - re-exported: the catalog API in one
     verify_index,
 )
 from .layout import FAILED_SUFFIX, LAYOUT, LOCK_SUFFIX, entry_name, spec_dir_name
+from .safe_read import JSON_MAX, read_regular
 
 # Configs shipped per head dim: the default tile and a larger-tile option.
 CATALOG_CONFIGS = {d: [TileConfig((64, 64), warps=4), TileConfig((128, 64), warps=8)]
@@ -66,7 +67,7 @@ def write_catalog(root: Path, artifacts: list) -> Path:
         rel = Path(LAYOUT) / spec_dir_name(art.spec) / entry_name(
             art.source_hash, art.toolchain.get("nvidia-cutlass-dsl")
         )
-        meta = (root / rel / "meta.json").read_bytes()
+        meta = read_regular(root / rel / META, JSON_MAX)
         kernels.append(
             {
                 "name": art.spec.name,

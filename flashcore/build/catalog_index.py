@@ -12,6 +12,7 @@ from ..errors import CacheCorruptionError, CatalogError, SpecError
 from ..spec import spec_from_dict
 from .artifact import META, KernelArtifact
 from .layout import CATALOG_INDEX, ENTRY_DIR, LAYOUT, spec_dir_name
+from .safe_read import INDEX_MAX, JSON_MAX, read_regular
 
 INDEX = CATALOG_INDEX
 CATALOG_FORMAT = 2  # 2: specs carry a TileConfig; the kernel sources moved (rebuild format 1)
@@ -93,14 +94,20 @@ def read_index(root: str | Path, *, sha256: str | None = None) -> CatalogIndex:
     """Read ``root/index.json`` and check its shape; CatalogError naming any problem.
 
     ``sha256``: the value index.json's sha256 must have (a pin: the index names every entry's
-    checksums, so pinning it pins the whole catalog)."""
+    checksums, so pinning it pins the whole catalog). Only a regular file of at most
+    ``INDEX_MAX`` bytes is read (a FIFO or a device is refused, never waited on)."""
     root = Path(root)
     try:
-        raw = (root / INDEX).read_bytes()
+        raw = read_regular(root / INDEX, INDEX_MAX)
     except FileNotFoundError:
+        if sha256 is not None:
+            raise CatalogError(
+                f"{root} has no {INDEX}, but a catalog sha256 is pinned ({sha256.strip()}); "
+                "refusing it (a pinned folder must be the catalog you pinned)"
+            ) from None
         raise CatalogError(f"{root} is not a flashcore catalog: no {INDEX}") from None
     except OSError as e:
-        raise CatalogError(f"{root / INDEX} is unreadable: {e}") from None
+        raise CatalogError(f"{root / INDEX} is unreadable: {e.strerror or e}") from None
     digest = hashlib.sha256(raw).hexdigest()
     if sha256 is not None and digest != sha256.strip().lower():
         raise CatalogError(
@@ -109,14 +116,15 @@ def read_index(root: str | Path, *, sha256: str | None = None) -> CatalogIndex:
         )
     try:
         index = json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise CatalogError(f"{root / INDEX} is unreadable: {e}") from None
     if not isinstance(index, dict):
         raise _index_problem(root, f"not a catalog index (a {type(index).__name__})")
     if index.get("format") != CATALOG_FORMAT:
         raise CatalogError(
             f"{root / INDEX}: catalog format {index.get('format')!r}, this flashcore reads "
-            f"{CATALOG_FORMAT}; rebuild it with: flashcore precompile --arch ... --out {root}"
+            f"{CATALOG_FORMAT}; remove the folder and rebuild it with: flashcore precompile "
+            f"--arch ... --out {root}"
         )
     for key, typ in (("archs", list), ("kernels", list)):
         if key not in index:
@@ -141,9 +149,13 @@ def verify_index(root: Path, sha256: str | None = None) -> CatalogIndex:
     for k in index.kernels:
         where = root / k["path"]
         try:
-            meta = (where / META).read_bytes()
-        except OSError:
+            meta = read_regular(where / META, JSON_MAX)
+        except FileNotFoundError:
             raise CatalogError(f"catalog entry {k['name']} is missing ({where})") from None
+        except OSError as e:
+            raise CatalogError(
+                f"catalog entry {k['name']} is unreadable ({where / META}: {e.strerror or e})"
+            ) from None
         if hashlib.sha256(meta).hexdigest() != k["meta_sha256"]:
             raise CatalogError(f"catalog entry {k['name']} was modified: {where}/meta.json")
         try:

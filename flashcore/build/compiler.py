@@ -11,9 +11,12 @@ import json
 import os
 import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,7 +26,7 @@ from ..errors import CompileError, KernelNotAvailableError
 from ..spec import KernelSpec, dsl_arch
 from .abi import check_against_entry, params_for
 from .artifact import KernelArtifact
-from .cache import KernelCache, default_cache, pid_alive
+from .cache import KernelCache, TransientCompileError, default_cache
 from .cubin_info import read_resources
 from .fingerprint import (
     PACKAGE,
@@ -33,12 +36,15 @@ from .fingerprint import (
     source_hash,
     worker_env,
 )
+from .owner import OWNER, abandoned, is_mine, owner_tag, parse_owner
 from .ptx_info import parse_entry, parse_reqntid, ptx_isa_version, ptx_target
 
 _WORKER_TIMEOUT_S = 600
 _WORKER = PACKAGE / "kernels" / "worker.py"
 _BUILD_PREFIX = "flashcore-build-"
-_BUILD_DIR = re.compile(rf"{_BUILD_PREFIX}(\d+)-")
+_BUILD_DIR = re.compile(rf"{_BUILD_PREFIX}{OWNER}-")
+# a build folder this old is abandoned whoever owns it: a worker runs at most _WORKER_TIMEOUT_S
+_STALE_BUILD_S = 3600.0
 
 
 def can_compile() -> bool:
@@ -59,7 +65,10 @@ def compile_many(
     cache: KernelCache | None = None,
     progress: Callable[[KernelSpec], None] | None = None,
 ) -> list[KernelArtifact]:
-    """Compile many specs in parallel worker processes (one process per spec)."""
+    """Compile many specs in parallel worker processes (one process per spec); ``jobs``: how
+    many at once, an int >= 1 (default: one per CPU core)."""
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"compile_many: jobs must be an int >= 1 or None, got {jobs!r}")
     cache = cache or default_cache()
     specs = list(specs)
     jobs = jobs or max(1, min(len(specs), os.cpu_count() or 1))
@@ -87,10 +96,19 @@ def _build_one(spec: KernelSpec) -> KernelArtifact:
         )
     key = source_hash()
     sweep_stale_build_dirs()
-    with tempfile.TemporaryDirectory(prefix=f"{_BUILD_PREFIX}{os.getpid()}-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=f"{_BUILD_PREFIX}{owner_tag()}-") as tmp:
         out = Path(tmp)
         imported = _run_worker([spec], out)
-        art = _assemble(spec, out / "0")
+        try:
+            art = _assemble(spec, out / "0")
+        except CompileError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+            # the worker said it succeeded but its products are missing or broken
+            raise CompileError(
+                f"{spec.name}: the compile worker's output is missing or unreadable "
+                f"({type(e).__name__}: {e})"
+            ) from e
     if fresh_source_hash() != key:
         raise CompileError(
             f"{spec.name}: flashcore's kernel sources changed while it compiled; the result is "
@@ -101,17 +119,26 @@ def _build_one(spec: KernelSpec) -> KernelArtifact:
 
 
 def sweep_stale_build_dirs() -> list[Path]:
-    """Remove ``$TMPDIR/flashcore-build-<pid>-*`` folders whose process is gone (killed before it
-    could clean up); the folders removed."""
+    """Remove the ``$TMPDIR/flashcore-build-*`` folders of builds killed before they could clean
+    up: their owner is a dead process of this host, or they are older than an hour (another
+    container sharing ``$TMPDIR``, an older flashcore's names: a pid is not believed there; see
+    ``owner.py``). The folders removed."""
     removed = []
     tmp = Path(tempfile.gettempdir())
     try:
         candidates = list(tmp.glob(f"{_BUILD_PREFIX}*"))
     except OSError:
         return removed
+    now = time.time()
     for d in candidates:
-        m = _BUILD_DIR.match(d.name)
-        if not m or int(m[1]) == os.getpid() or pid_alive(int(m[1])):
+        owner = parse_owner(_BUILD_DIR.match(d.name))
+        try:
+            st = d.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(st.st_mode) or is_mine(owner):
+            continue  # a symlink or file is not a build folder; this process's are in use
+        if not abandoned(owner, st.st_mtime, _STALE_BUILD_S, now):
             continue
         shutil.rmtree(d, ignore_errors=True)
         if not d.exists():
@@ -136,6 +163,7 @@ def _run_worker(specs: list[KernelSpec], out: Path) -> list[str]:
     if len(archs) != 1:
         raise ValueError(f"one worker compiles one DSL target, got {sorted(archs)}")
     env = worker_env(archs.pop(), out / "ir")
+    names = [s.name for s in specs]
     try:
         proc = subprocess.run(
             [sys.executable, str(_WORKER), str(out)],
@@ -148,16 +176,40 @@ def _run_worker(specs: list[KernelSpec], out: Path) -> list[str]:
             timeout=_WORKER_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired:
-        raise CompileError(
-            f"compiling {[s.name for s in specs]} took over {_WORKER_TIMEOUT_S} s"
+        # a loaded host, not the kernel: not remembered as this kernel's failure
+        raise TransientCompileError(
+            f"compiling {names}: the worker took over {_WORKER_TIMEOUT_S} s and was stopped"
         ) from None
+    tail = "\n".join((proc.stderr or "").strip().splitlines()[-30:])
+    if proc.returncode < 0:  # killed (the OOM killer, a user): says nothing about the kernel
+        raise TransientCompileError(
+            f"compiling {names}: worker killed by {_signal_name(-proc.returncode)}"
+            + (f"; its last output:\n{tail}" if tail else " (no output)")
+        )
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-30:])
-        raise CompileError(f"compiling {[s.name for s in specs]} failed:\n{tail}")
+        raise CompileError(
+            f"compiling {names} failed (worker exit status {proc.returncode})"
+            + (f":\n{tail}" if tail else ", with no output on stderr")
+        )
     imported: set[str] = set()
     for i in range(len(specs)):
-        imported.update(json.loads((out / str(i) / "build.json").read_text())["imported"])
+        report = out / str(i) / "build.json"
+        try:
+            imported.update(json.loads(report.read_text())["imported"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CompileError(
+                f"compiling {names}: the worker exited 0 but its report {report} is missing or "
+                f"unreadable ({type(e).__name__}: {e})"
+            ) from None
     return sorted(imported)
+
+
+def _signal_name(number: int) -> str:
+    """``signal 9 (SIGKILL)``."""
+    try:
+        return f"signal {number} ({signal.Signals(number).name})"
+    except ValueError:
+        return f"signal {number}"
 
 
 def _assemble(spec: KernelSpec, d: Path) -> KernelArtifact:

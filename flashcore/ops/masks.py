@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from ..spec.attention import MASK_ALIGNS
 from ..spec.attention import WINDOW_UNBOUNDED as UNBOUNDED
 
+WINDOW_MAX = 2**31 - 1  # a side is an int32 kernel argument; from UNBOUNDED on it limits nothing
+
 
 @dataclass(frozen=True)
 class Masking:
@@ -45,13 +47,20 @@ class Masking:
         return (("mask_align", align), ("window", window), ("softcap", softcap))
 
     def scalars(self, softmax_scale: float) -> tuple:
-        """The kernel's run-time mask arguments, in ABI order (``flashcore.build.abi``)."""
+        """The kernel's run-time mask arguments, in ABI order (``flashcore.build.abi``).
+
+        ``softmax_scale`` is >= 0 here (``signed_query``). With 0 every logit is 0, and so is
+        every capped one (cap * tanh(0)): both soft-cap factors are then 0, not cap / 0."""
         args: tuple = ()
         if self.window is not None:
-            left, right = (UNBOUNDED if w < 0 else w for w in self.window)
+            # a side of UNBOUNDED or more reaches past any sequence: the kernel's no-limit value
+            left, right = (UNBOUNDED if w < 0 or w >= UNBOUNDED else w for w in self.window)
             args += ((left,), (right,))
         if self.softcap is not None:
-            args += ((softmax_scale / self.softcap,), (self.softcap / softmax_scale,))
+            if softmax_scale == 0:
+                args += ((0.0,), (0.0,))
+            else:
+                args += ((softmax_scale / self.softcap,), (self.softcap / softmax_scale,))
         return args
 
 
@@ -65,9 +74,10 @@ def masking(causal: bool, align: str, window, softcap) -> Masking:
         raise ValueError(f"attention: mask_align must be one of {MASK_ALIGNS}, got {align!r}")
     if window is not None:
         if (not isinstance(window, tuple) or len(window) != 2
-                or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
-            raise ValueError("attention: window must be (left, right), ints >= 0 or -1 for no "
-                             f"limit on that side, got {window!r}")
+                or any(isinstance(w, bool) or not isinstance(w, int) or not -1 <= w <= WINDOW_MAX
+                       for w in window)):
+            raise ValueError(f"attention: window must be (left, right), each an int in "
+                             f"0..{WINDOW_MAX} or -1 for no limit on that side, got {window!r}")
         if causal and window[1] > 0:
             raise ValueError(f"attention: window={window} looks right of the diagonal, which "
                              "causal=True forbids; use right 0 (or -1)")

@@ -31,6 +31,6 @@ def load_catalog(path: str | Path, *, sha256: str | None = None) -> Path:
                 f"catalog {root} holds kernels for {archs}, but cuda:{device} needs "
                 f"{arch}; build one with: flashcore precompile --arch {arch} --out DIR"
             )
-    use_catalog(root, index.served())
+    use_catalog(root, index.served(), index.sha256)
     os.environ[CACHE_ENV] = str(root)
     return root
