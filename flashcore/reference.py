@@ -35,6 +35,8 @@ def attention(
     natural log of the softmax denominator, shape (B, H, S_q). Work happens on ``device``
     (default: the CPU), where the results are returned. ``p_round``, if given, is applied to the
     unnormalised probabilities exp(s - rowmax) in the P·V product only (not the denominator).
+    Inputs that require grad keep their graph: autograd of this function is the float64
+    reference of the backward.
 
     ``mask_align="bottom_right"`` shifts the diagonal by S_k - S_q (query i sees j <= i + S_k -
     S_q); ``window=(left, right)`` keeps keys i + shift - left <= j <= i + shift + right (-1: no
@@ -43,7 +45,7 @@ def attention(
     """
     _check_shapes(q, k, v)
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    q, k, v = (t.detach().to(device=dev, dtype=torch.float64) for t in (q, k, v))
+    q, k, v = (t.to(device=dev, dtype=torch.float64) for t in (q, k, v))
     k, v = (_expand_heads(t, q.shape[1]) for t in (k, v))
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
 
@@ -72,7 +74,8 @@ def attention(
         row_max = scores.amax(dim=-1, keepdim=True)
     else:
         row_max = scores.new_full((*scores.shape[:-1], 1), -math.inf)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    # the max only shifts the exponent (it cancels): no gradient flows through it
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
     p = torch.exp(scores - row_max)
     denom = p.sum(dim=-1, keepdim=True)
     pv = p if p_round is None else p_round(p)  # the numerator's P may be rounded (FP8 kernels)

@@ -264,6 +264,29 @@ def fp8_specs(arch: str) -> list:
     return specs
 
 
+# tests/test_gpu_backward.py's explicit tiles of the main backward kernel (bfloat16)
+BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), warps=8),
+                         TileConfig((64, 128), warps=8), TileConfig((32, 32), warps=4),
+                         TileConfig((128, 64), warps=8)]
+
+
+def backward_specs(arch: str) -> list:
+    """The backward's kernels: pre, main (the default config, both dtypes, causal or not; the
+    tests' explicit tiles) and post, of every head dim; those that fit ``arch``."""
+    from flashcore.ops.backward import backward_specs as one_pass
+    from flashcore.spec.backward import default_backward_config
+
+    specs = []
+    for dtype, d, causal in itertools.product(DTYPES, HEAD_DIMS, (False, True)):
+        specs += one_pass(arch, dtype, d, default_backward_config(d), causal)
+    for config, d, causal in itertools.product(BACKWARD_TEST_CONFIGS, HEAD_DIMS, (False, True)):
+        try:
+            specs.append(one_pass(arch, "bfloat16", d, config, causal)[1])
+        except SpecError:
+            pass
+    return list(dict.fromkeys(specs))
+
+
 def _as_launched(spec):
     """The spec the launcher builds: a split-KV kernel writes its LSE partials whatever the
     caller asked (the combine kernel writes the LSE), so it is built without ``return_lse``."""
@@ -274,7 +297,7 @@ def _as_launched(spec):
 
 def gpu_test_specs(arch: str, buckets=None) -> list:
     specs = (prefill_specs(arch) + decode_specs(arch) + mask_specs(arch) + fp8_specs(arch)
-             + serving_specs(arch) + wgmma_specs(arch))
+             + serving_specs(arch) + wgmma_specs(arch) + backward_specs(arch))
     specs += [s for s in winner_specs(table_arch(arch), build_arch=arch).values()]
     if buckets != []:  # the autotuner's candidates
         precisions = ("fp16", "fp8") if arch in FP8_ARCHS else ("fp16",)
@@ -292,7 +315,8 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
 
 
 GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
-          "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs}
+          "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs,
+          "backward": backward_specs}
 
 
 def main() -> None:

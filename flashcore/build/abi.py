@@ -274,3 +274,59 @@ def check_against_entry(params: tuple, entry_params) -> None:
                 f"parameter {want.name!r}: PTX has {got.size} bytes aligned {got.align}, "
                 f"the ABI packs {want.size} bytes aligned {want.align}"
             )
+
+
+# -- the attention backward (``flashcore.spec.backward``) ----------------------------------------
+BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
+
+
+def backward_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
+    """The backward kernels' parameters (``flashcore.kernels.mma_sync_bwd``).
+
+    pre: O and dO (batch, heads, seq_q, head_dim), the forward's LSE (batch, heads, seq_q),
+    then the fp32 workspaces: LSE in log2 units and D = rowsum(dO ∘ O) (batch, heads, rows)
+    and the dQ accumulator (batch, heads, rows, head_dim), rows = seq_q rounded up to
+    ``spec.backward.ROW_PAD``. main: Q, K, V, dO, the two row workspaces, the dQ accumulator,
+    dK and dV (K's shape), the exp2 softmax scale and the softmax scale. post: the dQ
+    accumulator, dQ (Q's shape) and the softmax scale."""
+    if spec.op == "attention_bwd_pre":
+        return (TensorParam("o", 3, 3), TensorParam("do", 3, 3), TensorParam("lse", 3, 2),
+                TensorParam("lse_log2", 3, 2), TensorParam("dpsum", 3, 2),
+                TensorParam("dq_accum", 3, 3))
+    if spec.op == "attention_bwd_post":
+        return (TensorParam("dq_accum", 3, 3), TensorParam("dq", 3, 3),
+                ScalarParam("scale", "<f"))
+    return (TensorParam("q", 3, 3), TensorParam("k", 3, 3), TensorParam("v", 3, 3),
+            TensorParam("do", 3, 3), TensorParam("lse_log2", 3, 2), TensorParam("dpsum", 3, 2),
+            TensorParam("dq_accum", 3, 3), TensorParam("dk", 3, 3), TensorParam("dv", 3, 3),
+            ScalarParam("scale_log2", "<f"), ScalarParam("scale", "<f"))
+
+
+def backward_rows_grid(padded_rows: int, heads: int, batch: int,
+                       rows_per_cta: int) -> tuple[int, int, int]:
+    """pre and post: a CTA per ``rows_per_cta`` rows of each (batch, head); ``padded_rows``
+    (pre: the workspace's rows) or the sequence's (post: rounded up)."""
+    x = (padded_rows + rows_per_cta - 1) // rows_per_cta * heads * batch
+    if x > MAX_GRID_X:
+        raise ValueError(f"{batch} batches x {heads} heads x {padded_rows} rows is {x} CTAs, "
+                         f"over the grid's {MAX_GRID_X}")
+    return (x, 1, 1)
+
+
+def backward_grid(seqlen_k: int, heads_kv: int, batch: int, tile_n: int) -> tuple[int, int, int]:
+    """main: a CTA per (batch, K/V head, key block), the key block fastest."""
+    x = (seqlen_k + tile_n - 1) // tile_n * heads_kv * batch
+    if x > MAX_GRID_X:
+        raise ValueError(f"{batch} batches x {heads_kv} heads x {seqlen_k} keys is {x} CTAs, "
+                         f"over the grid's {MAX_GRID_X}")
+    return (x, 1, 1)
+
+
+# Dispatches the backward ops before the forward's dispatch (which knows the others).
+_params_for_forward_ops = params_for
+
+
+def params_for(spec) -> tuple:
+    if spec.op in BACKWARD_OPS:
+        return backward_params(spec)
+    return _params_for_forward_ops(spec)

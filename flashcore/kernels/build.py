@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import AttentionSpec, CombineSpec, KernelSpec, QuantizeSpec, dsl_arch
+from ..spec import AttentionSpec, BackwardSpec, CombineSpec, KernelSpec, QuantizeSpec, dsl_arch
 
 
 @dataclass
@@ -138,6 +138,24 @@ def _quantize_args(spec: QuantizeSpec) -> tuple:
     return x, y, rows(), per_head()  # the casts: from the partial maxima
 
 
+def _backward_args(spec: BackwardSpec) -> tuple:
+    """``flashcore.build.abi.backward_params``' tensors as fakes: 16-bit (batch, heads, seq,
+    head_dim), fp32 row workspaces (batch, heads, rows) and the fp32 dQ accumulator."""
+    import cutlass
+
+    from .common.dtypes import DTYPES
+
+    bhsd, rows, _ = _fakes()
+    dt, d = DTYPES[spec.dtype], spec.head_dim
+    if spec.op == "attention_bwd_pre":
+        return bhsd(dt, d), bhsd(dt, d), rows(), rows(), rows(), bhsd(cutlass.Float32, d)
+    if spec.op == "attention_bwd_post":
+        return bhsd(cutlass.Float32, d), bhsd(dt, d), cutlass.Float32(1.0)
+    return (bhsd(dt, d), bhsd(dt, d), bhsd(dt, d), bhsd(dt, d), rows(), rows(),
+            bhsd(cutlass.Float32, d), bhsd(dt, d), bhsd(dt, d), cutlass.Float32(1.0),
+            cutlass.Float32(1.0))
+
+
 def _traced(spec: KernelSpec):
     """(object whose ``host`` is compiled, the device function to name, its arguments)."""
     if isinstance(spec, QuantizeSpec):
@@ -155,6 +173,13 @@ def _traced(spec: KernelSpec):
         else:
             cls = QuantizeFP8Transposed if spec.transpose else QuantizeFP8
         return cls(spec.dtype, spec.head_dim, spec.threads), cls.kernel, _quantize_args(spec)
+    if isinstance(spec, BackwardSpec):
+        from .mma_sync_bwd.attention_bwd import AttentionBackward
+        from .mma_sync_bwd.rows import BackwardPostprocess, BackwardPreprocess
+
+        cls = {"attention_bwd": AttentionBackward, "attention_bwd_pre": BackwardPreprocess,
+               "attention_bwd_post": BackwardPostprocess}[spec.op]
+        return cls(spec), cls.kernel, _backward_args(spec)
     if isinstance(spec, CombineSpec):
         from .combine import CombineSplits
 

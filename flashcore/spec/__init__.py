@@ -18,15 +18,17 @@ from .arch import (
     SMEM_PER_SM,
 )
 from .attention import PRECISIONS, AttentionSpec
+from .backward import BACKWARD_OPS, BackwardSpec
 from .combine import MAX_SPLITS, CombineSpec
 from .families import DEFAULT_FAMILY, FAMILIES, dsl_arch, family
 from .quantize import QuantizeSpec
 from .serial import SPEC_VERSION
 from .tile import TileConfig, default_warps, tile_config
 
-KernelSpec = AttentionSpec | QuantizeSpec | CombineSpec
+KernelSpec = AttentionSpec | QuantizeSpec | CombineSpec | BackwardSpec
 _SPEC_CLASSES = {"attention_fwd": AttentionSpec, "quantize_fp8": QuantizeSpec,
-                 "attention_combine": CombineSpec}
+                 "attention_combine": CombineSpec,
+                 **{op: BackwardSpec for op in BACKWARD_OPS}}
 
 
 def spec_from_dict(d: Any) -> KernelSpec:
@@ -42,6 +44,7 @@ def spec_from_dict(d: Any) -> KernelSpec:
 
 __all__ = [
     "ARCHS",
+    "BACKWARD_OPS",
     "DEFAULT_FAMILY",
     "DTYPES",
     "FAMILIES",
@@ -54,6 +57,7 @@ __all__ = [
     "SMEM_PER_SM",
     "SPEC_VERSION",
     "AttentionSpec",
+    "BackwardSpec",
     "CombineSpec",
     "KernelSpec",
     "QuantizeSpec",

@@ -1,0 +1,25 @@
+"""fp32 reductions into global memory: the dQ accumulator every key block adds into."""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+
+@dsl_user_op
+def red_add_f32(value, address, *, loc=None, ip=None) -> None:
+    """``red.global.add.f32``: add ``value`` at global ``address`` (an Int64), no result (the
+    fire-and-forget form: the thread does not wait for the sum)."""
+    llvm.inline_asm(None, [cutlass.Int64(address).ir_value(loc=loc, ip=ip),
+                           cutlass.Float32(value).ir_value(loc=loc, ip=ip)],
+                    "red.global.add.f32 [$0], $1;", "l,f", has_side_effects=True,
+                    loc=loc, ip=ip)
+
+
+@cute.jit
+def add_into(acc: cute.Tensor, dst: cute.Tensor):
+    """Add every element of register fragment ``acc`` into ``dst`` (its partition of a global
+    fp32 tensor, shaped like ``acc``)."""
+    for i in cutlass.range_constexpr(cute.size(acc)):
+        ptr = dst.iterator + cute.crd2idx(i, dst.layout)
+        red_add_f32(acc[i], ptr.toint())

@@ -1,0 +1,77 @@
+"""The mma_sync family's backward kernel: FlashAttention-2's dK/dV-stationary algorithm, for
+sm_80 / sm_89 / sm_90.
+
+One CTA per (batch, K/V head, block of ``tile_n`` keys). K and V are loaded once; the CTA walks
+every query block of every query head that reads this K/V head (grouped-query attention: the
+group's heads one after another, so dK and dV sum over them in registers, with no atomics and
+the same result every run), each step one ``query_block``. Top-left causal (torch's
+``is_causal``) skips the query blocks above the key block's first key. dQ goes to an fp32
+accumulator through ``red.global.add``; the post kernel scales and converts it.
+
+Inputs: Q, K, V, dO (batch, heads, seq, head_dim) 16-bit; the pre kernel's log2 LSE and D
+(batch, heads, padded rows) fp32; outputs dK, dV (K's shape). ABI:
+``flashcore.build.abi.backward_params``.
+"""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from ...spec import BackwardSpec
+from ..common.copies import load_rows
+from ..common.grid import wait_for_previous_grid
+from .cta import BackwardCta
+from .epilogue import store_key_grads
+from .layouts import BackwardLayouts
+from .query_block import load_rows_of, query_block
+
+
+class AttentionBackward:
+    def __init__(self, spec: BackwardSpec):
+        self.spec = spec
+        self.smem_size = 0
+
+    @cute.jit
+    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+             mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+             mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32):
+        """The launch; the runtime repeats this geometry (``abi.backward_grid``)."""
+        lay = BackwardLayouts(self.spec)
+        self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
+        n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
+        self.kernel(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, scale_log2, scale).launch(
+            grid=(n_blocks * mK.shape[1] * mK.shape[0], 1, 1),
+            block=[self.spec.threads, 1, 1], smem=self.smem_size)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
+               mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32):
+        lay = BackwardLayouts(self.spec)
+        storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
+        cta = BackwardCta(lay, storage, mQ, mK, mV)
+        wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
+        lo, hi = cta.query_blocks()
+        per_head = cutlass.max(hi - lo, 0)
+        steps = per_head * cta.q_group
+        first = cta.kv_head * cta.q_group
+        # K, V and the first block's Q and dO: one commit group
+        load_rows(cta.lay.g2s, cta.tKgK, cta.tKsK, cta.tKVcKV, cta.seqlen_k)
+        load_rows(cta.lay.g2s, cta.tVgV, cta.tVsV, cta.tKVcKV, cta.seqlen_k)
+        if steps > 0:
+            load_rows_of(cta, mQ, cta.tQsQ, first, lo, 0)
+            load_rows_of(cta, mdO, cta.tQsdO, first, lo, 0)
+        cute.arch.cp_async_commit_group()
+        for step in range(steps):
+            # the step's blocks have landed, and every warp is done with the last step's P, dS
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            after = step + 1
+            query_block(cta, mQ, mdO, mLSE2, mD, mdQacc, first + step // per_head,
+                        lo + step % per_head, scale_log2, after < steps,
+                        first + after // per_head, lo + after % per_head)
+        # a CTA whose keys no query sees walked no block: its K/V copies must land before the
+        # epilogue reuses their tiles
+        cute.arch.cp_async_wait_group(0)
+        store_key_grads(cta, mdK, mdV, scale)
+

@@ -1,0 +1,106 @@
+"""One backward CTA, set up once: its key block, K/V head and batch, its shared tiles and their
+copy partitions, and the MMA operands of the five products (``layouts.py``)."""
+
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
+
+from ..common.mma import SmemOperand
+from .layouts import BackwardLayouts, transposed
+
+
+def key_block_coords(mK: cute.Tensor, tile_n: int):
+    """(key block, K/V head, batch) of this CTA: the grid's x walks them, key block fastest."""
+    lin, _, _ = cute.arch.block_idx()
+    n_blocks = cute.ceil_div(mK.shape[2], tile_n)
+    heads = mK.shape[1]
+    return lin % n_blocks, (lin // n_blocks) % heads, lin // n_blocks // heads
+
+
+class BackwardCta:
+    """Trace-time view of one CTA."""
+
+    def __init__(self, lay: BackwardLayouts, storage, mQ, mK, mV):
+        spec, c = lay.spec, lay.spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.lay, self.spec, self.config = lay, spec, c
+        self.tidx, _, _ = cute.arch.thread_idx()
+        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn)
+        self.q_group = mQ.shape[1] // mK.shape[1]
+        self.seqlen_q, self.seqlen_k = mQ.shape[2], mK.shape[2]
+
+        # ---- shared tiles -------------------------------------------------------------------
+        self.sQ = storage.sQ.get_tensor(lay.sQ)
+        self.sdO = storage.sdO.get_tensor(lay.sQ)
+        self.sK = storage.sK.get_tensor(lay.sK)
+        self.sV = storage.sV.get_tensor(lay.sK)
+        self.sP = storage.sP.get_tensor(lay.sPdS)
+        self.sdS = storage.sdS.get_tensor(lay.sPdS)
+
+        # ---- global->shared copies ----------------------------------------------------------
+        self.g2s = g2s = lay.g2s.get_slice(self.tidx)
+        gK = cute.local_tile(mK[self.batch, self.kv_head, None, None], (tn, d), (self.n_block, 0))
+        gV = cute.local_tile(mV[self.batch, self.kv_head, None, None], (tn, d), (self.n_block, 0))
+        cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d),
+                              (self.n_block, 0))
+        self.tKgK, self.tKsK = g2s.partition_S(gK), g2s.partition_D(self.sK)
+        self.tVgV, self.tVsV = g2s.partition_S(gV), g2s.partition_D(self.sV)
+        self.tKVcKV = g2s.partition_S(cKV)
+        self.tQsQ, self.tQsdO = g2s.partition_D(self.sQ), g2s.partition_D(self.sdO)
+        # (atom, rows, cols, query block): the coordinates of every query block's rows
+        self.tQcQ = g2s.partition_S(cute.local_tile(
+            cute.make_identity_tensor((self.seqlen_q, d)), (tm, d), (None, 0)))
+
+        self.operands()
+        self.acc_dK = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
+                                            cutlass.Float32)
+        self.acc_dV = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
+                                            cutlass.Float32)
+        self.acc_dK.fill(0.0)
+        self.acc_dV.fill(0.0)
+
+    def operands(self):
+        """The ldmatrix-fed operands: Q, K, dO, V as they are (S and dP); Pᵀ, dSᵀ, dOᵀ, Qᵀ
+        (dV and dK, read transposed); dS and Kᵀ (dQ)."""
+        lay, c, d, tidx, dt = self.lay, self.config, self.spec.head_dim, self.tidx, self.lay.dtype
+        tm, tn = c.tile_m, c.tile_n
+        ld = warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4)
+        ldt = warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4)
+        A, B = cute.make_tiled_copy_A, cute.make_tiled_copy_B
+
+        def operand(mma, thr, make_copy, op, tile, first):
+            frag = (thr.make_fragment_A(thr.partition_A(first)) if make_copy is A
+                    else thr.make_fragment_B(thr.partition_B(first)))
+            return SmemOperand(mma, make_copy, op, dt, tile, frag, tidx)
+
+        mma = lay.mma_sdp
+        self.thr_sdp = thr = mma.get_slice(tidx)
+        self.q = operand(mma, thr, A, ld, self.sQ, self.sQ[None, None, 0])
+        self.do = operand(mma, thr, A, ld, self.sdO, self.sdO[None, None, 0])
+        self.k = operand(mma, thr, B, ld, self.sK, self.sK)
+        self.v = operand(mma, thr, B, ld, self.sV, self.sV)
+
+        mma = lay.mma_dkv
+        self.thr_dkv = thr = mma.get_slice(tidx)
+        sPt, sdSt = transposed(self.sP, tm, tn), transposed(self.sdS, tm, tn)
+        sQt, sdOt = transposed(self.sQ, tm, d), transposed(self.sdO, tm, d)
+        self.pt = operand(mma, thr, A, ldt, sPt, sPt)
+        self.dst = operand(mma, thr, A, ldt, sdSt, sdSt)
+        self.qt = operand(mma, thr, B, ldt, sQt, sQt[None, None, 0])
+        self.dot = operand(mma, thr, B, ldt, sdOt, sdOt[None, None, 0])
+
+        mma = lay.mma_dq
+        self.thr_dq = thr = mma.get_slice(tidx)
+        sKt = transposed(self.sK, tn, d)
+        self.ds = operand(mma, thr, A, ld, self.sdS, self.sdS)
+        self.kt = operand(mma, thr, B, ldt, sKt, sKt)
+
+    def query_blocks(self):
+        """[lo, hi): the query blocks whose rows see some key of this block (top-left causal:
+        query i sees keys j <= i, so rows from the block's first key on)."""
+        c = self.config
+        lo = 0
+        if cutlass.const_expr(self.spec.causal):
+            lo = self.n_block * c.tile_n // c.tile_m
+        return lo, cute.ceil_div(self.seqlen_q, c.tile_m)

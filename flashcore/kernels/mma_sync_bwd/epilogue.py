@@ -1,0 +1,39 @@
+"""After the query loop: dK (times the softmax scale) and dV in the input dtype, through the
+K and V tiles' shared memory to 16-byte stores of the block's keys that exist."""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from .cta import BackwardCta
+
+
+@cute.jit
+def store_key_grads(cta: BackwardCta, mdK, mdV, scale):
+    cta.acc_dK.store(cta.acc_dK.load() * scale)
+    cute.arch.sync_threads()  # every warp is done reading sK and sV
+    store_tile(cta, cta.acc_dK, cta.sK, mdK)
+    store_tile(cta, cta.acc_dV, cta.sV, mdV)
+
+
+@cute.jit
+def store_tile(cta: BackwardCta, acc, smem, mOut):
+    lay, c, d = cta.lay, cta.config, cta.spec.head_dim
+    r = cute.make_rmem_tensor(acc.layout, lay.dtype)
+    r.store(acc.load().to(lay.dtype))
+    r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), lay.dtype),
+                                 lay.mma_dkv)
+    r2s_thr = r2s.get_slice(cta.tidx)
+    cute.copy(r2s, r2s_thr.retile(r), r2s_thr.partition_D(smem))
+    cute.arch.sync_threads()
+    gOut = cute.local_tile(mOut[cta.batch, cta.kv_head, None, None], (c.tile_n, d),
+                           (cta.n_block, 0))
+    cOut = cute.local_tile(cute.make_identity_tensor((cta.seqlen_k, d)), (c.tile_n, d),
+                           (cta.n_block, 0))
+    r2g = lay.r2g.get_slice(cta.tidx)
+    tS, tG, tC = r2g.partition_S(smem), r2g.partition_D(gOut), r2g.partition_D(cOut)
+    tR = cute.make_rmem_tensor_like(tG, lay.dtype)
+    cute.autovec_copy(tS, tR)
+    for m in cutlass.range_constexpr(cute.size(tR, mode=[1])):
+        if cute.elem_less(tC[0, m, 0][0], cta.seqlen_k):
+            cute.copy(lay.r2g, tR[None, m, None], tG[None, m, None])

@@ -1,0 +1,79 @@
+"""The backward kernel's trace-time data: shared-memory layouts and struct, copy atoms and the
+three tiled MMAs of one spec (Python data at trace time, no instructions).
+
+* S = Q·Kᵀ and dP = dO·Vᵀ: (tile_m, tile_n) over head_dim.
+* dV += Pᵀ·dO and dK += dSᵀ·Q: (tile_n, head_dim) over tile_m.
+* dQ = dS·K: (tile_m, head_dim) over tile_n.
+
+Each MMA spreads all warps over its tile, 16 rows a warp first (``spec.backward.warp_grid``).
+"""
+
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.nvgpu import warp
+
+from ...spec import BackwardSpec
+from ...spec.backward import warp_grid
+from ..common.copies import g2s_copy, swizzled_row_atom
+from ..common.dtypes import DTYPES
+
+LINE = 64  # 16-bit elements of a 128-byte swizzle line
+
+
+def tiled_mma(dtype, rows: int, cols: int, warps: int):
+    wm, wn = warp_grid(rows, cols, warps)
+    return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
+                               (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16))
+
+
+class BackwardLayouts:
+    """Shared tiles: Q and dO (tile_m, head_dim, stage), K and V (tile_n, head_dim), P and dS
+    (tile_m, tile_n), all row-major under a 128-byte (or row-wide) swizzle."""
+
+    def __init__(self, spec: BackwardSpec):
+        c = spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.spec = spec
+        self.dtype = DTYPES[spec.dtype]
+        atom = swizzled_row_atom(16, LINE)
+        self.sQ = cute.tile_to_shape(atom, (tm, d, c.stages), (0, 1, 2))
+        self.sK = cute.tile_to_shape(atom, (tn, d), (0, 1))
+        self.sPdS = cute.tile_to_shape(swizzled_row_atom(16, min(tn, LINE)), (tm, tn), (0, 1))
+        self.g2s = g2s_copy(self.dtype, LINE, c.threads)
+        # registers -> global: 16-byte stores, 8 threads over a 64-element span of a row
+        self.r2g = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
+            cute.make_layout((c.threads // 8, 8), stride=(8, 1)),
+            cute.make_layout((1, 8)),
+        )
+        self.mma_sdp = tiled_mma(self.dtype, tm, tn, c.warps)
+        self.mma_dkv = tiled_mma(self.dtype, tn, d, c.warps)
+        self.mma_dq = tiled_mma(self.dtype, tm, d, c.warps)
+        self.storage = self._shared_storage()
+
+    def _shared_storage(self):
+        dt = self.dtype
+        n_q, n_k, n_p = (cute.cosize(x) for x in (self.sQ, self.sK, self.sPdS))
+        Align, Mem = cute.struct.Align, cute.struct.MemRange
+
+        @cute.struct
+        class SharedStorage:
+            sQ: Align[Mem[dt, n_q], 1024]
+            sdO: Align[Mem[dt, n_q], 1024]
+            sK: Align[Mem[dt, n_k], 1024]
+            sV: Align[Mem[dt, n_k], 1024]
+            sP: Align[Mem[dt, n_p], 1024]
+            sdS: Align[Mem[dt, n_p], 1024]
+
+        return SharedStorage
+
+
+def transposed(tile: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
+    """A (rows, cols[, stages]) tile read as (cols, rows[, stages]): the operand view of a
+    row-major tile that an MMA takes with its contiguous mode as M or N (ldmatrix.trans)."""
+    if cute.rank(tile) == 3:
+        stages = cute.size(tile, mode=[2])
+        return cute.composition(tile, cute.make_layout((cols, rows, stages),
+                                                       stride=(rows, 1, rows * cols)))
+    return cute.composition(tile, cute.make_layout((cols, rows), stride=(rows, 1)))

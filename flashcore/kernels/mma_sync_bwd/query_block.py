@@ -1,0 +1,116 @@
+"""One query block against the CTA's key block: recompute P from the forward's LSE, then
+dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − D), dK += dSᵀ·Q, dQ += dS·K (fp32 atomics).
+
+The next block's dO is copied in as soon as dV is done with this one's, and its Q once dK is:
+their loads run under dK's and dQ's products (one buffer each, no extra shared memory)."""
+
+
+import cutlass
+import cutlass.cute as cute
+
+from ..common.block_info import KeyBounds
+from ..common.copies import load_block
+from ..common.fragments import mn_view
+from ..common.mask import mask_scores
+from ..common.mma import gemm_ss
+from .atomics import add_into
+from .cta import BackwardCta
+
+
+@cute.jit
+def load_rows_of(cta: BackwardCta, mX, dst, head, m_block, slot):
+    """cp.async the (batch, head, query block) tile of Q-shaped ``mX`` (Q or dO) into stage
+    ``slot`` of its partitioned shared tile ``dst``, rows past the sequence zero-filled."""
+    tm, d = cta.config.tile_m, cta.spec.head_dim
+    gX = cute.local_tile(mX[cta.batch, head, None, None], (tm, d), (None, 0))
+    load_block(cta.lay.g2s, cta.g2s.partition_S(gX), dst, cta.tQcQ, m_block, slot,
+               cta.seqlen_q, True)
+
+
+@cute.jit
+def needs_mask(cta: BackwardCta, m_block):
+    """Whether some score of (query block, key block) is hidden: a key past the sequence end
+    (the ragged last block), or with top-left causal a key after the block's first query."""
+    c = cta.config
+    visible = cta.seqlen_k
+    if cutlass.const_expr(cta.spec.causal):
+        visible = cutlass.min(visible, m_block * c.tile_m + 1)
+    return (cta.n_block + 1) * c.tile_n > visible
+
+
+@cute.jit
+def row_values(cta: BackwardCta, rows_of_head, m_block):
+    """This thread's rows of a (padded) per-row workspace, for query block ``m_block``."""
+    c = cta.config
+    rows = mn_view(cta.thr_sdp.partition_C(cute.make_identity_tensor((c.tile_m, c.tile_n))))
+    n = cute.size(rows, mode=[0])
+    block = cute.local_tile(rows_of_head, (c.tile_m,), (m_block,))
+    values = cute.make_rmem_tensor(n, cutlass.Float32)
+    for r in cutlass.range_constexpr(n):
+        values[r] = block[rows[r, 0][0]]
+    return values
+
+
+@cute.jit
+def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, scale_log2,
+                has_next, next_head, next_m):
+    """Block ``m_block`` of query head ``head``, whose Q and dO have landed; issues the next
+    block's (``has_next``: there is one) as this one's tiles free up."""
+    c, d = cta.config, cta.spec.head_dim
+    slot = 0
+    tm, tn = c.tile_m, c.tile_n
+    # issued before the MMAs, whose time hides the loads' latency
+    lse2 = row_values(cta, mLSE2[cta.batch, head, None], m_block)
+    dpsum = row_values(cta, mD[cta.batch, head, None], m_block)
+
+    acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tm, tn)), cutlass.Float32)
+    acc_S.fill(0.0)
+    gemm_ss(cta.lay.mma_sdp, acc_S, cta.q, cta.q.stage(slot), cta.k, cta.k.smem)
+    acc_dP = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tm, tn)), cutlass.Float32)
+    acc_dP.fill(0.0)
+    gemm_ss(cta.lay.mma_sdp, acc_dP, cta.do, cta.do.stage(slot), cta.v, cta.v.smem)
+
+    # P = exp2(S · scale · log2 e − LSE · log2 e): a masked score, or a row that saw no key
+    # (its log2 LSE is +inf), gives 0
+    S = mn_view(acc_S)
+    coords = mn_view(cta.thr_sdp.partition_C(cute.local_tile(
+        cute.make_identity_tensor((cta.seqlen_q, cta.seqlen_k)), (tm, tn),
+        (m_block, cta.n_block))))
+    if needs_mask(cta, m_block):
+        mask_scores(S, coords, cta.seqlen_k, KeyBounds(cta.spec.causal), 1)
+    dP = mn_view(acc_dP)
+    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+        row = S[r, None].load()
+        p = cute.math.exp2(cute.math.fma(row, cute.full_like(row, scale_log2),
+                                         cute.full_like(row, -lse2[r])), fastmath=True)
+        S[r, None] = p
+        dP[r, None] = p * (dP[r, None].load() - dpsum[r])
+
+    # P and dS to shared memory in the input dtype: the next products read them transposed
+    dt = cta.lay.dtype
+    r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt),
+                                 cta.lay.mma_sdp)
+    r2s_thr = r2s.get_slice(cta.tidx)
+    rP = cute.make_rmem_tensor(acc_S.layout, dt)
+    rP.store(acc_S.load().to(dt))
+    rdS = cute.make_rmem_tensor(acc_dP.layout, dt)
+    rdS.store(acc_dP.load().to(dt))
+    cute.copy(r2s, r2s_thr.retile(rP), r2s_thr.partition_D(cta.sP))
+    cute.copy(r2s, r2s_thr.retile(rdS), r2s_thr.partition_D(cta.sdS))
+    cute.arch.sync_threads()
+
+    gemm_ss(cta.lay.mma_dkv, cta.acc_dV, cta.pt, cta.pt.smem, cta.dot, cta.dot.stage(slot))
+    cute.arch.sync_threads()  # every warp is done with this block's dO
+    if has_next:
+        load_rows_of(cta, mdO, cta.tQsdO, next_head, next_m, slot)
+    cute.arch.cp_async_commit_group()
+    gemm_ss(cta.lay.mma_dkv, cta.acc_dK, cta.dst, cta.dst.smem, cta.qt, cta.qt.stage(slot))
+    cute.arch.sync_threads()  # and with its Q
+    if has_next:
+        load_rows_of(cta, mQ, cta.tQsQ, next_head, next_m, slot)
+    cute.arch.cp_async_commit_group()
+    acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
+    acc_dQ.fill(0.0)
+    gemm_ss(cta.lay.mma_dq, acc_dQ, cta.ds, cta.ds.smem, cta.kt, cta.kt.smem)
+    gdQ = cute.local_tile(mdQacc[cta.batch, head, None, None], (tm, d), (m_block, 0))
+    add_into(acc_dQ, cta.thr_dq.partition_C(gdQ))

@@ -1,0 +1,245 @@
+"""Attention's backward pass: ``attention_backward`` (eager), the registered op
+``torch.ops.flashcore.attention_backward`` (with a fake implementation, so ``torch.compile``
+traces it) and the autograd formula of ``torch.ops.flashcore.attention``
+(``register_attention_backward``).
+
+Three launches on torch's current stream (``flashcore.spec.backward``): the pre kernel (D =
+rowsum(dO ∘ O), the LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (a CTA
+per key block: dK and dV in registers, dQ by fp32 atomics) and the post kernel (dQ in q's
+dtype). What it builds: fp16/bf16, head_dim 64 and 128, any lengths, no mask or top-left causal
+(torch's ``is_causal``), any softmax scale, grouped-query attention (dK and dV summed over a
+K/V head's query heads inside one CTA: deterministic). Not yet: FP8, an FP8 KV cache,
+bottom-right causal, windows, soft-capping, the serving layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..build.abi import LOG2_E, backward_grid, backward_rows_grid
+from ..runtime.device import arch_of
+from ..runtime.launch import kernel_for, launch
+from ..spec import BackwardSpec, TileConfig
+from ..spec.backward import ROW_PAD, default_backward_config
+from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
+from .validate import check_extents, check_qkv, softmax_scale_of
+
+_kernels: dict[tuple, tuple] = {}  # (device, dtype, head_dim, config, causal) -> loaded kernels
+
+
+def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig,
+                   causal: bool) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
+    """(pre, main, post): the specs of one backward pass."""
+    return (BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_pre"),
+            BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, config=config,
+                         causal=causal),
+            BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_post"))
+
+
+def backward_kernels(device: int, dtype: str, head_dim: int, config: TileConfig,
+                     causal: bool) -> tuple:
+    """The loaded (pre, main, post) kernels on CUDA device ``device``, built once."""
+    key = (device, dtype, head_dim, config, causal)
+    ks = _kernels.get(key)
+    if ks is None:
+        specs = backward_specs(arch_of(device), dtype, head_dim, config, causal)
+        ks = _kernels[key] = tuple(kernel_for(s, device) for s in specs)
+    return ks
+
+
+def _check_like(name: str, t: Any, q: Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attention_backward: {name} must be a torch.Tensor, got "
+                        f"{type(t).__name__}")
+    if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+        raise ValueError(f"attention_backward: {name} is {tuple(t.shape)} {t.dtype} on "
+                         f"{t.device}; expected q's {tuple(q.shape)} {q.dtype} on {q.device}")
+
+
+def _check_rows(name: str, t: Any, q: Tensor) -> Tensor:
+    """A float32 (B, H, S_q) row tensor (the LSE, its gradient), returned with a unit last
+    stride."""
+    want = tuple(q.shape[:3])
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want
+            or t.device != q.device):
+        raise ValueError(f"attention_backward: {name} must be float32 of shape {want} on "
+                         f"{q.device}, got {getattr(t, 'dtype', type(t).__name__)} "
+                         f"{tuple(getattr(t, 'shape', ()))}")
+    return t if t.stride(2) == 1 else t.contiguous()
+
+
+def _grad_buffer(name: str, t: Tensor | None, like: Tensor) -> Tensor:
+    """A gradient's output: ``t`` (contiguous, of ``like``'s shape, dtype and device) or a new
+    tensor."""
+    if t is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if (not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype
+            or t.device != like.device or not t.is_contiguous()):
+        raise ValueError(f"attention_backward: {name} must be a contiguous {like.dtype} tensor "
+                         f"of shape {tuple(like.shape)} on {like.device}")
+    return t
+
+
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       causal: bool = False, softmax_scale: float | None = None, *,
+                       config: TileConfig | None = None, dlse: Tensor | None = None,
+                       dq: Tensor | None = None, dk: Tensor | None = None,
+                       dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the output
+    gradient ``dout``, from the forward's ``out`` and natural-log ``lse`` (float32 (B, H,
+    S_q)). ``dlse``: the gradient of the LSE too, when the caller used it. dk and dv have k's
+    (fewer, with GQA) heads; all three are in q's dtype, new contiguous tensors unless given
+    (``dq``/``dk``/``dv``: contiguous, of q's and k's shapes). A row that saw no key (lse -inf)
+    contributes no gradient. ``config``: the main kernel's tile (default
+    ``spec.backward.default_backward_config``)."""
+    check_qkv(q, k, v)
+    if k.dtype != q.dtype:
+        raise ValueError("attention_backward: an FP8 KV cache has no backward; k and v must "
+                         "have q's dtype")
+    _check_like("dout", dout, q)
+    _check_like("out", out, q)
+    lse = _check_rows("lse", lse, q)
+    if dlse is not None:
+        dlse = _check_rows("dlse", dlse, q)
+    scale = softmax_scale_of(softmax_scale, q.shape[3])
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    dq = _grad_buffer("dq", dq, q)
+    dk = _grad_buffer("dk", dk, k)
+    dv = _grad_buffer("dv", dv, k)
+    if 0 in (B, H, Sq, Sk):  # no score: every gradient is 0
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    negate = scale < 0
+    if negate:  # the kernels take scale >= 0: -q with |scale| has the same logits
+        q, scale = torch.neg(q), -scale
+    check_extents(q, k, dout)
+    config = config or default_backward_config(D)
+    dtype = DTYPE_NAMES[q.dtype]
+    dev = q.get_device()
+    pre, main, post = backward_kernels(dev, dtype, D, config, causal)
+    # keep any copies prepared() makes alive until the launches are queued
+    q, q_arg = prepared(q)
+    k, k_arg = prepared(k)
+    v, v_arg = prepared(v)
+    dout, do_arg = prepared(dout)
+    out, o_arg = prepared(out)
+
+    # one fp32 workspace: dQ's accumulator (B, H, rows, D), then the log2 LSE and D (B, H, rows)
+    rows = -(-Sq // ROW_PAD) * ROW_PAD
+    n = B * H * rows
+    work = torch.empty(n * (D + 2), dtype=torch.float32, device=q.device)
+    ptr = work.data_ptr()
+    dq_acc = (ptr, B, H, rows, H * rows * D, rows * D, D)
+    lse2 = (ptr + 4 * n * D, B, H, rows, H * rows, rows)
+    dpsum = (ptr + 4 * n * (D + 1), B, H, rows, H * rows, rows)
+
+    launch(pre, backward_rows_grid(rows, H, B, pre.artifact.spec.rows_per_cta),
+           (o_arg, do_arg, rows_arg(lse), lse2, dpsum, dq_acc), dev)
+    if dlse is not None:
+        # d lse_i / d s_ij = P_ij: dS = P ∘ (dP − (D − dlse))
+        work[n * (D + 1):].view(B, H, rows)[:, :, :Sq].sub_(dlse)
+    launch(main, backward_grid(Sk, Hkv, B, config.tile_n),
+           (q_arg, k_arg, v_arg, do_arg, lse2, dpsum, dq_acc, tensor_arg(dk), tensor_arg(dv),
+            (scale * LOG2_E,), (scale,)), dev)
+    launch(post, backward_rows_grid(Sq, H, B, post.artifact.spec.rows_per_cta),
+           (dq_acc, tensor_arg(dq), (scale,)), dev)
+    if negate:
+        dq.neg_()
+    return dq, dk, dv
+
+
+# -- the registered ops ------------------------------------------------------------------------
+@torch.library.custom_op("flashcore::attention_backward", mutates_args=())
+def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                        causal: bool = False, softmax_scale: float | None = None,
+                        dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, dlse=dlse)
+
+
+@_attention_backward.register_fake
+def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
+
+
+# ``torch.ops.flashcore.attention``'s inputs, in its schema's order (``library._attention``);
+# the registered schema's own names are read when it exists (``_input_names``)
+ATTENTION_INPUTS = ("q", "k", "v", "causal", "softmax_scale", "return_lse", "tile", "warps",
+                    "stages", "kv_splits", "num_splits", "precision", "k_descale", "v_descale",
+                    "mask_align", "window", "softcap", "config")
+
+
+def why_no_backward(q: Tensor, k: Tensor, *, causal: bool = False, precision: str = "fp16",
+                    k_descale: Tensor | None = None, mask_align: str = "top_left",
+                    window=None, softcap=None) -> str | None:
+    """Why an ``attention`` call has no backward yet (None: it has one), for a message."""
+    if precision != "fp16":
+        return f"precision={precision!r}"
+    if k_descale is not None or k.dtype != q.dtype:
+        return "an FP8 KV cache"
+    if mask_align != "top_left" and causal:
+        return f"mask_align={mask_align!r}"
+    if window is not None:
+        return "window"
+    if softcap is not None:
+        return "softcap"
+    return None
+
+
+def _unsupported(args: dict) -> str | None:
+    return why_no_backward(args["q"], args["k"], causal=args["causal"],
+                           precision=args.get("precision", "fp16"),
+                           k_descale=args.get("k_descale"),
+                           mask_align=args.get("mask_align", "top_left"),
+                           window=args.get("window"), softcap=args.get("softcap"))
+
+
+def _input_names(n: int) -> tuple[str, ...]:
+    """The names of the registered attention op's ``n`` inputs (its schema, which gains
+    arguments over time), else ``ATTENTION_INPUTS``."""
+    try:
+        names = tuple(a.name for a in torch.ops.flashcore.attention.default._schema.arguments)
+    except (AttributeError, RuntimeError):
+        names = ATTENTION_INPUTS
+    return names if len(names) == n else ATTENTION_INPUTS
+
+
+def setup_attention_context(ctx, inputs: tuple, output: tuple) -> None:
+    """``torch.ops.flashcore.attention``'s setup_context: saves q, k, v, out and lse (the op
+    must have computed the LSE: the public function asks for it whenever an input requires
+    grad) and what the backward needs to know of the call."""
+    args = dict(zip(_input_names(len(inputs)), inputs))
+    ctx.inputs = len(inputs)
+    out, lse = output
+    ctx.why_not = _unsupported(args)
+    if ctx.why_not is None and lse.numel() != out.numel() // out.shape[-1]:
+        ctx.why_not = "a forward call without its LSE (return_lse=False inside the op)"
+    ctx.causal = args["causal"]
+    ctx.softmax_scale = args["softmax_scale"]
+    ctx.return_lse = args["return_lse"]
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse)
+
+
+def attention_op_backward(ctx, dout: Tensor, dlse: Tensor | None):
+    """The gradients of q, k and v (None for every other input of the op)."""
+    if ctx.why_not is not None:
+        raise RuntimeError(f"flashcore.ops.attention has no backward for {ctx.why_not} yet; "
+                           "run it under torch.no_grad() or detach its inputs")
+    q, k, v, out, lse = ctx.saved_tensors
+    dlse = dlse if ctx.return_lse else None
+    dq, dk, dv = torch.ops.flashcore.attention_backward(
+        dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, dlse)
+    return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
+
+
+def register_attention_backward(op) -> None:
+    """Give the registered ``flashcore::attention`` op its autograd formula."""
+    op.register_autograd(attention_op_backward, setup_context=setup_attention_context)
+
+
+def needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a forward call must keep what its backward needs (its LSE)."""
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+

@@ -1,0 +1,161 @@
+"""The backward kernels as data and as compiled code, on this GPU-less host: specs, names and
+JSON; every kernel compiles for sm_80, sm_89 and sm_90, fits an L4 (99 KB of shared memory),
+spills nothing, has the instructions the algorithm needs and the ABI its launcher packs."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+
+from flashcore.build.abi import backward_params, params_for
+from flashcore.errors import SpecError
+from flashcore.spec import SMEM_PER_BLOCK, BackwardSpec, TileConfig, spec_from_dict
+from flashcore.spec.backward import BACKWARD_KNOBS, default_backward_config
+from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
+
+
+def _main(arch: str, dtype: str, d: int, causal: bool) -> BackwardSpec:
+    return BackwardSpec(arch=arch, dtype=dtype, head_dim=d, config=default_backward_config(d),
+                        causal=causal)
+
+
+MAINS = [
+    _main("sm_80", "bfloat16", 128, True),
+    _main("sm_89", "float16", 64, False),
+    _main("sm_89", "bfloat16", 64, True),
+    _main("sm_89", "float16", 128, False),
+    _main("sm_89", "bfloat16", 128, True),
+    _main("sm_90", "float16", 64, True),
+    _main("sm_90", "bfloat16", 128, False),
+]
+ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
+        for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
+                         ("sm_90", "float16", 128))
+        for op in ("attention_bwd_pre", "attention_bwd_post")]
+SPECS = MAINS + ROWS
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    return compiled_in_fresh_cache(SPECS, tmp_path_factory)
+
+
+# -- specs as data ---------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_spec_round_trips_through_json(spec):
+    again = spec_from_dict(spec.to_dict())
+    assert again == spec and again.content_hash == spec.content_hash
+    assert BackwardSpec.from_json(spec.to_json()) == spec
+
+
+def test_names_are_unique_and_readable():
+    specs = [BackwardSpec(arch=a, dtype=dt, head_dim=d, config=c, causal=causal)
+             for a in ("sm_80", "sm_90") for dt in ("float16", "bfloat16")
+             for d in (64, 128) for causal in (False, True)
+             for c in (TileConfig((64, 64), warps=4), TileConfig((64, 64), warps=8),
+                       TileConfig((64, 128), warps=8))]
+    names = [s.name for s in specs] + [s.name for s in ROWS]
+    assert len(set(names)) == len(names)
+    assert _main("sm_89", "float16", 64, True).name == "fc_attn_bwd_sm89_f16_d64_m64n128_w8_s1_causal"
+    assert ROWS[0].name == "fc_attn_bwd_pre_sm80_f16_d64"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_configs_fit_an_l4(d):
+    for dtype in ("float16", "bfloat16"):
+        spec = _main("sm_89", dtype, d, True)
+        assert spec.smem_bytes <= SMEM_PER_BLOCK["sm_89"]
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"op": "attention_bwd_pre", "causal": True}, "takes no config"),
+    ({"op": "attention_bwd_post", "config": TileConfig((64, 64), warps=8)}, "takes no config"),
+    ({"op": "attention_bwd_sideways"}, "op="),
+    ({"config": TileConfig((128, 128), warps=8), "head_dim": 128}, "shared memory"),
+    ({"config": TileConfig((64, 64), warps=2)}, "warps=2"),
+    ({"config": TileConfig((64, 64), stages=2)}, "stages=2"),
+    ({"config": TileConfig((64, 64), warps=4, family="wgmma")}, "mma_sync"),
+    ({"head_dim": 96}, "head_dim"),
+    ({"arch": "sm_75"}, "arch"),
+])
+def test_invalid_specs_are_refused_naming_the_field(bad, match):
+    with pytest.raises(SpecError, match=match):
+        BackwardSpec(arch=bad.pop("arch", "sm_89"), **bad)
+
+
+def test_every_knob_value_builds_some_spec():
+    for knob, values in BACKWARD_KNOBS.items():
+        assert values, knob
+    BackwardSpec(config=TileConfig((32, 32), warps=4))
+    BackwardSpec(arch="sm_90", head_dim=128, config=TileConfig((128, 128), warps=8))
+
+
+# -- compiled ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec", MAINS, ids=lambda s: s.name)
+def test_main_kernel_has_the_instructions_we_meant(artifacts, spec):
+    ptx = artifacts[spec].ptx
+    assert re.search(rf"\.target\s+{spec.arch}\b", ptx)
+    dt = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
+    mma = re.findall(rf"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.{dt}\.{dt}\.f32", ptx)
+    # five products a query block, each tile_m * tile_n * head_dim / (16 * 8 * 16) MMAs over
+    # the CTA's warps: S, dP (tile_m x tile_n over d), dV, dK (tile_n x d over tile_m), dQ
+    c, d = spec.config, spec.head_dim
+    per_cta = 5 * c.tile_m * c.tile_n * d // (16 * 8 * 16)
+    assert len(mma) * c.warps == per_cta
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # Pᵀ, dSᵀ, Qᵀ, dOᵀ, Kᵀ
+    assert "red.global.add.f32" in ptx  # dQ's fp32 atomics
+    assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
+    assert "ex2.approx" in ptx
+    assert "st.global.v4" in ptx  # dK, dV: 16-byte stores
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    body = ptx[ptx.index(".entry"):]
+    if spec.arch == "sm_90":  # programmatic dependent launch: wait before touching memory
+        wait = body.index("griddepcontrol.wait;")
+        first = min(body.index(op) for op in ("cp.async", "ld.global", "st.global", "red.global")
+                    if op in body)
+        assert wait < first
+    else:
+        assert "griddepcontrol" not in body
+
+
+@pytest.mark.parametrize("spec", ROWS, ids=lambda s: s.name)
+def test_row_kernels_move_16_bytes_a_thread(artifacts, spec):
+    ptx = artifacts[spec].ptx
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    if spec.op == "attention_bwd_pre":  # D's row sum over the row's lanes
+        assert ptx.count("shfl.sync.bfly") == (spec.head_dim // 8).bit_length() - 1
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_resources_within_budget(artifacts, spec):
+    art = artifacts[spec]
+    r = art.resources
+    assert 0 < r.registers <= 255
+    assert r.registers * spec.threads <= 64 * 1024  # one CTA's registers fit an SM
+    assert_no_spills_in_loops(art, spec.name)
+    assert r.spill_store_bytes in (0, None) and r.stack_frame_bytes == 0, r
+    assert art.smem_dynamic == spec.smem_bytes <= SMEM_PER_BLOCK["sm_89"]  # every one fits an L4
+    assert art.block == (spec.threads, 1, 1)
+    assert art.entry.startswith(spec.name) and "cutlass" not in art.entry
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_abi_matches_the_ptx_entry(artifacts, spec):
+    art = artifacts[spec]
+    params = params_for(spec)
+    assert params == backward_params(spec)
+    assert len(art.params) == len(params)
+    for want, got in zip(params, art.params):
+        assert (want.size, want.align) == (got.size, got.align), want.name
+        assert struct.calcsize(want.fmt) == got.size
+
+
+def test_resource_table(artifacts, capsys):
+    """Not a check: the table the report quotes (pytest -s shows it)."""
+    with capsys.disabled():
+        for spec in SPECS:
+            r = artifacts[spec].resources
+            print(f"{spec.name:55s} regs {r.registers:3d} smem {r.smem_dynamic_bytes:6d} "
+                  f"spills {r.spill_store_bytes}/{r.spill_load_bytes}")

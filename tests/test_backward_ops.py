@@ -1,0 +1,85 @@
+"""The backward's host side without a GPU: the registered op's fake implementation, the
+autograd formula's bookkeeping and the input checks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import flashcore.ops.backward as bw
+from flashcore.spec import BackwardSpec
+from flashcore.spec.backward import default_backward_config
+
+
+def test_fake_implementation_gives_the_gradients_shapes():
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 100, 64, dtype=torch.float16)
+        k = torch.empty(2, 2, 70, 64, dtype=torch.float16)
+        lse = torch.empty(2, 8, 100)
+        dq, dk, dv = torch.ops.flashcore.attention_backward(q, q, k, k, q, lse, True, None)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert dq.dtype == dk.dtype == torch.float16
+
+
+def _call(**changes):
+    args = {"q": torch.empty(1, 2, 3, 64, dtype=torch.float16),
+            "k": torch.empty(1, 2, 3, 64, dtype=torch.float16),
+            "v": torch.empty(1, 2, 3, 64, dtype=torch.float16), "causal": True,
+            "softmax_scale": None, "return_lse": False, "tile": None, "warps": None,
+            "stages": None, "kv_splits": None, "num_splits": None, "precision": "fp16",
+            "k_descale": None, "v_descale": None, "mask_align": "top_left", "window": None,
+            "softcap": None, "config": None}
+    args.update(changes)
+    return tuple(args[name] for name in bw.ATTENTION_INPUTS)
+
+
+def _ctx(inputs, lse_rows: int = 6):
+    ctx = SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
+    out = torch.empty(1, 2, 3, 64, dtype=torch.float16)
+    bw.setup_attention_context(ctx, inputs, (out, torch.empty(lse_rows)))
+    return ctx
+
+
+def test_setup_context_saves_what_the_backward_needs():
+    ctx = _ctx(_call(softmax_scale=0.5))
+    assert ctx.why_not is None and ctx.causal and ctx.softmax_scale == 0.5
+    assert len(ctx.saved_tensors) == 5
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"precision": "fp8"}, "precision"),
+    ({"mask_align": "bottom_right"}, "mask_align"),
+    ({"window": [4, 0]}, "window"),
+    ({"softcap": 30.0}, "softcap"),
+    ({"k": torch.empty(1, 2, 3, 64, dtype=torch.float8_e4m3fn)}, "FP8 KV cache"),
+])
+def test_calls_without_a_backward_say_so_when_differentiated(changes, reason):
+    ctx = _ctx(_call(**changes))
+    with pytest.raises(RuntimeError, match=reason):
+        bw.attention_op_backward(ctx, torch.empty(1), None)
+
+
+def test_a_forward_without_its_lse_is_refused_in_the_backward():
+    ctx = _ctx(_call(), lse_rows=0)
+    with pytest.raises(RuntimeError, match="without its LSE"):
+        bw.attention_op_backward(ctx, torch.empty(1), None)
+
+
+def test_inputs_are_checked_naming_the_argument():
+    q = torch.empty(1, 2, 3, 64, dtype=torch.float16)
+    lse = torch.empty(1, 2, 3)
+    with pytest.raises(ValueError, match="on cpu"):
+        bw.attention_backward(q, q, q, q, q, lse)
+
+
+def test_backward_specs_of_one_pass():
+    pre, main, post = bw.backward_specs("sm_89", "bfloat16", 128, default_backward_config(128),
+                                        True)
+    assert (pre.op, main.op, post.op) == ("attention_bwd_pre", "attention_bwd",
+                                          "attention_bwd_post")
+    assert main == BackwardSpec(arch="sm_89", dtype="bfloat16", head_dim=128, causal=True,
+                                config=default_backward_config(128))
+    assert pre.rows_per_cta == post.rows_per_cta == 8
