@@ -8,6 +8,10 @@ tree's best median and the ratio new / old, normalised by the control.
 
     python scripts/ab_trees.py --old .scratch/old --new . --passes 2
     python scripts/ab_trees.py --old .scratch/old --new . --passes 6 --shapes 1,8,512,64
+    python scripts/ab_trees.py --old .scratch/old --new . --passes 4 --serving
+
+``--serving`` times the serving calls instead (dense and paged decode, 16-bit and e4m3 caches,
+pages of 16, 128 and a gathered 24; varlen prefill), with SDPA's flash decode as the control.
 """
 
 from __future__ import annotations
@@ -48,6 +52,11 @@ def child() -> None:
 
     out = {"tree": os.path.dirname(os.path.dirname(flashcore.__file__)), "times": {}}
     torch.manual_seed(0)
+    if os.environ.get("AB_SERVING"):
+        for key, ours, ctrl, sets in serving_cases():
+            out["times"][key] = (graph_us(ours, sets), graph_us(ctrl, sets))
+        print("AB " + json.dumps(out), flush=True)
+        return
     shapes = [tuple(x) for x in json.loads(os.environ["AB_SHAPES"])] if "AB_SHAPES" in os.environ \
         else SHAPES
     for b, h, s, d, causal in shapes:
@@ -63,6 +72,62 @@ def child() -> None:
     print("AB " + json.dumps(out), flush=True)
 
 
+def serving_cases():
+    """(name, ours, control, input sets) of the serving calls ``--serving`` times."""
+    import random
+
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashcore.ops import attention, attention_paged, attention_varlen
+    from flashcore.ops.fp8 import quantize_paged_cache
+
+    def flash_decode(q, k, v, *_):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1),
+                                                  v.repeat_interleave(4, 1))
+
+    dev, dt, d = "cuda", torch.float16, 128
+    dense = [(torch.randn(1, 32, 1, d, device=dev, dtype=dt),
+              *(torch.randn(1, 8, 8192, d, device=dev, dtype=dt) for _ in range(2)))
+             for _ in range(4)]
+    yield ("decode 1,32/8,8192", lambda q, k, v: attention(q, k, v), flash_decode, dense)
+    batch, keys = 16, 4096
+    for page_size, fp8 in ((16, False), (128, False), (24, False), (16, True)):
+        pages = batch * -(-keys // page_size)
+        sets = []
+        for _ in range(2):
+            perm = list(range(pages))
+            random.Random(0).shuffle(perm)
+            table = torch.tensor(perm, dtype=torch.int32, device=dev).view(batch, -1)
+            caches = [torch.randn(pages, page_size, 8, d, device=dev, dtype=dt) for _ in range(2)]
+            extra = ()
+            if fp8:
+                (k8, kd), (v8, vd) = (quantize_paged_cache(c) for c in caches)
+                caches, extra = [k8, v8], (kd, vd)
+            lens = torch.full((batch,), keys, dtype=torch.int32, device=dev)
+            q = torch.randn(batch, 32, 1, d, device=dev, dtype=dt)
+            sets.append((q, *caches, table, lens, *extra))
+
+        def paged(q, kc, vc, table, lens, *descales):
+            kw = {"k_descale": descales[0], "v_descale": descales[1]} if descales else {}
+            return attention_paged(q, kc, vc, table, lens, **kw)
+
+        yield (f"paged {batch},32/8,{keys} p{page_size}{' e4m3' if fp8 else ''}", paged,
+               lambda *_: flash_decode(*dense[0]), sets)
+    lens = [random.Random(1).randint(128, 4096) for _ in range(16)]
+    cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(16)], dtype=torch.int32,
+                      device=dev)
+    total = sum(lens)
+    sets = [(torch.randn(total, 32, d, device=dev, dtype=dt),
+             *(torch.randn(total, 8, d, device=dev, dtype=dt) for _ in range(2)))
+            for _ in range(2)]
+    yield ("varlen 16 seqs causal 32/8", lambda q, k, v: attention_varlen(
+        q, k, v, cu, cu, max(lens), max(lens), causal=True, check_lengths=False),
+        lambda *_: flash_decode(*dense[0]), sets)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--old", required=True)
@@ -71,6 +136,7 @@ def main() -> int:
     ap.add_argument("--old-cache", default=None, help="FLASHCORE_CACHE_DIR for the old tree")
     ap.add_argument("--shapes", nargs="+", default=None, metavar="B,H,S,D[,causal]",
                     help="prefill shapes to time instead of the benchmark's quick ones")
+    ap.add_argument("--serving", action="store_true", help="time the serving calls instead")
     a = ap.parse_args()
     trees = {"old": os.path.abspath(a.old), "new": os.path.abspath(a.new)}
     shapes = None
@@ -82,6 +148,8 @@ def main() -> int:
         env = dict(os.environ)
         if shapes:
             env["AB_SHAPES"] = json.dumps(shapes)
+        if a.serving:
+            env["AB_SERVING"] = "1"
         env["PYTHONPATH"] = trees[tag] + os.pathsep + env.get("PYTHONPATH", "")
         if tag == "old" and a.old_cache:
             env["FLASHCORE_CACHE_DIR"] = a.old_cache

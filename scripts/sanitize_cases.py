@@ -3,7 +3,13 @@ scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks i
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
-                                      fp8-paged|wgmma|wgmma-fp8|fp8-khead|serving]
+                                      fp8-paged|wgmma|wgmma-fp8|fp8-khead|serving|hostile|
+                                      backward]
+
+``hostile``: misaligned and strided views, and serving tables that lie with their checks off
+(offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
+table): memcheck must see no access outside the tensors, and each output stays finite.
+``backward``: the backward kernels on ragged shapes, against float64 autograd.
 """
 
 from __future__ import annotations
@@ -390,6 +396,67 @@ def all_cases():
     yield from split_cases(equal=False)
 
 
+def hostile_cases():
+    n = 2 * 4 * 100 * 64
+    base = torch.randn(3 * n + 8, device="cuda", dtype=torch.float16)
+    q, k, v = (base[1 + i * n:1 + (i + 1) * n].view(2, 4, 100, 64) for i in range(3))
+    yield check("misaligned contiguous views", attention(q, k, v), q, k, v, False)
+    q = torch.randn(2, 4, 100, 65, device="cuda", dtype=torch.float16)[..., :64]
+    yield check("odd row stride q", attention(q, k, v, tile=(64, 64)), q, k, v, False)
+    H, D, total = 4, 64, 300
+    qp, kp, vp = (torch.randn(total, H, D, device="cuda", dtype=torch.float16) for _ in range(3))
+    for cu in ([0, 100, 400], [0, 2**31 - 1, -2**31 + 5], [0, 200, 100, 300]):
+        t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        out = attention_varlen(qp, kp, vp, t, t, 300, 300, check_lengths=False)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(out).all())
+        print(f"{'ok ' if ok else 'BAD'} varlen unchecked cu={cu}", flush=True)
+        yield ok
+    cache = torch.randn(8, 16, 2, 128, device="cuda", dtype=torch.float16)
+    table = torch.tensor([[0, 1, 99, -5], [7, 2**31 - 1, 3, 3], [1, 1, 1, 1]], dtype=torch.int32,
+                         device="cuda")
+    lens = torch.tensor([64, 2**31 - 1, -7], dtype=torch.int32, device="cuda")
+    qd = torch.randn(3, 8, 1, 128, device="cuda", dtype=torch.float16)
+    for splits in (None, 1, 3):
+        out = attention_paged(qd, cache, cache, table, lens, num_splits=splits,
+                              check_lengths=False)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(out).all())
+        print(f"{'ok ' if ok else 'BAD'} paged unchecked splits={splits}", flush=True)
+        yield ok
+    for page_size in (24, 16):  # gathered rows, whole pages
+        c = torch.randn(8, page_size, 2, 128, device="cuda", dtype=torch.float16)
+        qs = torch.randn(10, 8, 128, device="cuda", dtype=torch.float16)
+        cu = torch.tensor([0, 4, 2**31 - 1, 3], dtype=torch.int32, device="cuda")
+        out = attention_paged(qs, c, c, table, lens, cu_seqlens_q=cu, max_seqlen_q=4,
+                              check_lengths=False)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(out).all())
+        print(f"{'ok ' if ok else 'BAD'} packed paged unchecked page_size={page_size}",
+              flush=True)
+        yield ok
+
+
+def backward_cases():
+    from flashcore.ops.backward import attention_backward
+
+    for (b, hq, hkv, sq, sk, d), causal in itertools.product(
+            ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64)), (False, True)):
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, seed=sq)
+        out, lse = attention(q, k, v, causal=causal, return_lse=True)
+        dout = torch.randn_like(out)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal)
+        qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
+        ref = reference.attention(qq, kk, vv, causal=causal, device=q.device)
+        ref.backward(dout.double())
+        worst = max(((g.double() - r.grad).abs().max() / max(1.0, r.grad.abs().max())).item()
+                    for g, r in ((dq, qq), (dk, kk), (dv, vv)))
+        ok = bool(all(torch.isfinite(g).all() for g in (dq, dk, dv))) and worst < 5e-2
+        print(f"{'ok ' if ok else 'BAD'} backward {(b, hq, hkv, sq, sk, d)} causal={causal}: "
+              f"rel err {worst:.2e}", flush=True)
+        yield ok
+
+
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
     cases = {"all": all_cases, "splits-equal": lambda: split_cases(True),
@@ -400,7 +467,8 @@ def main() -> int:
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases, "wgmma-16bit": wgmma_16bit_cases,
              "wgmma-fp8": wgmma_fp8_cases, "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
-             "serving": lambda: itertools.chain(varlen_cases(), paged_cases())}[mode]
+             "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
+             "hostile": hostile_cases, "backward": backward_cases}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)

@@ -102,20 +102,38 @@ def test_opcheck():
 
 
 def test_inputs_that_require_grad_raise_unless_told():
+    """A call the backward does not build (a window) refuses inputs that require grad;
+    ``tests/test_gpu_backward.py`` checks the calls it builds."""
     q, k, v = _qkv()
     q.requires_grad_()
-    with pytest.raises(RuntimeError, match="no backward yet.*q require grad.*torch.no_grad"):
-        attention(q, k, v)
+    window = (16, 0)
+    with pytest.raises(RuntimeError, match="no backward for window yet.*q require grad"):
+        attention(q, k, v, causal=True, window=window)
     with torch.no_grad():
-        expected = attention(q, k, v)
-    out = attention(q, k, v, allow_no_grad=True)
+        expected = attention(q, k, v, causal=True, window=window)
+    out = attention(q, k, v, causal=True, window=window, allow_no_grad=True)
     assert torch.equal(out, expected) and out.grad_fn is None
     with torch.inference_mode():
-        assert torch.equal(attention(q, k, v), expected)
+        assert torch.equal(attention(q, k, v, causal=True, window=window), expected)
     # compiled: the forward runs, and a backward through it says why it cannot
-    f = torch.compile(lambda q, k, v: attention(q, k, v).float().sum())
-    with pytest.raises(RuntimeError, match="no backward yet"):
+    f = torch.compile(lambda q, k, v: attention(q, k, v, causal=True,
+                                                window=window).float().sum())
+    with pytest.raises(RuntimeError, match="no backward for window yet"):
         f(q, k, v).backward()
+
+
+def test_differentiable_calls_train_eagerly_and_compiled():
+    q, k, v = _qkv()
+    q.requires_grad_()
+    out = attention(q, k, v, causal=True)
+    assert out.grad_fn is not None
+    out.float().sum().backward()
+    eager = q.grad.clone()
+    q.grad = None
+    f = torch.compile(lambda q, k, v: attention(q, k, v, causal=True).float().sum(),
+                      fullgraph=True)
+    f(q, k, v).backward()
+    assert torch.isfinite(eager).all() and torch.allclose(q.grad, eager, atol=1e-2)
 
 
 def test_default_tile_is_the_tuned_one():

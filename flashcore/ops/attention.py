@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import TileConfig
+from .backward import needs_grad, why_no_backward
 from .eager import run
 from .library import attention_op, attention_paged_op, attention_varlen_op
 from .serving import run_paged, run_varlen
@@ -74,21 +75,27 @@ def attention(
     lets query i see keys i - left .. i + right (-1: no limit on that side; key blocks outside
     the window are skipped); ``softcap=c`` turns the scaled logits s into c · tanh(s / c).
 
-    There is no backward yet: inputs that require grad raise an error (under
+    Backward: 16-bit calls without a mask or with top-left causal are differentiable (inputs
+    that require grad run through the registered op, whose backward is
+    ``flashcore.ops.backward``); the others raise an error when an input requires grad (under
     ``torch.no_grad()`` they do not) unless ``allow_no_grad=True``, which returns a result that
     carries no gradient.
     """
-    if _tracing(q):  # tracing (torch.compile, export, fake tensors): the registered op
-        return attention_op(q, k, v, tile=tile, causal=causal, softmax_scale=softmax_scale,
-                            return_lse=return_lse, config=config, warps=warps, stages=stages,
-                            kv_splits=kv_splits, num_splits=num_splits, out=out,
-                            precision=precision, k_descale=k_descale, v_descale=v_descale,
-                            mask_align=mask_align, window=window, softcap=softcap)
-    if not allow_no_grad:
-        check_grad(q, k, v)
-    return run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
-               kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align, window,
-               softcap)
+    if not _tracing(q):  # eager: the kernels directly, unless autograd needs the op
+        if allow_no_grad or not needs_grad(q, k, v):
+            return run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
+                       kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align,
+                       window, softcap)
+        why = why_no_backward(q, k, causal=causal, precision=precision, k_descale=k_descale,
+                              mask_align=mask_align, window=window, softcap=softcap)
+        if why is not None:
+            check_grad(q, k, v, why)
+    # tracing (torch.compile, export, fake tensors) or autograd: the registered op
+    return attention_op(q, k, v, tile=tile, causal=causal, softmax_scale=softmax_scale,
+                        return_lse=return_lse, config=config, warps=warps, stages=stages,
+                        kv_splits=kv_splits, num_splits=num_splits, out=out,
+                        precision=precision, k_descale=k_descale, v_descale=v_descale,
+                        mask_align=mask_align, window=window, softcap=softcap)
 
 
 def _tracing(q) -> bool:

@@ -87,7 +87,8 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                             group=q.shape[1] // k.shape[1])
     B, H, Sq, D = q.shape
     if out is not None:
-        check_out(out, q.shape, q.dtype, q.device, (q, k, v))
+        check_out(out, q.shape, q.dtype, q.device,
+                  {"q": q, "k": k, "v": v, "k_descale": k_descale, "v_descale": v_descale})
     if 0 in (B, H, Sq, k.shape[2]):
         return _empty_result(q, k, return_lse, out)
     q, softmax_scale = signed_query(q, softmax_scale)  # after the checks of the caller's q
@@ -150,9 +151,11 @@ def run_fp8(
     if Hkv == 0 or H % Hkv:
         raise ValueError(f"attention_fp8: q8 has {H} heads and k8 {Hkv}: the query heads must be "
                          "a whole multiple of the key/value heads")
-    check_fp8_operand("q8", q8, (B, H, Sq, D))
-    check_fp8_operand("k8", k8, (B, Hkv, Sk, D))
-    check_fp8_operand("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
+    inputs = {"q8": q8, "k8": k8, "vt8": vt8, "q_descale": q_descale, "k_descale": k_descale,
+              "v_descale": v_descale}
+    q8 = check_fp8_operand("q8", q8, (B, H, Sq, D))
+    k8 = check_fp8_operand("k8", k8, (B, Hkv, Sk, D))
+    vt8 = check_fp8_operand("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
     if not (q8.device == k8.device == vt8.device) or q8.device.type != "cuda":
         raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
     if D not in HEAD_DIMS or min(B, H, Sq, Sk) == 0:
@@ -178,14 +181,17 @@ def run_fp8(
             RuntimeWarning,
             stacklevel=3,
         )
+    given = out
     if out is None:
         out = torch.empty((B, H, Sq, D), dtype=out_dtype, device=q8.device)
-    elif out.shape != (B, H, Sq, D) or out.dtype != out_dtype or not out.is_contiguous():
-        raise ValueError(f"attention_fp8: out must be contiguous {out_dtype} of shape {(B, H, Sq, D)}")
+    else:
+        check_out(out, (B, H, Sq, D), out_dtype, q8.device, inputs, "attention_fp8")
     lse = torch.empty((B, H, Sq), dtype=torch.float32, device=q8.device) if return_lse else None
     launch_attention(q8, k8, out, lse, (tensor_arg(q8), tensor_arg(k8), transposed_arg(vt8)),
                      (qd, kd, vd), config, causal, softmax_scale, num_splits, precision="fp8",
                      mask=mask)
+    if given is not None:
+        torch.autograd.graph.increment_version(given)
     return (out, lse) if return_lse else out
 
 

@@ -35,30 +35,38 @@ def _tracing(t) -> bool:
 
 
 def quantize_fp8(
-    x: torch.Tensor, *, transpose: bool = False, granularity: str = "head"
+    x: torch.Tensor, *, transpose: bool = False, granularity: str = "head",
+    check_finite: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x8, descale) with x ≈ x8.float() * descale, the descale per (batch, head) (shape (B, H))
     or per token (``granularity="token"``, shape (B, H, S)).
 
-    x is (batch, heads, seq, head_dim) float16/bfloat16 on CUDA, every element finite. With
-    ``transpose`` x8 is Vᵀ in the FP8 attention kernel's layout (see module docstring).
+    x is (batch, heads, seq, head_dim) float16/bfloat16 on CUDA. With ``transpose`` x8 is Vᵀ in
+    the FP8 attention kernel's layout (see module docstring). An inf or NaN in x would make its
+    whole scale group quantise to NaN, so ``check_finite`` (the default) refuses one with a
+    ValueError, at the cost of one read of x and one synchronisation; ``check_finite=False``
+    skips that for inputs known to be finite, and inside a CUDA graph capture it is skipped.
     """
     if _tracing(x):
-        return quantize_fp8_op(x, transpose=transpose, granularity=granularity)
-    return run_quantize(x, transpose=transpose, granularity=granularity)
+        return quantize_fp8_op(x, transpose=transpose, granularity=granularity,
+                               check_finite=check_finite)
+    return run_quantize(x, transpose=transpose, granularity=granularity,
+                        check_finite=check_finite)
 
 
-def quantize_paged_cache(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_paged_cache(cache: torch.Tensor, *, check_finite: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cache8, descale): an e4m3 paged KV cache and its float32 per-key descales, shaped
     (pages, page_size, heads_kv, head_dim) and (pages, page_size, heads_kv), for
     ``flashcore.ops.attention_paged``'s ``k_descale``/``v_descale``. Per key and head, like
     ``quantize_fp8(granularity="token")`` (448 / amax of each row: no overflow for any finite
-    input). Both are permuted views of the (pages, heads_kv, page_size) tensors the quantiser
-    writes; the kernel reads them as they are."""
+    input; ``check_finite`` as there). Both are permuted views of the (pages, heads_kv,
+    page_size) tensors the quantiser writes; the kernel reads them as they are."""
     if not isinstance(cache, torch.Tensor) or cache.dim() != 4:
         raise ValueError("quantize_paged_cache: cache must be a 4-d (pages, page_size, heads_kv,"
                          f" head_dim) tensor, got {getattr(cache, 'shape', cache)!r}")
-    x8, descale = quantize_fp8(cache.permute(0, 2, 1, 3), granularity="token")
+    x8, descale = quantize_fp8(cache.permute(0, 2, 1, 3), granularity="token",
+                               check_finite=check_finite)
     return x8.permute(0, 2, 1, 3), descale.permute(0, 2, 1)
 
 

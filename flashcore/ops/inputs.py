@@ -25,15 +25,33 @@ def rows_arg(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), b, h, s, sb, sh)
 
 
+def readable(t: torch.Tensor) -> bool:
+    """Whether the kernels can read or write ``t`` as it is: a contiguous last dim, a 16-byte
+    aligned base and strides that are whole multiples of 16 bytes (the compiled kernels assume
+    all three: ``flashcore.kernels.build``)."""
+    st = t.stride()
+    align = 16 // t.element_size()
+    return st[-1] == 1 and t.data_ptr() % 16 == 0 and all(s % align == 0 for s in st[:-1])
+
+
+def readable_copy(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a fresh compact copy of it where the kernels cannot read it as it is. A fresh
+    allocation, never ``contiguous()``: that returns a contiguous view at a misaligned base
+    unchanged."""
+    if readable(t):
+        return t
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+
+
 def prepared(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
-    """(t, tensor_arg(t)) for a (batch, heads, seq, head_dim) input: the kernels need a contiguous
-    last dim and a 16-byte aligned base and strides; anything else is copied first. Strides and
-    pointer are read once (every attention call goes through here)."""
+    """(t, tensor_arg(t)) for a (batch, heads, seq, head_dim) input the kernels read, copied
+    first where they could not read it (``readable``). Strides and pointer are read once on the
+    common path (every attention call goes through here)."""
     sb, sh, ss, sd = t.stride()
     ptr = t.data_ptr()
     align = 16 // t.element_size()
     if sd != 1 or ptr % 16 or sb % align or sh % align or ss % align:
-        t = t.contiguous()
+        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
         sb, sh, ss, _ = t.stride()
         ptr = t.data_ptr()
     b, h, s, _ = t.shape

@@ -11,8 +11,11 @@ Each returns a fixed structure (``lse`` is an empty tensor unless asked for). Th
 implementations give the shapes, dtypes and strides the real ones return. Eager calls of
 ``flashcore.ops.attention`` skip this layer (it costs host time) and run the same code directly.
 
-No backward exists yet: the ops carry an autograd formula whose backward raises an error that
-says so, so a compiled model never trains silently through attention.
+``torch.ops.flashcore.attention`` has an autograd formula (``flashcore.ops.backward``: its
+registered ``torch.ops.flashcore.attention_backward`` op) for dense 16-bit calls without a mask
+or with top-left causal; its backward raises an error naming what it lacks for the rest. The
+other ops carry a formula whose backward raises an error that says so, so a compiled model
+never trains silently through attention.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import torch
 from torch import Tensor
 
 from ..spec import TileConfig
+from .backward import needs_grad, register_attention_backward
 from .eager import explicit_config, run, run_fp8
 from .inputs import E4M3
 from .quantize import padded_keys, run_quantize
 from .serving import run_paged, run_varlen
+from .validate import check_out_meta
 
 _NO_GRAD = ("flashcore.ops.attention has no backward yet; run it under torch.no_grad() or "
             "detach its inputs")
@@ -108,13 +113,14 @@ def _(q8, k8, vt8, q_descale, k_descale, v_descale, causal=False, softmax_scale=
 
 
 @torch.library.custom_op("flashcore::quantize_fp8", mutates_args=())
-def _quantize_fp8(x: Tensor, transpose: bool = False,
-                  granularity: str = "head") -> tuple[Tensor, Tensor]:
-    return run_quantize(x, transpose=transpose, granularity=granularity)
+def _quantize_fp8(x: Tensor, transpose: bool = False, granularity: str = "head",
+                  check_finite: bool = False) -> tuple[Tensor, Tensor]:
+    return run_quantize(x, transpose=transpose, granularity=granularity,
+                        check_finite=check_finite)
 
 
 @_quantize_fp8.register_fake
-def _(x, transpose=False, granularity="head"):
+def _(x, transpose=False, granularity="head", check_finite=False):
     B, H, S, D = x.shape
     if transpose:
         x8 = x.new_empty((B, H, D, padded_keys(S)), dtype=E4M3)
@@ -190,13 +196,16 @@ def _save_nothing(ctx, inputs, output):
     pass
 
 
-for _op in (_attention, _attention_fp8, _attention_varlen, _attention_paged):
+for _op in (_attention_fp8, _attention_varlen, _attention_paged):
     _op.register_autograd(_no_backward, setup_context=_save_nothing)
+register_attention_backward(_attention)
 
 
-def _traced(res, lse, out, return_lse):
-    """A registered op's (out, lse) as the public function returns them (into ``out``)."""
+def _traced(res, lse, out, return_lse, op: str = "attention"):
+    """A registered op's (out, lse) as the public function returns them (into ``out``, which
+    must be exactly what eager takes: its shape, dtype and device)."""
     if out is not None:
+        check_out_meta(out, tuple(res.shape), res.dtype, res.device, op)
         out.copy_(res)
         res = out
     return (res, lse) if return_lse else res
@@ -205,9 +214,11 @@ def _traced(res, lse, out, return_lse):
 def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, warps, stages,
                  kv_splits, num_splits, out, precision, k_descale, v_descale,
                  mask_align="top_left", window=None, softcap=None):
-    """``flashcore.ops.attention`` through the registered op (tracing, tensor subclasses)."""
+    """``flashcore.ops.attention`` through the registered op (tracing, tensor subclasses,
+    autograd). Under grad the op always computes the LSE: its backward needs it."""
+    keep_lse = return_lse or needs_grad(q, k, v)
     res, lse = torch.ops.flashcore.attention(
-        q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+        q, k, v, causal=causal, softmax_scale=softmax_scale, return_lse=keep_lse,
         tile=None if tile is None else list(tile), warps=warps, stages=stages,
         kv_splits=kv_splits, num_splits=num_splits, config=_config_arg(config),
         precision=precision, k_descale=k_descale, v_descale=v_descale, mask_align=mask_align,
@@ -222,11 +233,12 @@ def attention_fp8_op(q8, k8, vt8, q_descale, k_descale, v_descale, *, causal, so
         q8, k8, vt8, q_descale, k_descale, v_descale, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, out_dtype=out_dtype,
         num_splits=num_splits, config=_config_arg(config))
-    return _traced(res, lse, out, return_lse)
+    return _traced(res, lse, out, return_lse, "attention_fp8")
 
 
-def quantize_fp8_op(x, *, transpose, granularity):
-    return torch.ops.flashcore.quantize_fp8(x, transpose=transpose, granularity=granularity)
+def quantize_fp8_op(x, *, transpose, granularity, check_finite=False):
+    return torch.ops.flashcore.quantize_fp8(x, transpose=transpose, granularity=granularity,
+                                            check_finite=check_finite)
 
 
 def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
@@ -240,7 +252,7 @@ def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         softcap=None if softcap is None else float(softcap),
         tile=None if tile is None else list(tile), check_lengths=check_lengths,
         config=_config_arg(config))
-    return _traced(res, lse, out, return_lse)
+    return _traced(res, lse, out, return_lse, "attention_varlen")
 
 
 def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, softmax_scale,
@@ -256,4 +268,4 @@ def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, s
         tile=None if tile is None else list(tile), num_splits=num_splits,
         check_lengths=check_lengths, k_descale=k_descale, v_descale=v_descale,
         config=_config_arg(config))
-    return _traced(res, lse, out, return_lse)
+    return _traced(res, lse, out, return_lse, "attention_paged")

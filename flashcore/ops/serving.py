@@ -8,27 +8,42 @@ What is checked, and what is trusted:
 * Always, on the host (no GPU work): shapes, dtypes, devices, int32 tables, head counts, and
   the sizes of the tables against each other.
 * With ``check_lengths=True`` (the default), one small reduction on the GPU and one read of its
-  result (a synchronisation): offsets that start at 0 and never decrease, that end inside the
-  packed tensors, sequences no longer than ``max_seqlen_q`` / ``max_seqlen_k`` (rows past
-  ``max_seqlen_q`` would never be computed), key lengths within the block table, and block-table
-  entries that the lengths reach inside ``[0, pages)``. Inside a CUDA graph capture this check
-  cannot run (it reads device values) and is skipped: the tables are trusted, as they are with
-  ``check_lengths=False``, and a wrong one reads the wrong memory.
+  result (a synchronisation), in 64-bit arithmetic: offsets that start at 0 and never decrease,
+  that end inside the packed tensors, sequences no longer than ``max_seqlen_q`` /
+  ``max_seqlen_k`` (rows past ``max_seqlen_q`` would never be computed), key lengths within the
+  block table, and block-table entries that the lengths reach inside ``[0, pages)``.
+* Whatever the tables say, the kernels never read outside q, k, v, the cache and the tables, nor
+  write outside out and the LSE: each offset is clamped into its tensor, each length into the
+  room its table gives, each page index into the cache. A wrong table that is not checked
+  (``check_lengths=False``, or inside a CUDA graph capture, which cannot read device values and
+  warns once that it trusts the tables) gives wrong numbers, never a fault.
+* Rows of a packed q that no sequence owns (past the last offset) or that no CTA computes (a
+  sequence longer than ``max_seqlen_q``, unchecked) are written as 0 (LSE -inf) by the kernel:
+  the output never shows what its memory held before.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
+from dataclasses import replace
 
 import torch
 
+from ..build.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
 from ..spec import HEAD_DIMS
 from .eager import resolve_config
-from .inputs import DTYPE_NAMES, E4M3, prepared
+from .inputs import DTYPE_NAMES, E4M3, prepared, readable
 from .launcher import Serving, launch_attention
 from .masks import call_masking
-from .validate import check_kv_descales, check_num_splits, signed_query, softmax_scale_of
+from .validate import (
+    check_kv_descales,
+    check_num_splits,
+    check_out,
+    signed_query,
+    softmax_scale_of,
+)
 
 _INT32_MAX = 2**31 - 1
 
@@ -81,7 +96,9 @@ def _pack_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cu_seqlens_faults(name: str, cu: torch.Tensor, total: int, max_len: int) -> list:
-    """Device-side tests of one offsets vector: (message, bad?) pairs (read back together)."""
+    """Device-side tests of one offsets vector: (message, bad?) pairs (read back together). In
+    64 bits: an int32 difference of wrapped offsets could pass."""
+    cu = cu.to(torch.int64)
     lens = cu[1:] - cu[:-1]
     return [(f"{name}[0] must be 0", cu[0] != 0),
             (f"{name} must not decrease", (lens < 0).any()),
@@ -92,8 +109,9 @@ def _cu_seqlens_faults(name: str, cu: torch.Tensor, total: int, max_len: int) ->
 
 def _table_faults(lens: torch.Tensor, table: torch.Tensor, pages: int, page_size: int) -> list:
     """Device-side tests of a paged cache's key lengths and block table, as
-    ``_cu_seqlens_faults``: only the entries a sequence's length reaches are read."""
+    ``_cu_seqlens_faults`` (64-bit): only the entries a sequence's length reaches are read."""
     max_pages = table.shape[1]
+    lens = lens.to(torch.int64)
     reach = (lens.clamp(min=0) + page_size - 1) // page_size  # pages each sequence uses
     used = torch.arange(max_pages, device=table.device)[None, :] < reach[:, None]
     return [("seqlens_k must be >= 0", (lens < 0).any()),
@@ -103,10 +121,26 @@ def _table_faults(lens: torch.Tensor, table: torch.Tensor, pages: int, page_size
              (used & ((table < 0) | (table >= pages))).any())]
 
 
-def _checking(check_lengths: bool) -> bool:
+_warned_capture: set[str] = set()
+
+
+def _checking(op: str, check_lengths: bool) -> bool:
     """Whether to run the device-side checks: asked for, and not inside a graph capture (which
-    cannot read device values back; its small kernels would also join the graph)."""
-    return bool(check_lengths) and not torch.cuda.is_current_stream_capturing()
+    cannot read device values back; its small kernels would also join the graph). A capture
+    that skips asked-for checks says so once per op."""
+    if not check_lengths:
+        return False
+    if not torch.cuda.is_current_stream_capturing():
+        return True
+    if op not in _warned_capture:
+        _warned_capture.add(op)
+        warnings.warn(
+            f"{op}: inside a CUDA graph capture the length tables cannot be checked, so they are "
+            "trusted: the kernels stay inside every tensor whatever the tables say and rows no "
+            "sequence computes read 0, but a wrong table gives wrong results. Check the tables "
+            "before capturing; check_lengths=False says they are trusted and silences this",
+            RuntimeWarning, stacklevel=4)
+    return False
 
 
 def _raise_faults(op: str, faults: list) -> None:
@@ -114,6 +148,27 @@ def _raise_faults(op: str, faults: list) -> None:
     for (message, _), bad in zip(faults, flags):
         if bad:
             raise _fail(op, message + " (check_lengths=False skips these checks)")
+
+
+def _check_serving_out(op: str, out, q: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """``out=`` of a serving op (as ``validate.check_out``; an out the kernel cannot store into
+    directly is written through a scratch tensor), or a new one."""
+    if out is None:
+        return q.new_empty(q.shape)
+    check_out(out, tuple(q.shape), q.dtype, q.device, inputs, op, aligned=False)
+    return out
+
+
+def _launch_batches(serving: Serving, tables, launch_one) -> None:
+    """``launch_one(serving)`` for the whole batch, or, where a packed batch has more sequences
+    than the grid's z dimension holds, for slices of it: ``tables(b0, b1)`` gives the table
+    arguments of sequences b0..b1 (views of the same memory; offsets stay absolute)."""
+    if not serving.varlen or serving.batch <= MAX_GRID_Z:
+        launch_one(serving)
+        return
+    for b0 in range(0, serving.batch, MAX_GRID_Z):
+        b1 = min(b0 + MAX_GRID_Z, serving.batch)
+        launch_one(replace(serving, tables=tables(b0, b1), batch=b1 - b0))
 
 
 def run_varlen(
@@ -155,18 +210,16 @@ def run_varlen(
     mask = call_masking(causal, mask_align, window, softcap)
     scale = softmax_scale_of(softmax_scale, q.shape[2])
     total_q, heads, d = q.shape
-    if out is None:
-        out = q.new_empty(q.shape)
-    elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
-          or out.device != q.device):
-        raise _fail(op, f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
+    given = out
+    out = _check_serving_out(op, out, q, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q,
+                                          "cu_seqlens_k": cu_k})
     lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else None
     batch = cu_q.shape[0] - 1
-    if _checking(check_lengths):
+    if _checking(op, check_lengths):
         _raise_faults(op, _cu_seqlens_faults("cu_seqlens_q", cu_q, total_q, max_q)
                       + _cu_seqlens_faults("cu_seqlens_k", cu_k, k.shape[0], max_k))
     if batch == 0 or total_q == 0 or max_q == 0:
-        return _empty(out, lse)
+        return _done(_empty(out, lse), given)
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16",
                          features=(("varlen", True), *mask.features))
@@ -174,16 +227,17 @@ def run_varlen(
     # prepared() may copy: the copies stay referenced until the launch has been issued
     q4, q_arg = prepared(_pack_view(q))
     k4, k_arg = prepared(_pack_view(k))
-    v4, v_arg = prepared(_pack_view(v))
-    target = out if _aligned(out) else q.new_empty(q.shape)
+    _v_alive, v_arg = prepared(_pack_view(v))
+    target = out if readable(out) else q.new_empty(q.shape)
     lse3 = None if lse is None else lse.view(1, heads, total_q)
     serving = Serving(True, 0, (_vector_arg(cu_q), _vector_arg(cu_k)), batch, max_q, max_k)
-    launch_attention(q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg), (), cfg, causal,
-                     scale, None, mask=mask, serving=serving)
-    del q4, k4, v4  # (any copies) live until the launch is issued
+    _launch_batches(
+        serving, lambda b0, b1: (_vector_arg(cu_q[b0:b1 + 1]), _vector_arg(cu_k[b0:b1 + 1])),
+        lambda part: launch_attention(q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg),
+                                      (), cfg, causal, scale, None, mask=mask, serving=part))
     if target is not out:
         out.copy_(target)
-    return (out, lse) if return_lse else out
+    return _done((out, lse) if return_lse else out, given)
 
 
 def run_paged(
@@ -229,6 +283,7 @@ def run_paged(
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     lens = _int32_vector(op, "seqlens_k", seqlens_k, q.device, batch)
+    cu_q = None
     if packed:
         cu_q = _int32_vector(op, "cu_seqlens_q", cu_seqlens_q, q.device, batch + 1)
         max_q = _check_max(op, "max_seqlen_q", max_seqlen_q)
@@ -242,55 +297,62 @@ def run_paged(
     mask = call_masking(causal, mask_align, window, softcap)
     scale = softmax_scale_of(softmax_scale, d)
     max_k = max_pages * page_size
-    if _checking(check_lengths):
+    if max_k > _INT32_MAX:  # the kernels bound a sequence's keys by this, in 32 bits
+        raise _fail(op, f"block_table's {max_pages} pages x {page_size} keys is over 2**31 - 1 "
+                        "keys a sequence")
+    given = out
+    out = _check_serving_out(op, out, q, {
+        "q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table,
+        "seqlens_k": lens, "cu_seqlens_q": cu_q, "k_descale": kd,
+        "v_descale": vd})
+    if _checking(op, check_lengths):
         faults = _table_faults(lens, block_table, pages, page_size)
         if packed:
             faults += _cu_seqlens_faults("cu_seqlens_q", cu_q, q.shape[0], max_q)
         _raise_faults(op, faults)
-    if out is None:
-        out = q.new_empty(q.shape)
-    elif (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
-          or out.device != q.device):
-        raise _fail(op, f"out must be a {q.dtype} tensor of shape {tuple(q.shape)} on {q.device}")
     lse_shape = (heads, q.shape[0]) if packed else tuple(q.shape[:3])
     lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse else None
     if batch == 0 or q.numel() == 0 or max_q == 0:
-        return _empty(out, lse)
+        return _done(_empty(out, lse), given)
+    if packed and num_splits not in (None, 1):
+        raise _fail(op, "a packed q runs unsplit (num_splits None or 1)")
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q,
                          precision="fp16" if kd is None else "fp8kv",
                          features=(("paged_kv", True), ("varlen", packed), *mask.features),
                          group=1 if packed else heads // kv_heads)
-    # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes
+    # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes; any
+    # copies prepared() makes stay referenced until the launches have been issued
     k4, k_arg = prepared(k_cache.permute(0, 2, 1, 3))
-    v4, v_arg = prepared(v_cache.permute(0, 2, 1, 3))
+    _v_alive, v_arg = prepared(v_cache.permute(0, 2, 1, 3))
     descales = () if kd is None else (kd.permute(0, 2, 1), vd.permute(0, 2, 1))
-    tables = (_table_arg(block_table), _vector_arg(lens))
-    target = out if _aligned(out) else q.new_empty(q.shape)
+    target = out if readable(out) else q.new_empty(q.shape)
     q, scale = signed_query(q, scale)
     if packed:
         q4, q_arg = prepared(_pack_view(q))
         o4, lse_v = _pack_view(target), None if lse is None else lse.view(1, heads, q.shape[0])
-        tables = (_vector_arg(cu_q), *tables)
-        if num_splits not in (None, 1):
-            raise _fail(op, "a packed q runs unsplit (num_splits None or 1)")
     else:
         q4, q_arg = prepared(q)
         o4, lse_v = target, lse
-    serving = Serving(packed, page_size, tables, batch, max_q, max_k)
-    launch_attention(q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), descales, cfg, causal, scale,
-                     num_splits, kv_fp8=kd is not None, mask=mask, serving=serving)
-    del q4, k4, v4  # (any copies) live until the launch is issued
+
+    def tables(b0: int, b1: int) -> tuple:
+        return (*((_vector_arg(cu_q[b0:b1 + 1]),) if packed else ()),
+                _table_arg(block_table[b0:b1]), _vector_arg(lens[b0:b1]))
+
+    serving = Serving(packed, page_size, tables(0, batch), batch, max_q, max_k)
+    _launch_batches(serving, tables, lambda part: launch_attention(
+        q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), descales, cfg, causal, scale, num_splits,
+        kv_fp8=kd is not None, mask=mask, serving=part))
     if target is not out:
         out.copy_(target)
-    return (out, lse) if return_lse else out
+    return _done((out, lse) if return_lse else out, given)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """Whether the kernel can store into ``t`` directly (16-byte rows and base)."""
-    align = 16 // t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all(s % align == 0 for s in t.stride()[:-1]))
+def _done(result, given: torch.Tensor | None):
+    """The op's result, after telling autograd that a caller's ``out=`` was written."""
+    if given is not None:
+        torch.autograd.graph.increment_version(given)
+    return result
 
 
 def _vector_arg(t: torch.Tensor) -> tuple:

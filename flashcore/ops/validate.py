@@ -9,7 +9,7 @@ import math
 import torch
 
 from ..spec import HEAD_DIMS
-from .inputs import DTYPE_NAMES, E4M3
+from .inputs import DTYPE_NAMES, E4M3, readable, readable_copy
 from .plan import MAX_SPLITS
 
 _INT32_MAX = 2**31 - 1
@@ -103,17 +103,15 @@ def check_kv_descales(k, k_descale, v_descale, op: str = "attention",
             v_descale if v_descale.stride(2) == 1 else v_descale.contiguous())
 
 
-def check_fp8_operand(name: str, t: torch.Tensor, shape: tuple) -> None:
-    """An ``attention_fp8`` operand: e4m3 of ``shape``, 16-byte aligned, contiguous last dim."""
+def check_fp8_operand(name: str, t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """An ``attention_fp8`` operand: e4m3 of ``shape``; returned as the kernels can read it
+    (``inputs.readable_copy``)."""
     if not isinstance(t, torch.Tensor) or t.dtype != E4M3:
         raise TypeError(f"attention_fp8: {name} must be a float8_e4m3fn tensor, got "
                         f"{getattr(t, 'dtype', type(t).__name__)}")
     if tuple(t.shape) != shape:
         raise ValueError(f"attention_fp8: {name} has shape {tuple(t.shape)}, expected {shape}")
-    st = t.stride()
-    if st[3] != 1 or t.data_ptr() % 16 or any(s % 16 for s in st[:3]):
-        raise ValueError(f"attention_fp8: {name} needs a contiguous last dim and 16-byte aligned "
-                         f"base and strides; got strides {st}")
+    return readable_copy(t)
 
 
 def check_fp8_descale(name: str, t: torch.Tensor, shape: tuple, device,
@@ -157,12 +155,14 @@ def check_num_splits(op: str, num_splits) -> None:
         raise ValueError(f"{op}: num_splits must be an int in 1..{MAX_SPLITS}, got {num_splits!r}")
 
 
-def check_grad(q, k, v) -> None:
-    """No backward exists yet: refuse inputs that would silently lose their gradients."""
+def check_grad(q, k, v, why: str | None = None) -> None:
+    """Refuse inputs that would silently lose their gradients in a call without a backward
+    (``why``: what the call has that the backward lacks)."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         names = [n for n, t in (("q", q), ("k", k), ("v", v)) if t.requires_grad]
+        what = "yet" if why is None else f"for {why} yet"
         raise RuntimeError(
-            f"flashcore.ops.attention has no backward yet, and {', '.join(names)} require "
+            f"flashcore.ops.attention has no backward {what}, and {', '.join(names)} require "
             "grad: the output would carry no gradient to them. Call it under torch.no_grad() or "
             "torch.inference_mode(), pass detached tensors, or pass allow_no_grad=True to get a "
             "result that is not differentiable"
@@ -177,29 +177,37 @@ def check_extents(*tensors: torch.Tensor) -> None:
                              "more than flashcore's kernels index")
 
 
-def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device,
-              inputs: tuple) -> None:
+def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, inputs: dict,
+              op: str = "attention", aligned: bool = True) -> None:
+    """A caller's ``out=``: a tensor of exactly ``shape``, ``dtype`` and ``device``, whose
+    elements are distinct and share no memory with any of ``inputs`` ({name: tensor}); with
+    ``aligned``, one the kernels can store into as it is (an op that stores through a scratch
+    tensor otherwise passes False)."""
+    check_out_meta(out, shape, dtype, device, op)
+    if aligned and not readable(out):
+        align = 16 // out.element_size()
+        raise ValueError(
+            f"{op}: out needs a contiguous last dim, a 16-byte aligned base and strides that "
+            f"are multiples of {align} elements; got strides {out.stride()}")
+    if _self_overlapping(out):
+        raise ValueError(f"{op}: out overlaps itself (strides {out.stride()} for shape "
+                         f"{tuple(out.shape)}): elements would be written twice")
+    for name, t in inputs.items():
+        if t is not None and _ranges_overlap(out, t):
+            raise ValueError(f"{op}: out shares memory with {name}; the kernel would "
+                             "overwrite inputs that other blocks still read")
+
+
+def check_out_meta(out, shape: tuple, dtype: torch.dtype, device: torch.device,
+                   op: str = "attention") -> None:
+    """The part of ``check_out`` that needs no memory addresses (also run while tracing)."""
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"attention: out must be a torch.Tensor, got {type(out).__name__}")
+        raise TypeError(f"{op}: out must be a torch.Tensor, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
         raise ValueError(
-            f"attention: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
+            f"{op}: out is {tuple(out.shape)} {out.dtype} on {out.device}; expected "
             f"{tuple(shape)} {dtype} on {device}"
         )
-    st = out.stride()
-    align = 16 // out.element_size()
-    if st[3] != 1 or out.data_ptr() % 16 or any(s % align for s in st[:3]):
-        raise ValueError(
-            "attention: out needs a contiguous last dim, a 16-byte aligned base and strides "
-            f"that are multiples of {align} elements; got strides {st}"
-        )
-    if _self_overlapping(out):
-        raise ValueError(f"attention: out overlaps itself (strides {st} for shape "
-                         f"{tuple(out.shape)}): elements would be written twice")
-    for name, t in zip(("q", "k", "v"), inputs):
-        if _ranges_overlap(out, t):
-            raise ValueError(f"attention: out shares memory with {name}; the kernel would "
-                             "overwrite inputs that other blocks still read")
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:

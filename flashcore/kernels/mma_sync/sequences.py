@@ -11,10 +11,19 @@
   read per page); otherwise each row is gathered on its own (``copies.load_gathered``).
 
 Trace-time Python: the lengths and offsets it returns are run-time values read from the tables.
+Whatever the tables hold, they stay inside the tensors: each offset is clamped into its packed
+tensor's rows (so a sequence's rows are too, and wrapped or decreasing offsets give an empty
+sequence), a paged sequence's keys into its block-table row's pages, each page index into the
+cache. A wrong table then gives wrong numbers, never an access outside q, k, v, out or the LSE.
 """
 
 
+import cutlass
 import cutlass.cute as cute
+
+
+def _clamped(value, lo, hi):
+    return cutlass.min(cutlass.max(value, lo), hi)
 
 
 class Sequences:
@@ -24,19 +33,32 @@ class Sequences:
         self.varlen, self.paged = spec.varlen, spec.paged_kv
         self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
         self.block_table, self.seqlens_k = block_table, seqlens_k
+        # a packed sequence's first row and row count in Q (and K), read once
+        self.q_span = self.k_span = None
+
+    @staticmethod
+    def _span(cu: cute.Tensor, batch, total):
+        """(first row, rows) of sequence ``batch`` of offsets ``cu``, inside 0..total."""
+        start = _clamped(cu[batch], 0, total)
+        return start, _clamped(cu[batch + 1], start, total) - start
 
     def query_len(self, mQ: cute.Tensor, batch):
         """How many query rows sequence ``batch`` has."""
         if self.varlen:
-            return self.cu_q[batch + 1] - self.cu_q[batch]
+            if self.q_span is None:
+                self.q_span = self._span(self.cu_q, batch, mQ.shape[2])
+            return self.q_span[1]
         return mQ.shape[2]
 
     def key_len(self, mK: cute.Tensor, batch):
-        """How many keys sequence ``batch`` has."""
+        """How many keys sequence ``batch`` has (for a paged cache, at most its block-table
+        row's pages hold)."""
         if self.paged:
-            return self.seqlens_k[batch]
+            return _clamped(self.seqlens_k[batch], 0, self.block_table.shape[1] * mK.shape[2])
         if self.varlen:
-            return self.cu_k[batch + 1] - self.cu_k[batch]
+            if self.k_span is None:
+                self.k_span = self._span(self.cu_k, batch, mK.shape[2])
+            return self.k_span[1]
         return mK.shape[2]
 
     def query_rows(self, t: cute.Tensor, batch, head):
@@ -47,26 +69,36 @@ class Sequences:
         else:
             rows, origin = t[0 if self.varlen else batch, head, None], (0,)
         if self.varlen:
-            return cute.domain_offset((self.cu_q[batch], *origin[1:]), rows)
+            if self.q_span is None:
+                self.q_span = self._span(self.cu_q, batch, t.shape[2])
+            return cute.domain_offset((self.q_span[0], *origin[1:]), rows)
         return rows
 
     def key_rows(self, t: cute.Tensor, batch, kv_head):
         """The rows of (batch, kv_head) of K-shaped ``t`` as a (seq, head_dim) tensor (not for
         a paged cache: see ``paged_row``)."""
         if self.varlen:
-            return cute.domain_offset((self.cu_k[batch], 0), t[0, kv_head, None, None])
+            if self.k_span is None:
+                self.k_span = self._span(self.cu_k, batch, t.shape[2])
+            return cute.domain_offset((self.k_span[0], 0), t[0, kv_head, None, None])
         return t[batch, kv_head, None, None]
+
+    def _page_index(self, t: cute.Tensor, batch, index):
+        """The cache page of a sequence's ``index``-th page, inside the cache: one unsigned
+        minimum (a negative entry is a large unsigned one)."""
+        page = cutlass.Uint32(self.block_table[batch, index])
+        return cutlass.Int32(cutlass.min(page, cutlass.Uint32(t.shape[0] - 1)))
 
     def paged_row(self, t: cute.Tensor, batch, kv_head, key):
         """Key ``key`` of (batch, kv_head) in paged ``t``: its (head_dim,) row."""
         page_size = t.shape[2]
-        page = self.block_table[batch, key // page_size]
-        return t[page, kv_head, key % page_size, None]
+        return t[self._page_index(t, batch, key // page_size), kv_head, key % page_size, None]
 
     def page(self, t: cute.Tensor, batch, kv_head, index):
         """Page ``index`` of (batch, kv_head)'s keys in paged ``t``: its (page_size, head_dim)
         rows, or for a (pages, heads, page_size) tensor of per-key descales its (page_size,)
         values."""
+        page = self._page_index(t, batch, index)
         if cute.rank(t) == 3:
-            return t[self.block_table[batch, index], kv_head, None]
-        return t[self.block_table[batch, index], kv_head, None, None]
+            return t[page, kv_head, None]
+        return t[page, kv_head, None, None]
