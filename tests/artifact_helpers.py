@@ -124,3 +124,15 @@ def child_get_or_build_failing(root: str, log: str, barrier, results) -> None:
         results.put(("CompileError", os.getpid(), str(e)))
     except Exception as e:  # noqa: BLE001 - reported to the parent
         results.put((type(e).__name__, os.getpid(), repr(e)))
+
+
+def isolate_cache(tmp_path: Path, monkeypatch, dsl: str) -> None:
+    """A test's own cache root and process cache table, with the DSL 'installed' at ``dsl``
+    and no catalog pin or size limit from the environment."""
+    monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path / "env-cache"))
+    monkeypatch.delenv("FLASHCORE_CATALOG_SHA256", raising=False)
+    monkeypatch.delenv("FLASHCORE_CACHE_MAX_SIZE", raising=False)
+    monkeypatch.setattr(cache_mod, "dsl_fingerprint", lambda: dsl)
+    monkeypatch.setattr(cache_mod, "_defaults", {})
+    monkeypatch.setattr(cache_mod, "_warned_read_only", set())
+    monkeypatch.setattr("flashcore.runtime.catalog.visible_archs", dict)

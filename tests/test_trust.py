@@ -1,6 +1,6 @@
 """A cache, catalogs and compile workers you can trust (CPU only).
 
-What each part is trusted with, and the ways it used to fail: precompile replacing a folder,
+What each part is trusted with, and the ways it must not fail: precompile replacing a folder,
 compile workers importing what lies in the working directory, a cache key that misses part of the
 build, catalogs serving what their index does not list, read-only and full disks, clearing,
 pruning, waiting on failed builds, unreadable entries, and the command line's errors.
@@ -37,6 +37,7 @@ from flashcore.spec import AttentionSpec, QuantizeSpec
 from tests.artifact_helpers import (
     SPEC,
     child_get_or_build_failing,
+    isolate_cache,
     synthetic_artifact,
 )
 
@@ -53,13 +54,7 @@ def _art(spec=SPEC, **kw) -> KernelArtifact:
 @pytest.fixture
 def fake_dsl(tmp_path, monkeypatch):
     """Synthetic tests: the DSL 'installed' at a fixed version, a private process cache table."""
-    monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path / "env-cache"))
-    monkeypatch.delenv("FLASHCORE_CATALOG_SHA256", raising=False)
-    monkeypatch.delenv("FLASHCORE_CACHE_MAX_SIZE", raising=False)
-    monkeypatch.setattr(cache_mod, "dsl_fingerprint", lambda: DSL)
-    monkeypatch.setattr(cache_mod, "_defaults", {})
-    monkeypatch.setattr(cache_mod, "_warned_read_only", set())
-    monkeypatch.setattr("flashcore.runtime.catalog.visible_archs", dict)
+    isolate_cache(tmp_path, monkeypatch, DSL)
 
 
 def _no_dsl(monkeypatch) -> None:

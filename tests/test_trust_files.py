@@ -29,7 +29,7 @@ from flashcore.build.catalog import verify_catalog, write_catalog
 from flashcore.errors import CatalogError, CompileError
 from flashcore.ops.masks import UNBOUNDED, WINDOW_MAX, masking
 from flashcore.spec import AttentionSpec
-from tests.artifact_helpers import SPEC, synthetic_artifact
+from tests.artifact_helpers import SPEC, isolate_cache, synthetic_artifact
 
 DSL = "4.8.1-cu12"
 OTHER = AttentionSpec(arch="sm_90", head_dim=64)
@@ -44,13 +44,7 @@ def _art(spec=SPEC, **kw) -> KernelArtifact:
 @pytest.fixture(autouse=True)
 def fake_dsl(tmp_path, monkeypatch):
     """The DSL 'installed' at a fixed version, a private cache root and process cache table."""
-    monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path / "env-cache"))
-    monkeypatch.delenv("FLASHCORE_CATALOG_SHA256", raising=False)
-    monkeypatch.delenv("FLASHCORE_CACHE_MAX_SIZE", raising=False)
-    monkeypatch.setattr(cache_mod, "dsl_fingerprint", lambda: DSL)
-    monkeypatch.setattr(cache_mod, "_defaults", {})
-    monkeypatch.setattr(cache_mod, "_warned_read_only", set())
-    monkeypatch.setattr("flashcore.runtime.catalog.visible_archs", dict)
+    isolate_cache(tmp_path, monkeypatch, DSL)
     assert OTHER_HOST != owner.host_tag()
 
 
