@@ -270,15 +270,24 @@ BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), war
                          TileConfig((128, 64), warps=8)]
 
 
+# every mask combination the backward builds: (causal, mask_align, window, softcap), as
+# flashcore.ops.masks.masking normalises them (bottom-right aligns a causal mask or a window)
+BACKWARD_MASKS = [(c, a, w, cap) for c in (False, True) for a in ("top_left", "bottom_right")
+                  for w in (False, True) for cap in (False, True) if a == "top_left" or c or w]
+
+
 def backward_specs(arch: str) -> list:
-    """The backward's kernels: pre, main (the default config, both dtypes, causal or not; the
+    """The backward's kernels: pre, main (the default config, both dtypes, every mask; the
     tests' explicit tiles) and post, of every head dim; those that fit ``arch``."""
     from flashcore.ops.backward import backward_specs as one_pass
+    from flashcore.ops.masks import Masking
     from flashcore.spec.backward import default_backward_config
 
     specs = []
-    for dtype, d, causal in itertools.product(DTYPES, HEAD_DIMS, (False, True)):
-        specs += one_pass(arch, dtype, d, default_backward_config(d), causal)
+    for dtype, d, (causal, align, window, cap) in itertools.product(DTYPES, HEAD_DIMS,
+                                                                    BACKWARD_MASKS):
+        masks = Masking(align, (1, 0) if window else None, 1.0 if cap else None)
+        specs += one_pass(arch, dtype, d, default_backward_config(d), causal, masks)
     for config, d, causal in itertools.product(BACKWARD_TEST_CONFIGS, HEAD_DIMS, (False, True)):
         try:
             specs.append(one_pass(arch, "bfloat16", d, config, causal)[1])

@@ -16,9 +16,9 @@ from flashcore.spec.backward import BACKWARD_KNOBS, default_backward_config
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 
-def _main(arch: str, dtype: str, d: int, causal: bool) -> BackwardSpec:
+def _main(arch: str, dtype: str, d: int, causal: bool, **masks) -> BackwardSpec:
     return BackwardSpec(arch=arch, dtype=dtype, head_dim=d, config=default_backward_config(d),
-                        causal=causal)
+                        causal=causal, **masks)
 
 
 MAINS = [
@@ -30,6 +30,17 @@ MAINS = [
     _main("sm_90", "float16", 64, True),
     _main("sm_90", "bfloat16", 128, False),
 ]
+# the masks, as the forward's: bottom-right causal, windows (causal or not), soft-caps
+MASKED = [
+    _main("sm_80", "float16", 128, True, mask_align="bottom_right", softcap=True),
+    _main("sm_89", "float16", 64, True, mask_align="bottom_right"),
+    _main("sm_89", "bfloat16", 128, False, mask_align="bottom_right", window=True),
+    _main("sm_89", "bfloat16", 128, True, window=True, softcap=True),
+    _main("sm_90", "float16", 64, True, mask_align="bottom_right", window=True, softcap=True),
+    _main("sm_90", "bfloat16", 64, False, softcap=True),
+    _main("sm_90", "float16", 128, False, window=True),
+]
+MAINS += MASKED
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
                          ("sm_90", "float16", 128))
@@ -60,6 +71,11 @@ def test_names_are_unique_and_readable():
     assert len(set(names)) == len(names)
     assert _main("sm_89", "float16", 64, True).name == "fc_attn_bwd_sm89_f16_d64_m64n128_w8_s1_causal"
     assert ROWS[0].name == "fc_attn_bwd_pre_sm80_f16_d64"
+    masked = [BackwardSpec(causal=c, mask_align=a, window=w, softcap=cap)
+              for c in (False, True) for a in ("top_left", "bottom_right")
+              for w in (False, True) for cap in (False, True) if a == "top_left" or c or w]
+    assert len({s.name for s in masked}) == len(masked) == 14
+    assert MASKED[4].name == "fc_attn_bwd_sm90_f16_d64_m64n128_w8_s1_causal_br_window_softcap"
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -78,6 +94,11 @@ def test_default_configs_fit_an_l4(d):
     ({"config": TileConfig((64, 64), stages=2)}, "stages=2"),
     ({"config": TileConfig((64, 64), warps=4, family="wgmma")}, "mma_sync"),
     ({"head_dim": 96}, "head_dim"),
+    ({"mask_align": "bottom_right"}, "mask_align"),  # neither causal nor a window to align
+    ({"mask_align": "sideways", "causal": True}, "mask_align"),
+    ({"op": "attention_bwd_pre", "window": True}, "takes no config"),
+    ({"op": "attention_bwd_post", "softcap": True}, "takes no config"),
+    ({"window": 1}, "window must be a bool"),
     ({"arch": "sm_75"}, "arch"),
 ])
 def test_invalid_specs_are_refused_naming_the_field(bad, match):
@@ -110,6 +131,7 @@ def test_main_kernel_has_the_instructions_we_meant(artifacts, spec):
     assert "ex2.approx" in ptx
     assert "st.global.v4" in ptx  # dK, dV: 16-byte stores
     assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "tanh.approx" not in ptx  # a soft-cap's tanh is the forward's full-precision one
     body = ptx[ptx.index(".entry"):]
     if spec.arch == "sm_90":  # programmatic dependent launch: wait before touching memory
         wait = body.index("griddepcontrol.wait;")
@@ -118,6 +140,20 @@ def test_main_kernel_has_the_instructions_we_meant(artifacts, spec):
         assert wait < first
     else:
         assert "griddepcontrol" not in body
+
+
+@pytest.mark.parametrize("spec", MASKED, ids=lambda s: s.name)
+def test_masked_kernels_take_the_forwards_mask_arguments(artifacts, spec):
+    names = [p.name for p in backward_params(spec)]
+    assert ("window_left" in names) == ("window_right" in names) == spec.window
+    assert ("softcap_in" in names) == ("softcap_out" in names) == spec.softcap
+    unmasked = spec.replace(mask_align="top_left", window=False, softcap=False)
+    assert len(artifacts[spec].params) == len(backward_params(unmasked)) + 2 * (
+        spec.window + spec.softcap)
+    if spec.softcap:  # the capped scores' tanh: one more exp2 per score than P's
+        body = artifacts[spec].ptx
+        c = spec.config
+        assert body.count("ex2.approx") >= 2 * c.tile_m * c.tile_n // spec.threads
 
 
 @pytest.mark.parametrize("spec", ROWS, ids=lambda s: s.name)

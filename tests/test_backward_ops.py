@@ -10,6 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashcore.ops.backward as bw
+from flashcore.ops.masks import masking
 from flashcore.spec import BackwardSpec
 from flashcore.spec.backward import default_backward_config
 
@@ -20,7 +21,10 @@ def test_fake_implementation_gives_the_gradients_shapes():
         k = torch.empty(2, 2, 70, 64, dtype=torch.float16)
         lse = torch.empty(2, 8, 100)
         dq, dk, dv = torch.ops.flashcore.attention_backward(q, q, k, k, q, lse, True, None)
+        masked = torch.ops.flashcore.attention_backward(q, q, k, k, q, lse, True, None, None,
+                                                        "bottom_right", [16, 0], 30.0)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+    assert [t.shape for t in masked] == [q.shape, k.shape, k.shape]
     assert dq.dtype == dk.dtype == torch.float16
 
 
@@ -51,15 +55,45 @@ def test_setup_context_saves_what_the_backward_needs():
 
 @pytest.mark.parametrize("changes, reason", [
     ({"precision": "fp8"}, "precision"),
-    ({"mask_align": "bottom_right"}, "mask_align"),
-    ({"window": [4, 0]}, "window"),
-    ({"softcap": 30.0}, "softcap"),
     ({"k": torch.empty(1, 2, 3, 64, dtype=torch.float8_e4m3fn)}, "FP8 KV cache"),
 ])
 def test_calls_without_a_backward_say_so_when_differentiated(changes, reason):
     ctx = _ctx(_call(**changes))
     with pytest.raises(RuntimeError, match=reason):
         bw.attention_op_backward(ctx, torch.empty(1), None)
+
+
+@pytest.mark.parametrize("changes", [
+    {"mask_align": "bottom_right"}, {"window": [4, 0]}, {"softcap": 30.0},
+    {"mask_align": "bottom_right", "window": [7, 0], "softcap": 5.0},
+])
+def test_masked_calls_have_a_backward_that_gets_their_masks(changes, monkeypatch):
+    ctx = _ctx(_call(**changes))
+    assert ctx.why_not is None
+    seen = {}
+
+    def fake_backward(*args):
+        seen["args"] = args
+        return tuple(torch.empty(1) for _ in range(3))
+
+    monkeypatch.setattr(torch.ops.flashcore, "attention_backward", fake_backward)
+    bw.attention_op_backward(ctx, torch.empty(1), None)
+    *_, align, window, softcap = seen["args"]
+    assert align == changes.get("mask_align", "top_left")
+    assert window == changes.get("window") and softcap == changes.get("softcap")
+
+
+@pytest.mark.parametrize("masks, match", [
+    ({"window": (4, 2)}, "window"),  # right of a causal diagonal
+    ({"window": (4,)}, "window"),
+    ({"softcap": -1.0}, "softcap"),
+    ({"mask_align": "middle"}, "mask_align"),
+])
+def test_bad_masks_are_refused_naming_the_argument(masks, match):
+    q = torch.empty(1, 2, 3, 64, dtype=torch.float16)
+    lse = torch.empty(1, 2, 3)
+    with pytest.raises((ValueError, TypeError), match=match):
+        bw.attention_backward(q, q, q, q, q, lse, True, **masks)
 
 
 def test_a_forward_without_its_lse_is_refused_in_the_backward():
@@ -83,3 +117,6 @@ def test_backward_specs_of_one_pass():
     assert main == BackwardSpec(arch="sm_89", dtype="bfloat16", head_dim=128, causal=True,
                                 config=default_backward_config(128))
     assert pre.rows_per_cta == post.rows_per_cta == 8
+    masked = bw.backward_specs("sm_89", "float16", 64, default_backward_config(64), True,
+                               masking(True, "bottom_right", (8, 0), 20.0))[1]
+    assert (masked.mask_align, masked.window, masked.softcap) == ("bottom_right", True, True)

@@ -35,18 +35,54 @@ def _inputs(b, hq, hkv, sq, sk, d, dtype, seed, magnitude=1.0):
     return mk(hq, sq), mk(hkv, sk), mk(hkv, sk), mk(hq, sq)
 
 
-def _reference(q, k, v, causal, scale):
-    """float64 out and lse of ``flashcore.reference.attention`` (differentiable)."""
+def _reference(q, k, v, causal, scale, masks=None):
+    """float64 out and lse of ``flashcore.reference.attention`` (differentiable); ``masks``:
+    its mask_align / window / softcap arguments."""
     return reference.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
-                               device=q.device)
+                               device=q.device, **(masks or {}))
 
 
-def _reference_grads(q, k, v, dout, causal, scale):
+def _reference_grads(q, k, v, dout, causal, scale, masks=None):
     """(out, lse, dq, dk, dv): float64 on q's device, by autograd."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out, lse = _reference(q64, k64, v64, causal, scale)
+    out, lse = _reference(q64, k64, v64, causal, scale, masks)
     out.backward(dout.double())
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
+
+
+def _visible(sq, sk, causal, masks, device):
+    """(sq, sk) bool: which keys each query sees (flashcore.reference's definition)."""
+    shift = sk - sq if masks.get("mask_align") == "bottom_right" else 0
+    i = torch.arange(sq, device=device).unsqueeze(1) + shift
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i
+    window = masks.get("window")
+    if window is not None:
+        if window[1] >= 0:
+            ok &= j <= i + window[1]
+        if window[0] >= 0:
+            ok &= j >= i - window[0]
+    return ok
+
+
+def _math_grads(q, k, v, dout, causal, scale, masks):
+    """Gradients of torch's attention arithmetic in the inputs' dtype (SDPA's math backend's,
+    which takes no soft-cap) with the same masks: the yardstick where SDPA has no such mask.
+    Rows that see no key give 0, as the kernels and the reference."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(g, dim=1) for t in (k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ kk.transpose(-1, -2)) * scale
+    cap = masks.get("softcap")
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
+    ok = _visible(q.shape[2], k.shape[2], causal, masks, q.device)
+    p = torch.softmax(s.masked_fill(~ok, -math.inf), -1).masked_fill(~ok, 0.0)
+    (p @ vv).backward(dout)
+    return q.grad, k.grad, v.grad
 
 
 def _sdpa_grads(q, k, v, dout, causal, scale):
@@ -76,16 +112,33 @@ def _skip_unless_builds(d, dtype, config, causal):
         pytest.skip(f"does not fit {current_arch()}: {e}")
 
 
-def _check(b, hq, hkv, sq, sk, d, dtype, causal, scale, seed, config=None, magnitude=1.0):
+def _masks(causal, align, window, softcap) -> dict:
+    """The mask arguments of one drawn call (a causal window's right side is 0 or -1)."""
+    masks = {}
+    if align != "top_left":
+        masks["mask_align"] = align
+    if window is not None:
+        masks["window"] = (window[0], min(window[1], 0)) if causal else window
+    if softcap is not None:
+        masks["softcap"] = softcap
+    return masks
+
+
+def _check(b, hq, hkv, sq, sk, d, dtype, causal, scale, seed, config=None, magnitude=1.0,
+           masks=None):
     dt = DTYPES[dtype]
+    masks = masks or {}
     q, k, v, dout = _inputs(b, hq, hkv, sq, sk, d, dt, seed, magnitude)
-    out, lse, *ref = _reference_grads(q, k, v, dout, causal, scale)
+    out, lse, *ref = _reference_grads(q, k, v, dout, causal, scale, masks)
     grads = [poison_(torch.empty_like(q)), poison_(torch.empty_like(k)),
              poison_(torch.empty_like(v))]
     attention_backward(dout, q, k, v, out.to(dt), lse.float(), causal, scale, config=config,
-                       dq=grads[0], dk=grads[1], dv=grads[2])
+                       dq=grads[0], dk=grads[1], dv=grads[2], **masks)
     torch.cuda.synchronize()
-    sdpa = _sdpa_grads(q, k, v, dout, causal, scale)
+    if masks:
+        sdpa = _math_grads(q, k, v, dout, causal, scale, masks)
+    else:
+        sdpa = _sdpa_grads(q, k, v, dout, causal, scale)
     for name, got, want, base in zip(("dq", "dk", "dv"), grads, ref, sdpa):
         assert got.shape == want.shape and got.dtype == dt, name
         assert torch.isfinite(got).all(), f"{name}: NaN/Inf or unwritten elements"
@@ -106,19 +159,45 @@ def _check(b, hq, hkv, sq, sk, d, dtype, causal, scale, seed, config=None, magni
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     scale=st.one_of(st.none(), st.floats(0.02, 1.0)),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
+    softcap=st.one_of(st.none(), st.floats(1.0, 50.0)),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(b=1, hkv=2, ratio=1, sq=128, sk=128, d=64, dtype="float16", causal=False, scale=None,
-         seed=1)
+         align="top_left", window=None, softcap=None, seed=1)
 @example(b=2, hkv=1, ratio=4, sq=1, sk=1, d=128, dtype="bfloat16", causal=True, scale=None,
-         seed=2)
+         align="top_left", window=None, softcap=None, seed=2)
 @example(b=1, hkv=2, ratio=2, sq=200, sk=77, d=64, dtype="float16", causal=True, scale=0.3,
-         seed=3)
+         align="top_left", window=None, softcap=None, seed=3)
 @example(b=1, hkv=1, ratio=1, sq=77, sk=299, d=128, dtype="bfloat16", causal=True, scale=None,
-         seed=4)
+         align="top_left", window=None, softcap=None, seed=4)
+@example(b=1, hkv=2, ratio=2, sq=77, sk=299, d=64, dtype="float16", causal=True, scale=None,
+         align="bottom_right", window=(40, 0), softcap=20.0, seed=5)  # chunked prefill
+@example(b=1, hkv=1, ratio=1, sq=300, sk=200, d=128, dtype="bfloat16", causal=False,
+         scale=None, align="bottom_right", window=(3, 17), softcap=None, seed=6)
 def test_gradients_match_reference_within_sdpa_error(b, hkv, ratio, sq, sk, d, dtype, causal,
-                                                     scale, seed):
-    _check(b, hkv * ratio, hkv, sq, sk, d, dtype, causal, scale, seed)
+                                                     scale, align, window, softcap, seed):
+    """Random shapes, GQA, scales and masks (no mask: SDPA's error is the yardstick; a mask:
+    torch's math in the dtype, ``_math_grads``)."""
+    _check(b, hkv * ratio, hkv, sq, sk, d, dtype, causal, scale, seed,
+           masks=_masks(causal, align, window, softcap))
+
+
+@pytest.mark.parametrize("masks", [
+    {"mask_align": "bottom_right"}, {"window": (64, 0)}, {"window": (0, 0)},
+    {"mask_align": "bottom_right", "window": (100, 0), "softcap": 10.0},
+    {"softcap": 2.0}, {"window": (30, 90), "causal": False},
+    {"mask_align": "bottom_right", "window": (-1, 5), "causal": False},
+], ids=str)
+@pytest.mark.parametrize("sq,sk", [(333, 190), (190, 333), (1, 257)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_masks(masks, sq, sk, d):
+    """Each mask over ragged blocks, more queries than keys and fewer (bottom-right: rows above
+    the shifted diagonal see nothing), a one-token decode row; GQA 4/2."""
+    masks = dict(masks)
+    causal = masks.pop("causal", True)
+    _check(1, 4, 2, sq, sk, d, "float16", causal, None, seed=sq + sk + d, masks=masks)
 
 
 @pytest.mark.parametrize("config", [TileConfig((64, 64), warps=4), TileConfig((64, 64), warps=8),
@@ -205,6 +284,21 @@ def test_empty_and_strided_inputs():
     got = attention_backward(dout, q, k, v, out.half(), lse.float(), True)
     for g, want in zip(got, ref):
         assert max_abs(g, want) <= 1e-2 * max(1.0, want.abs().max().item())
+
+
+def test_masked_call_through_autograd():
+    """``attention(..., mask_align, window, softcap)`` is differentiable: its masks reach the
+    backward through the registered op."""
+    from flashcore.ops import attention
+
+    masks = {"mask_align": "bottom_right", "window": (60, 0), "softcap": 15.0}
+    q, k, v, dout = _inputs(1, 4, 2, 100, 140, 64, torch.float16, seed=15)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    attention(q, k, v, causal=True, **masks).backward(dout)
+    _, _, *ref = _reference_grads(q, k, v, dout, True, None, masks)
+    base = _math_grads(q, k, v, dout, True, None, masks)
+    for got, want, b in zip((q.grad, k.grad, v.grad), ref, base):
+        assert max_abs(got, want) <= _allowed(max_abs(b, want), want, torch.float16)
 
 
 def test_through_autograd():

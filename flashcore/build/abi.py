@@ -287,8 +287,9 @@ def backward_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     then the fp32 workspaces: LSE in log2 units and D = rowsum(dO ∘ O) (batch, heads, rows)
     and the dQ accumulator (batch, heads, rows, head_dim), rows = seq_q rounded up to
     ``spec.backward.ROW_PAD``. main: Q, K, V, dO, the two row workspaces, the dQ accumulator,
-    dK and dV (K's shape), the exp2 softmax scale and the softmax scale. post: the dQ
-    accumulator, dQ (Q's shape) and the softmax scale."""
+    dK and dV (K's shape), the exp2 softmax scale and the softmax scale, then as the forward's
+    (``attention_params``) a window's left and right sizes and soft-capping's scale / cap and
+    cap / scale. post: the dQ accumulator, dQ (Q's shape) and the softmax scale."""
     if spec.op == "attention_bwd_pre":
         return (TensorParam("o", 3, 3), TensorParam("do", 3, 3), TensorParam("lse", 3, 2),
                 TensorParam("lse_log2", 3, 2), TensorParam("dpsum", 3, 2),
@@ -296,10 +297,15 @@ def backward_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     if spec.op == "attention_bwd_post":
         return (TensorParam("dq_accum", 3, 3), TensorParam("dq", 3, 3),
                 ScalarParam("scale", "<f"))
-    return (TensorParam("q", 3, 3), TensorParam("k", 3, 3), TensorParam("v", 3, 3),
-            TensorParam("do", 3, 3), TensorParam("lse_log2", 3, 2), TensorParam("dpsum", 3, 2),
-            TensorParam("dq_accum", 3, 3), TensorParam("dk", 3, 3), TensorParam("dv", 3, 3),
-            ScalarParam("scale_log2", "<f"), ScalarParam("scale", "<f"))
+    params = (TensorParam("q", 3, 3), TensorParam("k", 3, 3), TensorParam("v", 3, 3),
+              TensorParam("do", 3, 3), TensorParam("lse_log2", 3, 2), TensorParam("dpsum", 3, 2),
+              TensorParam("dq_accum", 3, 3), TensorParam("dk", 3, 3), TensorParam("dv", 3, 3),
+              ScalarParam("scale_log2", "<f"), ScalarParam("scale", "<f"))
+    if spec.window:
+        params += (ScalarParam("window_left", "<i"), ScalarParam("window_right", "<i"))
+    if spec.softcap:
+        params += (ScalarParam("softcap_in", "<f"), ScalarParam("softcap_out", "<f"))
+    return params
 
 
 def backward_rows_grid(padded_rows: int, heads: int, batch: int,

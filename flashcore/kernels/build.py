@@ -151,9 +151,11 @@ def _backward_args(spec: BackwardSpec) -> tuple:
         return bhsd(dt, d), bhsd(dt, d), rows(), rows(), rows(), bhsd(cutlass.Float32, d)
     if spec.op == "attention_bwd_post":
         return bhsd(cutlass.Float32, d), bhsd(dt, d), cutlass.Float32(1.0)
+    window = (cutlass.Int32(1), cutlass.Int32(1)) if spec.window else (None, None)
+    softcap = (cutlass.Float32(1.0), cutlass.Float32(1.0)) if spec.softcap else (None, None)
     return (bhsd(dt, d), bhsd(dt, d), bhsd(dt, d), bhsd(dt, d), rows(), rows(),
             bhsd(cutlass.Float32, d), bhsd(dt, d), bhsd(dt, d), cutlass.Float32(1.0),
-            cutlass.Float32(1.0))
+            cutlass.Float32(1.0), *window, *softcap)
 
 
 def _traced(spec: KernelSpec):

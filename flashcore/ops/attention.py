@@ -75,9 +75,9 @@ def attention(
     lets query i see keys i - left .. i + right (-1: no limit on that side; key blocks outside
     the window are skipped); ``softcap=c`` turns the scaled logits s into c · tanh(s / c).
 
-    Backward: 16-bit calls without a mask or with top-left causal are differentiable (inputs
-    that require grad run through the registered op, whose backward is
-    ``flashcore.ops.backward``); the others raise an error when an input requires grad (under
+    Backward: 16-bit calls are differentiable, masks included (inputs that require grad run
+    through the registered op, whose backward is ``flashcore.ops.backward``); FP8 ones and
+    the FP8 KV cache raise an error when an input requires grad (under
     ``torch.no_grad()`` they do not) unless ``allow_no_grad=True``, which returns a result that
     carries no gradient.
     """

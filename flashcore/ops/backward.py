@@ -6,10 +6,10 @@ traces it) and the autograd formula of ``torch.ops.flashcore.attention``
 Three launches on torch's current stream (``flashcore.spec.backward``): the pre kernel (D =
 rowsum(dO ∘ O), the LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (a CTA
 per key block: dK and dV in registers, dQ by fp32 atomics) and the post kernel (dQ in q's
-dtype). What it builds: fp16/bf16, head_dim 64 and 128, any lengths, no mask or top-left causal
-(torch's ``is_causal``), any softmax scale, grouped-query attention (dK and dV summed over a
-K/V head's query heads inside one CTA: deterministic). Not yet: FP8, an FP8 KV cache,
-bottom-right causal, windows, soft-capping, the serving layouts.
+dtype). What it builds: fp16/bf16, head_dim 64 and 128, any lengths, the forward's masks (causal
+top-left as torch's ``is_causal`` or bottom-right, sliding windows, soft-capping), any softmax
+scale, grouped-query attention (dK and dV summed over a K/V head's query heads inside one CTA:
+deterministic). Not yet: FP8, an FP8 KV cache, the serving layouts.
 """
 
 from __future__ import annotations
@@ -25,27 +25,30 @@ from ..runtime.launch import kernel_for, launch
 from ..spec import BackwardSpec, TileConfig
 from ..spec.backward import ROW_PAD, default_backward_config
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
+from .masks import NO_MASK, Masking, call_masking
 from .validate import check_extents, check_qkv, softmax_scale_of
 
-_kernels: dict[tuple, tuple] = {}  # (device, dtype, head_dim, config, causal) -> loaded kernels
+# (device, dtype, head_dim, config, causal, mask fields) -> loaded kernels
+_kernels: dict[tuple, tuple] = {}
 
 
-def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig,
-                   causal: bool) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
+def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, causal: bool,
+                   masks: Masking = NO_MASK) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
     """(pre, main, post): the specs of one backward pass."""
+    align, window, softcap = masks.spec_fields
     return (BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_pre"),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, config=config,
-                         causal=causal),
+                         causal=causal, mask_align=align, window=window, softcap=softcap),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_post"))
 
 
 def backward_kernels(device: int, dtype: str, head_dim: int, config: TileConfig,
-                     causal: bool) -> tuple:
+                     causal: bool, masks: Masking = NO_MASK) -> tuple:
     """The loaded (pre, main, post) kernels on CUDA device ``device``, built once."""
-    key = (device, dtype, head_dim, config, causal)
+    key = (device, dtype, head_dim, config, causal, masks.spec_fields)
     ks = _kernels.get(key)
     if ks is None:
-        specs = backward_specs(arch_of(device), dtype, head_dim, config, causal)
+        specs = backward_specs(arch_of(device), dtype, head_dim, config, causal, masks)
         ks = _kernels[key] = tuple(kernel_for(s, device) for s in specs)
     return ks
 
@@ -85,16 +88,21 @@ def _grad_buffer(name: str, t: Tensor | None, like: Tensor) -> Tensor:
 
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        causal: bool = False, softmax_scale: float | None = None, *,
+                       mask_align: str = "top_left", window: tuple[int, int] | None = None,
+                       softcap: float | None = None,
                        config: TileConfig | None = None, dlse: Tensor | None = None,
                        dq: Tensor | None = None, dk: Tensor | None = None,
                        dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the output
     gradient ``dout``, from the forward's ``out`` and natural-log ``lse`` (float32 (B, H,
-    S_q)). ``dlse``: the gradient of the LSE too, when the caller used it. dk and dv have k's
+    S_q)). ``mask_align``, ``window`` and ``softcap``: the forward call's masks (as
+    ``attention`` takes them). ``dlse``: the gradient of the LSE too, when the caller used it.
+    dk and dv have k's
     (fewer, with GQA) heads; all three are in q's dtype, new contiguous tensors unless given
     (``dq``/``dk``/``dv``: contiguous, of q's and k's shapes). A row that saw no key (lse -inf)
     contributes no gradient. ``config``: the main kernel's tile (default
     ``spec.backward.default_backward_config``)."""
+    masks = call_masking(causal, mask_align, window, softcap)
     check_qkv(q, k, v)
     if k.dtype != q.dtype:
         raise ValueError("attention_backward: an FP8 KV cache has no backward; k and v must "
@@ -119,7 +127,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     config = config or default_backward_config(D)
     dtype = DTYPE_NAMES[q.dtype]
     dev = q.get_device()
-    pre, main, post = backward_kernels(dev, dtype, D, config, causal)
+    pre, main, post = backward_kernels(dev, dtype, D, config, causal, masks)
     # keep any copies prepared() makes alive until the launches are queued
     q, q_arg = prepared(q)
     k, k_arg = prepared(k)
@@ -143,7 +151,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
         work[n * (D + 1):].view(B, H, rows)[:, :, :Sq].sub_(dlse)
     launch(main, backward_grid(Sk, Hkv, B, config.tile_n),
            (q_arg, k_arg, v_arg, do_arg, lse2, dpsum, dq_acc, tensor_arg(dk), tensor_arg(dv),
-            (scale * LOG2_E,), (scale,)), dev)
+            (scale * LOG2_E,), (scale,), *masks.scalars(scale)), dev)
     launch(post, backward_rows_grid(Sq, H, B, post.artifact.spec.rows_per_cta),
            (dq_acc, tensor_arg(dq), (scale,)), dev)
     if negate:
@@ -155,12 +163,17 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 @torch.library.custom_op("flashcore::attention_backward", mutates_args=())
 def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         causal: bool = False, softmax_scale: float | None = None,
-                        dlse: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    return attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, dlse=dlse)
+                        dlse: Tensor | None = None, mask_align: str = "top_left",
+                        window: list[int] | None = None,
+                        softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    return attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, dlse=dlse,
+                              mask_align=mask_align,
+                              window=None if window is None else tuple(window), softcap=softcap)
 
 
 @_attention_backward.register_fake
-def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None):
+def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None,
+      mask_align="top_left", window=None, softcap=None):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -174,26 +187,19 @@ ATTENTION_INPUTS = ("q", "k", "v", "causal", "softmax_scale", "return_lse", "til
 def why_no_backward(q: Tensor, k: Tensor, *, causal: bool = False, precision: str = "fp16",
                     k_descale: Tensor | None = None, mask_align: str = "top_left",
                     window=None, softcap=None) -> str | None:
-    """Why an ``attention`` call has no backward yet (None: it has one), for a message."""
+    """Why an ``attention`` call has no backward yet (None: it has one), for a message. Every
+    mask has one (``mask_align``, ``window`` and ``softcap`` are taken for the signature)."""
     if precision != "fp16":
         return f"precision={precision!r}"
     if k_descale is not None or k.dtype != q.dtype:
         return "an FP8 KV cache"
-    if mask_align != "top_left" and causal:
-        return f"mask_align={mask_align!r}"
-    if window is not None:
-        return "window"
-    if softcap is not None:
-        return "softcap"
     return None
 
 
 def _unsupported(args: dict) -> str | None:
     return why_no_backward(args["q"], args["k"], causal=args["causal"],
                            precision=args.get("precision", "fp16"),
-                           k_descale=args.get("k_descale"),
-                           mask_align=args.get("mask_align", "top_left"),
-                           window=args.get("window"), softcap=args.get("softcap"))
+                           k_descale=args.get("k_descale"))
 
 
 def _input_names(n: int) -> tuple[str, ...]:
@@ -218,6 +224,9 @@ def setup_attention_context(ctx, inputs: tuple, output: tuple) -> None:
         ctx.why_not = "a forward call without its LSE (return_lse=False inside the op)"
     ctx.causal = args["causal"]
     ctx.softmax_scale = args["softmax_scale"]
+    ctx.mask_align = args.get("mask_align", "top_left")
+    ctx.window = args.get("window")
+    ctx.softcap = args.get("softcap")
     ctx.return_lse = args["return_lse"]
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse)
 
@@ -229,8 +238,10 @@ def attention_op_backward(ctx, dout: Tensor, dlse: Tensor | None):
                            "run it under torch.no_grad() or detach its inputs")
     q, k, v, out, lse = ctx.saved_tensors
     dlse = dlse if ctx.return_lse else None
+    window = None if ctx.window is None else list(ctx.window)
     dq, dk, dv = torch.ops.flashcore.attention_backward(
-        dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, dlse)
+        dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, dlse, ctx.mask_align, window,
+        ctx.softcap)
     return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
 
 

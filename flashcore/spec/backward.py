@@ -6,8 +6,10 @@ Three kernels make one backward pass, each a spec of its own (``op``):
   (+inf where the row saw no key, or past the sequence end), into row-padded fp32 workspaces; it
   also zeroes the fp32 dQ accumulator.
 * ``attention_bwd``: one CTA per (batch, K/V head, block of ``tile_n`` keys), walking every query
-  block of every query head that reads the K/V head; dK and dV stay in registers (written once,
-  deterministic), dQ is added into the fp32 accumulator with atomics.
+  block of every query head that reads the K/V head and sees some key of the block; dK and dV
+  stay in registers (written once, deterministic), dQ is added into the fp32 accumulator with
+  atomics. Masks as the forward's (``AttentionSpec``): ``mask_align``, ``window`` (sizes at run
+  time), ``softcap`` (logits s -> c·tanh(s / c); dS gets the factor 1 − tanh²).
 * ``attention_bwd_post``: dQ = accumulator · softmax_scale in the input dtype.
 
 The workspaces have ``ROW_PAD``-aligned rows per (batch, head), so the main kernel's query
@@ -30,6 +32,7 @@ from .arch import (
     SMEM_PER_BLOCK,
     arch_tag,
 )
+from .attention import MASK_ALIGNS
 from .serial import SpecData
 from .tile import TileConfig
 
@@ -64,6 +67,9 @@ class BackwardSpec(SpecData):
     config: TileConfig = field(default_factory=TileConfig)
     causal: bool = False
     op: str = "attention_bwd"
+    mask_align: str = "top_left"
+    window: bool = False
+    softcap: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.config, dict):
@@ -80,14 +86,22 @@ class BackwardSpec(SpecData):
             raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
         if isinstance(self.head_dim, bool) or self.head_dim not in HEAD_DIMS:
             raise bad(f"head_dim={self.head_dim!r} is not supported; choose one of {HEAD_DIMS}")
-        if not isinstance(self.causal, bool):
-            raise bad(f"causal must be a bool, got {self.causal!r}")
+        for name in ("causal", "window", "softcap"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.mask_align not in MASK_ALIGNS:
+            raise bad(f"mask_align={self.mask_align!r} is not supported; choose one of "
+                      f"{MASK_ALIGNS}")
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
         if self.op != "attention_bwd":
-            if self.config != TileConfig() or self.causal:
-                raise bad(f"{self.op} takes no config or causal (they shape the main kernel)")
+            if self.config != TileConfig() or self.causal or self.masked:
+                raise bad(f"{self.op} takes no config, causal or mask (they shape the main "
+                          "kernel)")
             return
+        if self.mask_align != "top_left" and not (self.causal or self.window):
+            raise bad(f"mask_align={self.mask_align!r} aligns a causal mask or a window; this "
+                      "spec has neither")
         c = self.config
         for knob, allowed in BACKWARD_KNOBS.items():
             if getattr(c, knob) not in allowed:
@@ -113,6 +127,16 @@ class BackwardSpec(SpecData):
                       f"per-block budget of {budget} (tile {c.tile}, head_dim {self.head_dim})")
 
     # -- derived -------------------------------------------------------------------------------
+    @property
+    def masked(self) -> bool:
+        """Any mask field other than top-left causal."""
+        return self.mask_align != "top_left" or self.window or self.softcap
+
+    @property
+    def shifted_mask(self) -> bool:
+        """The general key bounds (``kernels.common.block_info``): bottom-right or a window."""
+        return self.mask_align == "bottom_right" or self.window
+
     @property
     def tile_m(self) -> int:
         return self.config.tile_m
@@ -156,7 +180,9 @@ class BackwardSpec(SpecData):
         base = f"fc_attn_{part}_{arch_tag(self.arch)}_{DTYPE_TAGS[self.dtype]}_d{self.head_dim}"
         if self.op != "attention_bwd":
             return base
-        return base + f"_{self.config.tag}" + ("_causal" if self.causal else "")
+        flags = (("causal", self.causal), ("br", self.mask_align == "bottom_right"),
+                 ("window", self.window), ("softcap", self.softcap))
+        return base + f"_{self.config.tag}" + "".join(f"_{n}" for n, on in flags if on)
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

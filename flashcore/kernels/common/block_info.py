@@ -79,6 +79,43 @@ def key_blocks_seen(m_block, tile_m: int, tile_n: int, seqlen_k, bounds: KeyBoun
     return 0, n, 0
 
 
+def query_blocks_seeing(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k,
+                        bounds: KeyBounds, minimum=min, maximum=max):
+    """[lo, hi): the query blocks some token of which sees a key of key block ``n_block`` (the
+    backward's walk: ``key_blocks_seen`` transposed; one token a row). Token t sees keys
+    [lo_t, hi_t) (``token_keys``), so it sees the block's keys [k0, k1) iff
+    t + offset + right >= k0 (bounded above) and t + offset - left < k1 (windowed). Empty when
+    hi <= lo."""
+    first, last = 0, seqlen_q
+    k0 = n_block * tile_n
+    if bounds.bounded_above:
+        first = maximum(k0 - bounds.offset - bounds.right_edge, 0)
+    if bounds.windowed:
+        k1 = minimum(k0 + tile_n, seqlen_k)
+        last = maximum(minimum(k1 - bounds.offset + bounds.left, seqlen_q), 0)
+    lo, hi = first // tile_m, ceil_div(last, tile_m)
+    if bounds.bounded_above:  # no token in [first, last): walk nothing, even inside one block
+        live = minimum(maximum(last - first, 0), 1)
+        hi = lo + maximum(hi - lo, 0) * live
+    return lo, hi
+
+
+def block_needs_mask(m_block, n_block, tile_m: int, tile_n: int, seqlen_k, bounds: KeyBounds,
+                     maximum=max):
+    """> 0 where some score of (query block, key block) is hidden: a key past the sequence end
+    (the ragged last block), a key past the first row's upper bound, or (windowed) one below
+    the last row's lower bound; <= 0 where the block needs no mask (one token a row)."""
+    past_end = (n_block + 1) * tile_n - seqlen_k
+    if not bounds.bounded_above:
+        return past_end
+    over = (n_block + 1) * tile_n - (m_block * tile_m + bounds.offset + bounds.right_edge + 1)
+    hidden = maximum(past_end, over)
+    if bounds.windowed:
+        hidden = maximum(hidden, (m_block + 1) * tile_m - 1 + bounds.offset - bounds.left
+                         - n_block * tile_n)
+    return hidden
+
+
 def share(n_blocks, parts, index, minimum=min):
     """[lo, hi): part ``index`` of ``parts`` near-equal shares of ``n_blocks`` blocks (later
     parts may be empty)."""

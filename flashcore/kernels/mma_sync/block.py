@@ -6,7 +6,7 @@ import cutlass.cute as cute
 
 from ..common.fp8 import key_descales, scale_columns
 from ..common.fragments import acc_as_fp8_operand_a, acc_as_operand_a, mn_view
-from ..common.mask import mask_scores
+from ..common.mask import mask_scores, soft_cap
 from ..common.mma import gemm_rs, gemm_ss
 from ..common.softmax import OnlineSoftmax
 from .cta import Cta
@@ -54,15 +54,6 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
     else:
         gemm_rs(cta.lay.tiled_mma, cta.acc_O, p_frag, cta.vt, cta.vt.stage(slot))
     after_block(cta, n_block, slot)
-
-
-@cute.jit
-def soft_cap(S: cute.Tensor, scale_in, scale_out):
-    """S = (cap / scale) * tanh(S * scale / cap), so that the softmax's scale makes the logits
-    cap * tanh(scale * S / cap). Full-precision tanh: the approximate one's 2^-11 relative
-    error, times a cap of 50, would move logits by 0.02."""
-    for i in cutlass.range_constexpr(cute.size(S)):
-        S[i] = scale_out * cute.math.tanh(S[i] * scale_in, fastmath=False)
 
 
 @cute.jit

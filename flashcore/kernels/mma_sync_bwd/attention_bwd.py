@@ -4,9 +4,10 @@ sm_80 / sm_89 / sm_90.
 One CTA per (batch, K/V head, block of ``tile_n`` keys). K and V are loaded once; the CTA walks
 every query block of every query head that reads this K/V head (grouped-query attention: the
 group's heads one after another, so dK and dV sum over them in registers, with no atomics and
-the same result every run), each step one ``query_block``. Top-left causal (torch's
-``is_causal``) skips the query blocks above the key block's first key. dQ goes to an fp32
-accumulator through ``red.global.add``; the post kernel scales and converts it.
+the same result every run), each step one ``query_block``. Query blocks that see no key of the
+block (above a causal diagonal, top-left or bottom-right, or outside a window) are skipped
+(``block_info.query_blocks_seeing``). dQ goes to an fp32 accumulator through
+``red.global.add``; the post kernel scales and converts it.
 
 Inputs: Q, K, V, dO (batch, heads, seq, head_dim) 16-bit; the pre kernel's log2 LSE and D
 (batch, heads, padded rows) fp32; outputs dK, dV (K's shape). ABI:
@@ -34,22 +35,29 @@ class AttentionBackward:
     @cute.jit
     def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
              mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-             mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32):
+             mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
+             window_left: cutlass.Int32 | None = None, window_right: cutlass.Int32 | None = None,
+             softcap_in: cutlass.Float32 | None = None,
+             softcap_out: cutlass.Float32 | None = None):
         """The launch; the runtime repeats this geometry (``abi.backward_grid``)."""
         lay = BackwardLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
-        self.kernel(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, scale_log2, scale).launch(
+        self.kernel(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, scale_log2, scale,
+                    window_left, window_right, softcap_in, softcap_out).launch(
             grid=(n_blocks * mK.shape[1] * mK.shape[0], 1, 1),
             block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
                mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32):
+               mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
+               window_left: cutlass.Int32 | None, window_right: cutlass.Int32 | None,
+               softcap_in: cutlass.Float32 | None, softcap_out: cutlass.Float32 | None):
         lay = BackwardLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
-        cta = BackwardCta(lay, storage, mQ, mK, mV)
+        cta = BackwardCta(lay, storage, mQ, mK, mV, window_left, window_right)
+        cta.softcap = (softcap_in, softcap_out)
         wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
         lo, hi = cta.query_blocks()
         per_head = cutlass.max(hi - lo, 0)

@@ -6,6 +6,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
+from ..common.block_info import UNBOUNDED, KeyBounds, query_blocks_seeing
 from ..common.mma import SmemOperand
 from .layouts import BackwardLayouts, transposed
 
@@ -21,7 +22,8 @@ def key_block_coords(mK: cute.Tensor, tile_n: int):
 class BackwardCta:
     """Trace-time view of one CTA."""
 
-    def __init__(self, lay: BackwardLayouts, storage, mQ, mK, mV):
+    def __init__(self, lay: BackwardLayouts, storage, mQ, mK, mV, window_left=None,
+                 window_right=None):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
@@ -29,6 +31,7 @@ class BackwardCta:
         self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn)
         self.q_group = mQ.shape[1] // mK.shape[1]
         self.seqlen_q, self.seqlen_k = mQ.shape[2], mK.shape[2]
+        self.bounds = self.key_bounds(window_left, window_right)
 
         # ---- shared tiles -------------------------------------------------------------------
         self.sQ = storage.sQ.get_tensor(lay.sQ)
@@ -96,11 +99,21 @@ class BackwardCta:
         self.ds = operand(mma, thr, A, ld, self.sdS, self.sdS)
         self.kt = operand(mma, thr, B, ldt, sKt, sKt)
 
+    def key_bounds(self, window_left, window_right) -> KeyBounds:
+        """The keys each token sees (``block_info``): bottom-right alignment puts the last query
+        on the last key (a row is a token here: the query heads of a group are walked one after
+        another, never packed into rows)."""
+        spec = self.spec
+        offset = 0
+        if cutlass.const_expr(spec.mask_align == "bottom_right"):
+            offset = self.seqlen_k - self.seqlen_q
+        left, right = UNBOUNDED, UNBOUNDED
+        if cutlass.const_expr(spec.window):
+            left, right = window_left, window_right
+        return KeyBounds(spec.causal, spec.shifted_mask, spec.window, offset, left, right)
+
     def query_blocks(self):
-        """[lo, hi): the query blocks whose rows see some key of this block (top-left causal:
-        query i sees keys j <= i, so rows from the block's first key on)."""
+        """[lo, hi): the query blocks some row of which sees a key of this block."""
         c = self.config
-        lo = 0
-        if cutlass.const_expr(self.spec.causal):
-            lo = self.n_block * c.tile_n // c.tile_m
-        return lo, cute.ceil_div(self.seqlen_q, c.tile_m)
+        return query_blocks_seeing(self.n_block, c.tile_m, c.tile_n, self.seqlen_q,
+                                   self.seqlen_k, self.bounds, cutlass.min, cutlass.max)

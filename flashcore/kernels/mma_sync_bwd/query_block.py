@@ -1,5 +1,6 @@
 """One query block against the CTA's key block: recompute P from the forward's LSE, then
-dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − D), dK += dSᵀ·Q, dQ += dS·K (fp32 atomics).
+dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − D), dK += dSᵀ·Q, dQ += dS·K (fp32 atomics). With a
+soft-cap, P comes from the capped scores and dS gets its slope: dS = P ∘ (dP − D) ∘ (1 − tanh²).
 
 The next block's dO is copied in as soon as dV is done with this one's, and its Q once dK is:
 their loads run under dK's and dQ's products (one buffer each, no extra shared memory)."""
@@ -8,10 +9,10 @@ their loads run under dK's and dQ's products (one buffer each, no extra shared m
 import cutlass
 import cutlass.cute as cute
 
-from ..common.block_info import KeyBounds
+from ..common.block_info import block_needs_mask
 from ..common.copies import load_block
 from ..common.fragments import mn_view
-from ..common.mask import mask_scores
+from ..common.mask import mask_scores, soft_cap
 from ..common.mma import gemm_ss
 from .atomics import add_into
 from .cta import BackwardCta
@@ -30,12 +31,11 @@ def load_rows_of(cta: BackwardCta, mX, dst, head, m_block, slot):
 @cute.jit
 def needs_mask(cta: BackwardCta, m_block):
     """Whether some score of (query block, key block) is hidden: a key past the sequence end
-    (the ragged last block), or with top-left causal a key after the block's first query."""
+    (the ragged last block), or one a row's causal diagonal or window hides."""
     c = cta.config
-    visible = cta.seqlen_k
-    if cutlass.const_expr(cta.spec.causal):
-        visible = cutlass.min(visible, m_block * c.tile_m + 1)
-    return (cta.n_block + 1) * c.tile_n > visible
+    hidden = block_needs_mask(m_block, cta.n_block, c.tile_m, c.tile_n, cta.seqlen_k,
+                              cta.bounds, cutlass.max)
+    return hidden > 0
 
 
 @cute.jit
@@ -49,6 +49,16 @@ def row_values(cta: BackwardCta, rows_of_head, m_block):
     for r in cutlass.range_constexpr(n):
         values[r] = block[rows[r, 0][0]]
     return values
+
+
+@cute.jit
+def capped_slopes(S: cute.Tensor, dP: cute.Tensor, dpsum, scale_in):
+    """dP − D times the soft-cap's slope 1 − tanh², tanh = capped S · scale / c: what dS = P ∘
+    dP then needs. Before the mask: every capped score is finite here, so a masked one's P of
+    0 gives dS = 0 (after it, −inf would give 0 · −inf)."""
+    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+        t = S[r, None].load() * scale_in
+        dP[r, None] = (dP[r, None].load() - dpsum[r]) * (cute.full_like(t, 1.0) - t * t)
 
 
 @cute.jit
@@ -73,18 +83,24 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
     # P = exp2(S · scale · log2 e − LSE · log2 e): a masked score, or a row that saw no key
     # (its log2 LSE is +inf), gives 0
     S = mn_view(acc_S)
+    dP = mn_view(acc_dP)
+    if cutlass.const_expr(cta.spec.softcap):
+        soft_cap(S, *cta.softcap)  # as the forward: S -> (c / scale) · tanh(S · scale / c)
+        capped_slopes(S, dP, dpsum, cta.softcap[0])
     coords = mn_view(cta.thr_sdp.partition_C(cute.local_tile(
         cute.make_identity_tensor((cta.seqlen_q, cta.seqlen_k)), (tm, tn),
         (m_block, cta.n_block))))
     if needs_mask(cta, m_block):
-        mask_scores(S, coords, cta.seqlen_k, KeyBounds(cta.spec.causal), 1)
-    dP = mn_view(acc_dP)
+        mask_scores(S, coords, cta.seqlen_k, cta.bounds, 1)
     for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
         row = S[r, None].load()
         p = cute.math.exp2(cute.math.fma(row, cute.full_like(row, scale_log2),
                                          cute.full_like(row, -lse2[r])), fastmath=True)
         S[r, None] = p
-        dP[r, None] = p * (dP[r, None].load() - dpsum[r])
+        if cutlass.const_expr(cta.spec.softcap):  # dP holds (dP − D) · (1 − tanh²) already
+            dP[r, None] = p * dP[r, None].load()
+        else:
+            dP[r, None] = p * (dP[r, None].load() - dpsum[r])
 
     # P and dS to shared memory in the input dtype: the next products read them transposed
     dt = cta.lay.dtype
