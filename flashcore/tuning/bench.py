@@ -3,6 +3,7 @@
     python -m flashcore.bench                 # the full suite
     python -m flashcore.bench --quick         # the mission shape, the large shapes, decode
     python -m flashcore.bench --decode        # the decode (and GQA prefill) section only
+    python -m flashcore.bench --backward      # training: forward + backward, backward alone
     python -m flashcore.bench --out DIR       # records go to DIR (default: ./bench-results)
 
 For each shape: kernel time (median over CUDA-graph replays of several launches, inputs rotated so
@@ -43,60 +44,8 @@ from .peers import (
     implementations,
     read_floor,
 )
+from .shape import Shape
 from .timing import n_sets, time_eager, time_kernel
-
-
-@dataclass(frozen=True)
-class Shape:
-    """(batch, heads, seq, head_dim): ``seq`` keys; ``seq_q`` queries (default ``seq``);
-    ``kv_heads`` K/V heads (default ``heads``: grouped-query attention when fewer)."""
-
-    batch: int
-    heads: int
-    seq: int
-    head_dim: int
-    causal: bool = False
-    dtype: str = "float16"
-    kv_heads: int | None = None
-    seq_q: int | None = None
-
-    @property
-    def sq(self) -> int:
-        return self.seq if self.seq_q is None else self.seq_q
-
-    @property
-    def hkv(self) -> int:
-        return self.heads if self.kv_heads is None else self.kv_heads
-
-    @property
-    def decode(self) -> bool:
-        return self.sq < self.seq
-
-    @property
-    def label(self) -> str:
-        heads = f"{self.heads}" if self.hkv == self.heads else f"{self.heads}/{self.hkv}"
-        seq = f"{self.seq}" if self.sq == self.seq else f"{self.sq}x{self.seq}"
-        c = " causal" if self.causal else ""
-        dt = "" if self.dtype == "float16" else f" {self.dtype}"
-        return f"{self.batch},{heads},{seq},{self.head_dim}{c}{dt}"
-
-    def flops(self) -> float:
-        f = 4.0 * self.batch * self.heads * self.sq * self.seq * self.head_dim
-        return f / 2 if self.causal and self.sq == self.seq else f
-
-    def min_bytes(self, kv_bytes: int = 2) -> float:
-        """Each input read once and the output written once."""
-        qo = 2 * 2 * self.batch * self.heads * self.sq * self.head_dim
-        return qo + 2 * kv_bytes * self.batch * self.hkv * self.seq * self.head_dim
-
-    def inputs(self) -> tuple[torch.Tensor, ...]:
-        dt = getattr(torch, self.dtype)
-
-        def mk(h: int, s: int) -> torch.Tensor:
-            return torch.randn(self.batch, h, s, self.head_dim, device="cuda", dtype=dt)
-
-        return mk(self.heads, self.sq), mk(self.hkv, self.seq), mk(self.hkv, self.seq)
-
 
 MISSION = Shape(1, 8, 512, 64)
 # the decode issue's shapes: B, H_q, H_kv, S_k, D with one query token
@@ -335,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="mission shape, large shapes and decode only (a few minutes)")
     ap.add_argument("--decode", action="store_true", help="the decode and GQA section only")
+    ap.add_argument("--backward", action="store_true",
+                    help="the backward section only: forward + backward and the backward alone "
+                         "against SDPA, FlashAttention-4 and FlexAttention, with peak memory "
+                         "(--quick: three shapes)")
     ap.add_argument("--out", default=DEFAULT_OUT,
                     help=f"folder for the JSON and PNG (default: {DEFAULT_OUT}, git-ignored)")
     ap.add_argument("--no-eager", action="store_true", help="skip eager timings")
@@ -354,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
+    if a.backward:
+        return backward_main(a)
     tile = {"tile": tuple(a.tile)} if a.tile else {}
     ours = {"flashcore": _flashcore(**tile)}
     if torch.cuda.get_device_capability() >= (9, 0):  # Hopper kernels launch with PDL
@@ -385,6 +340,25 @@ def main(argv: list[str] | None = None) -> int:
                       rounds=a.rounds)
     path = record(results, Path(a.out))
     print(table(results))
+    print(f"record: {path}")
+    return 0
+
+
+def backward_main(a: argparse.Namespace) -> int:
+    """``--backward``: the training section (``backward_bench``)."""
+    from .backward_bench import (
+        backward_implementations,
+        backward_suite,
+        backward_table,
+        measure_backward,
+        record_backward,
+    )
+
+    shapes = ([_parse_shape(x) for x in a.shapes.split(";")] if a.shapes
+              else backward_suite(a.quick))
+    results = measure_backward(shapes, backward_implementations(), rounds=a.rounds)
+    path = record_backward(results, Path(a.out), environment())
+    print(backward_table(results))
     print(f"record: {path}")
     return 0
 

@@ -43,6 +43,32 @@ def _fa4() -> Impl | None:
     return run
 
 
+def _flex() -> Impl | None:
+    """FlexAttention compiled (``torch.nn.attention.flex_attention``): causal as a block mask
+    made once per (lengths, device), top-left as torch's ``is_causal``."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except Exception:
+        return None
+    compiled = torch.compile(flex_attention, dynamic=False)
+    masks: dict = {}
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run(q, k, v, causal):
+        block_mask = None
+        if causal:
+            key = (q.shape[2], k.shape[2], q.device)
+            block_mask = masks.get(key)
+            if block_mask is None:
+                block_mask = masks[key] = create_block_mask(
+                    causal_mask, None, None, q.shape[2], k.shape[2], device=q.device)
+        return compiled(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+    return run
+
+
 def _flashcore(**kw) -> Impl:
     """Our op with its defaults (the tuned config) or the knobs given."""
     from ..ops import attention

@@ -20,21 +20,23 @@ def n_sets(bytes_per_set: int, l2_bytes: int) -> int:
 
 
 def time_kernel(call: Callable[..., object], sets: Sequence[tuple], reps: int = 20,
-                warmup_ms: float = 100.0) -> float:
+                warmup_ms: float = 100.0, stream: torch.cuda.Stream | None = None) -> float:
     """Median µs per call of a CUDA graph that replays one call per input set, after replaying
     it for ``warmup_ms``: the GPU idles while inputs are made and kernels load, and its clocks
     take tens of ms to come back (without the warm-up, the first implementation timed after a
-    pause runs slower than the same kernel timed later in the same run)."""
+    pause runs slower than the same kernel timed later in the same run). ``stream``: warm up and
+    capture on it (an autograd backward runs on its forward's stream, so a backward is captured
+    on the stream its forward ran on)."""
     for inputs in sets:
         call(*inputs)  # compile, load, allocate (and any per-input preparation) first
     torch.cuda.synchronize()
-    s = torch.cuda.Stream()
+    s = stream or torch.cuda.Stream()
     with torch.cuda.stream(s):
         for inputs in sets[:2]:
             call(*inputs)
     s.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=stream):
         for inputs in sets:
             call(*inputs)
     _keep_busy(g.replay, warmup_ms)
