@@ -19,6 +19,7 @@ LAYERS = {
     "tuned": {"spec", "errors"},
     "ops": {"runtime", "build", "spec", "errors", "tuned"},
     "tuning": {"ops", "runtime", "build", "spec", "errors", "tuned"},
+    "integrations": {"ops", "spec", "errors"},
     "reference": {"kernels.common.block_info"},
 }
 TOP = {"cli", "bench", "autotune", "__init__"}

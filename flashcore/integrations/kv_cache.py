@@ -1,0 +1,130 @@
+"""The torch side of ``flash_attn_with_kvcache``: rotary embeddings, appending new keys and
+values into a dense or paged cache in place, and a dense cache seen as pages (so
+``attention_paged`` reads it with per-row lengths, no copy)."""
+
+from __future__ import annotations
+
+import torch
+
+# page sizes whose copy passes are compiled in (flashcore.ops.serving); others gather rows
+_FAST_PAGE_SIZES = (256, 128, 64, 32, 16)
+
+
+def as_lengths(cache_seqlens, batch: int, device: torch.device) -> torch.Tensor:
+    """``cache_seqlens`` (an int or a (batch,) integer tensor) as an int32 (batch,) tensor."""
+    if isinstance(cache_seqlens, bool):
+        raise TypeError(f"cache_seqlens must be an int or a tensor, got {cache_seqlens!r}")
+    if isinstance(cache_seqlens, int):
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens must be an int or a tensor, got "
+                        f"{type(cache_seqlens).__name__}")
+    if cache_seqlens.dtype.is_floating_point or cache_seqlens.dtype == torch.bool:
+        raise TypeError(f"cache_seqlens must hold integers, got {cache_seqlens.dtype}")
+    if cache_seqlens.shape != (batch,):
+        raise ValueError(f"cache_seqlens has shape {tuple(cache_seqlens.shape)}, expected "
+                         f"({batch},)")
+    return cache_seqlens.to(device=device, dtype=torch.int32)
+
+
+def positions(lengths: torch.Tensor, seqlen: int, per_token: bool = True) -> torch.Tensor:
+    """(batch, seqlen) int64 positions lengths[b] + t (or lengths[b] for every t)."""
+    start = lengths.to(torch.int64)[:, None]
+    if not per_token:
+        return start.expand(-1, seqlen)
+    return start + torch.arange(seqlen, device=lengths.device)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """Rotary embedding of x (batch, seqlen, heads, head_dim) at ``pos`` (batch, seqlen), with
+    cos/sin (max_pos, rotary_dim / 2): the first rotary_dim features turn, the rest pass.
+    Interleaved pairs features (0, 1), (2, 3), ... (GPT-J); otherwise (i, i + rotary_dim / 2)
+    (GPT-NeoX). Computed in float32 and rounded once, as FlashAttention's kernel does."""
+    half = cos.shape[-1]
+    rd = 2 * half
+    if sin.shape != cos.shape:
+        raise ValueError(f"rotary_sin {tuple(sin.shape)} and rotary_cos {tuple(cos.shape)} differ")
+    if rd > x.shape[-1]:
+        raise ValueError(f"rotary_cos has {half} columns: rotary dim {rd} is over head_dim "
+                         f"{x.shape[-1]}")
+    c = cos[pos].float()[:, :, None, :]  # (batch, seqlen, 1, half)
+    s = sin[pos].float()[:, :, None, :]
+    xr = x[..., :rd].float()
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        turned = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+        turned = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    return torch.cat((turned.to(x.dtype), x[..., rd:]), dim=-1)
+
+
+def dense_slots(rows: torch.Tensor, lengths: torch.Tensor, seqlen: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cache row, position) index pairs, each (batch, seqlen), where the new tokens go in a
+    dense cache: row ``rows[b]``, positions lengths[b] .. lengths[b] + seqlen - 1."""
+    pos = positions(lengths, seqlen)
+    return rows.to(torch.int64)[:, None].expand_as(pos), pos
+
+
+def paged_slots(block_table: torch.Tensor, lengths: torch.Tensor, seqlen: int, page_size: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page, row in page) index pairs, each (batch, seqlen), of the new tokens' positions
+    lengths[b] + t through the block table."""
+    pos = positions(lengths, seqlen)
+    pages = block_table.to(torch.int64).gather(1, pos // page_size)
+    return pages, pos % page_size
+
+
+def append_(cache: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor],
+            new: torch.Tensor) -> None:
+    """Write ``new`` (batch, seqlen, heads, head_dim) into ``cache`` at ``slots`` in place."""
+    cache.index_put_(slots, new.to(cache.dtype))
+
+
+def room_faults(lengths: torch.Tensor, seqlen: int, capacity: int,
+                block_table: torch.Tensor | None, pages: int) -> list[tuple[str, torch.Tensor]]:
+    """Device-side tests (read back together) that appending ``seqlen`` tokens after
+    ``lengths`` stays inside the cache: an index_put_ out of range is a device fault."""
+    end = lengths.to(torch.int64) + seqlen
+    over = f"cache_seqlens + the {seqlen} new tokens is over the cache's {capacity} positions"
+    faults = [("cache_seqlens must be >= 0", (lengths < 0).any()), (over, (end > capacity).any())]
+    if block_table is not None:
+        page_size = capacity // max(block_table.shape[1], 1)
+        reach = (end.clamp(0, capacity) + page_size - 1) // page_size
+        page_ids = torch.arange(block_table.shape[1], device=block_table.device)
+        used = page_ids[None, :] < reach[:, None]
+        faults.append((f"a block_table entry the new tokens use is outside 0..{pages - 1}",
+                       (used & ((block_table < 0) | (block_table >= pages))).any()))
+    return faults
+
+
+def raise_faults(faults: list[tuple[str, torch.Tensor]]) -> None:
+    flags = torch.stack([bad.reshape(()) for _, bad in faults]).tolist()
+    for (message, _), bad in zip(faults, flags):
+        if bad:
+            raise ValueError(f"flash_attn_with_kvcache: {message} (check_lengths=False skips "
+                             "this check)")
+
+
+def dense_as_pages(cache: torch.Tensor, rows: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense cache (batch_cache, seqlen_cache, heads, head_dim) as ``attention_paged``'s
+    (pages, page_size, heads, head_dim) view of the same memory and the (batch, pages per row)
+    int32 block table that maps batch entry b onto cache row ``rows[b]``. The largest page size
+    of the compiled-in copy passes that divides the row is used where the view exists; else a
+    row is one page (read a key at a time)."""
+    n_rows, seqlen = cache.shape[:2]
+    page = next((p for p in _FAST_PAGE_SIZES if seqlen % p == 0), None)
+    if page is not None and cache.stride(0) == seqlen * cache.stride(1):
+        per_row = seqlen // page
+        pages = cache.view(n_rows * per_row, page, *cache.shape[2:])
+        first = rows.to(torch.int32)[:, None] * per_row
+        table = first + torch.arange(per_row, dtype=torch.int32, device=rows.device)
+        return pages, table
+    return cache, rows.to(torch.int32)[:, None].contiguous()
+
+
+__all__ = ["append_", "apply_rotary", "as_lengths", "dense_as_pages", "dense_slots",
+           "paged_slots", "positions", "raise_faults", "room_faults"]

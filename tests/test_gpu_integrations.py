@@ -1,0 +1,207 @@
+"""The FlashAttention and transformers front ends on the GPU: against the float64 reference
+within twice SDPA's own error, and a small random-init transformers model whose logits with
+flashcore match the SDPA backend's (both against an fp32 copy) and whose greedy steps agree."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flashcore import reference
+from flashcore.integrations import flash_attn as fa
+from tests.gpu_utils import max_abs, requires_cuda
+from tests.test_gpu_attention import _allowed
+from tests.test_gpu_masks import _torch_baseline
+
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+
+def _t(x):
+    """FlashAttention's (batch, seq, heads, dim) as (batch, heads, seq, dim)."""
+    return x.transpose(1, 2)
+
+
+def _check(out_bshd, q, k, v, causal, window, softcap):
+    """out (FA layout) against the float64 reference of q, k, v (FA layout), bottom-right."""
+    right = 0 if causal else window[1]
+    win = None if window == (-1, -1) else (window[0], right)
+    args = (_t(q), _t(k), _t(v))
+    ref = reference.attention(*args, causal=causal, mask_align="bottom_right", window=win,
+                              softcap=softcap or None, device=q.device)
+    base = _torch_baseline(*args, causal, "bottom_right", win, softcap or None)
+    err, err_sdpa = max_abs(_t(out_bshd), ref), max_abs(base, ref)
+    allowed = _allowed(err_sdpa, ref, q.dtype)
+    assert err <= allowed, f"max err {err:.3g} vs SDPA's {err_sdpa:.3g} (allowed {allowed:.3g})"
+
+
+def _qkv(b, sq, sk, h, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    mk = lambda s, n: torch.randn(b, s, n, d, device="cuda", dtype=dtype, generator=g)
+    return mk(sq, h), mk(sk, hkv), mk(sk, hkv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("sq, sk", [(256, 256), (77, 300), (1, 500), (300, 100)])
+@pytest.mark.parametrize("causal, window, softcap", [
+    (False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (True, (64, 0), 0.0), (False, (32, 16), 0.0),
+    (True, (-1, -1), 30.0)])
+def test_flash_attn_func(dtype, d, sq, sk, causal, window, softcap):
+    q, k, v = _qkv(2, sq, sk, 8, 2, d, dtype)
+    out, lse, _ = fa.flash_attn_func(q, k, v, causal=causal, window_size=window,
+                                     softcap=softcap, return_attn_probs=True)
+    torch.cuda.synchronize()
+    assert out.shape == q.shape and out.is_contiguous() and lse.shape == (2, 8, sq)
+    _check(out, q, k, v, causal, window, softcap)
+
+
+def test_packed_forms_equal_the_unpacked_call():
+    qkv = torch.randn(2, 200, 3, 4, 64, device="cuda", dtype=torch.bfloat16)
+    a = fa.flash_attn_qkvpacked_func(qkv, causal=True)
+    b = fa.flash_attn_func(*qkv.unbind(2), causal=True)
+    assert torch.equal(a, b)
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attn_varlen_func(causal):
+    lq, lk = [100, 1, 0, 37], [300, 64, 5, 37]
+    dt = torch.bfloat16
+    q = torch.randn(sum(lq), 8, 128, device="cuda", dtype=dt)
+    k, v = (torch.randn(sum(lk), 2, 128, device="cuda", dtype=dt) for _ in range(2))
+    cq, ck = _cu(lq), _cu(lk)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=causal,
+                                            return_attn_probs=True)
+    assert lse.shape == (8, sum(lq))
+    for b in range(len(lq)):
+        if lq[b]:
+            qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            _check(out[None, qs], q[None, qs], k[None, ks], v[None, ks], causal, (-1, -1), 0.0)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("rotary", [False, True])
+def test_flash_attn_with_kvcache(paged, rotary):
+    dt, b, hkv, h, d, cap, ps = torch.bfloat16, 3, 2, 8, 128, 512, 64
+    lens = torch.tensor([0, 200, 449], dtype=torch.int32, device="cuda")
+    q, knew, vnew = _qkv(b, 4, 4, h, hkv, d, dt, seed=1)
+    k_dense, v_dense = (torch.randn(b, cap, hkv, d, device="cuda", dtype=dt) for _ in range(2))
+    cos = sin = None
+    if rotary:
+        ang = torch.arange(cap, device="cuda")[:, None] * 10000.0 ** (
+            -torch.arange(32, device="cuda") / 32)
+        cos, sin = ang.cos(), ang.sin()
+    if paged:
+        table = torch.randperm(b * cap // ps, device="cuda").view(b, -1).to(torch.int32)
+        k_cache = torch.empty(b * cap // ps, ps, hkv, d, device="cuda", dtype=dt)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[table.flatten().long()] = k_dense.view(-1, ps, hkv, d)
+        v_cache[table.flatten().long()] = v_dense.view(-1, ps, hkv, d)
+    else:
+        table, k_cache, v_cache = None, k_dense.clone(), v_dense.clone()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, knew, vnew, rotary_cos=cos,
+                                     rotary_sin=sin, cache_seqlens=lens, block_table=table,
+                                     causal=True, rotary_interleaved=False)
+    from flashcore.integrations import kv_cache
+
+    for i in range(b):
+        n = int(lens[i])
+        qi, ki = q[i:i + 1], knew[i:i + 1]
+        if rotary:
+            qi = kv_cache.apply_rotary(qi, cos, sin, torch.arange(4, device="cuda")[None] + n,
+                                       False)
+            ki = kv_cache.apply_rotary(ki, cos, sin, torch.arange(4, device="cuda")[None] + n,
+                                       False)
+        keys = torch.cat((k_dense[i:i + 1, :n], ki), 1)
+        vals = torch.cat((v_dense[i:i + 1, :n], vnew[i:i + 1]), 1)
+        got = (k_cache[table[i].long()].flatten(0, 1) if paged else k_cache[i])[:n + 4]
+        assert torch.equal(got, keys[0])
+        _check(out[i:i + 1], qi, keys, vals, True, (-1, -1), 0.0)
+
+
+# -- transformers -------------------------------------------------------------------------------
+
+
+def _model(kind: str, name: str):
+    transformers = pytest.importorskip("transformers")
+    common = {"vocab_size": 512, "hidden_size": 512, "intermediate_size": 1024,
+              "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2,
+              "max_position_embeddings": 2048}
+    if kind == "llama":
+        cfg, cls = transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    else:
+        cfg, cls = transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).to("cuda").eval()
+    model.set_attn_implementation(name)
+    return model
+
+
+def _models(kind):
+    from flashcore.integrations import transformers as fc_tf
+
+    name = fc_tf.register()
+    fp32 = _model(kind, "sdpa")
+    ours, theirs = _model(kind, name), _model(kind, "sdpa")
+    for m in (ours, theirs):
+        m.load_state_dict(fp32.state_dict())
+        m.to(torch.bfloat16)
+    fc_tf.reset_fallbacks()
+    return fp32, ours, theirs, fc_tf
+
+
+def _logits(model, ids, mask=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.double()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_transformers_logits_match_sdpa(kind, padded):
+    fp32, ours, theirs, fc_tf = _models(kind)
+    ids = torch.randint(0, 512, (3, 300), device="cuda")
+    mask = None
+    if padded:
+        mask = torch.ones_like(ids)
+        mask[0, :120] = 0
+        mask[2, :7] = 0
+    want = _logits(fp32, ids, mask)
+    rows = slice(None) if mask is None else mask.bool()
+    err = (_logits(ours, ids, mask) - want)[rows].abs().max().item()
+    err_sdpa = (_logits(theirs, ids, mask) - want)[rows].abs().max().item()
+    assert err <= 2 * err_sdpa + 1e-3, f"{err:.3g} vs SDPA's {err_sdpa:.3g}"
+    assert fc_tf.fallback_count() == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_transformers_greedy_steps_agree(kind):
+    fp32, ours, theirs, _ = _models(kind)
+    ids = torch.randint(0, 512, (2, 64), device="cuda")
+    with torch.no_grad():
+        got = ours.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    # each step: the same token as SDPA's model would pick on this prefix, unless the fp32
+    # model's two best logits lie within both backends' error of each other (a near tie)
+    for t in range(64, got.shape[1]):
+        prefix = got[:, :t]
+        a, b, ref = (_logits(m, prefix)[:, -1] for m in (ours, theirs, fp32))
+        tol = 2 * max((a - ref).abs().max().item(), (b - ref).abs().max().item())
+        top2 = ref.topk(2, -1).values
+        tie = (top2[:, 0] - top2[:, 1]) <= tol
+        assert ((got[:, t] == b.argmax(-1)) | tie).all(), f"step {t - 64}"
+
+
+def test_transformers_compiles_fullgraph():
+    _fp32, ours, _, fc_tf = _models("llama")
+    ids = torch.randint(0, 512, (2, 128), device="cuda")
+    compiled = torch.compile(lambda x: ours(input_ids=x, use_cache=False).logits, fullgraph=True)
+    with torch.no_grad():
+        eager, traced = ours(input_ids=ids, use_cache=False).logits, compiled(ids)
+    assert math.isfinite(traced.float().abs().max().item())
+    assert (traced.float() - eager.float()).abs().max().item() <= 0.05
+    assert fc_tf.fallback_count() == 0

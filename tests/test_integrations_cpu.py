@@ -1,0 +1,519 @@
+"""The FlashAttention and transformers front ends without a GPU: flashcore's three ops are
+replaced by float64 fakes (``flashcore.reference``) that record each call, so what is checked
+is the mapping (arguments, layouts, views, per-row lengths), the torch-side work (rotary, KV
+append) and the numbers that mapping gives."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashcore import reference
+from flashcore.integrations import flash_attn as fa
+from flashcore.integrations import kv_cache
+from flashcore.integrations import transformers as fc_tf
+
+DT = torch.bfloat16
+
+
+def _store(res, out):
+    """A fake op's result: into ``out`` when given (as the kernels write it), in q's dtype."""
+    o, lse = res
+    if out is None:
+        return o, lse.float()
+    out.copy_(o)
+    return out, lse.float()
+
+
+def _ref(q, k, v, causal, scale, mask_align="top_left", window=None, softcap=None):
+    return reference.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
+                               mask_align=mask_align, window=window, softcap=softcap)
+
+
+class FakeOps:
+    """``attention``, ``attention_varlen``, ``attention_paged`` in float64 on the CPU; each
+    call is recorded as (op name, args, kwargs)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def attention(self, q, k, v, tile=None, causal=False, softmax_scale=None, return_lse=False,
+                  *, out=None, num_splits=None, mask_align="top_left", window=None,
+                  softcap=None, **kw):
+        self.calls.append(("attention", (q, k, v), {"causal": causal, "mask_align": mask_align,
+                           "window": window, "softcap": softcap, "out": out,
+                           "num_splits": num_splits}))
+        o, lse = _store(_ref(q, k, v, causal, softmax_scale, mask_align, window, softcap), out)
+        return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
+
+    def attention_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal=False,
+                         softmax_scale=None, return_lse=False, *, mask_align="top_left",
+                         window=None, softcap=None, out=None, check_lengths=True, **kw):
+        self.calls.append(("attention_varlen", (q, k, v, cu_q, cu_k, max_q, max_k),
+                           {"causal": causal, "mask_align": mask_align, "window": window,
+                                "softcap": softcap}))
+        o = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64)
+        for b in range(cu_q.shape[0] - 1):
+            qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            assert qs.stop - qs.start <= max_q and ks.stop - ks.start <= max_k
+            ob, lb = _ref(*(t[s].transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks))),
+                          causal, softmax_scale, mask_align, window, softcap)
+            o[qs], lse[:, qs] = ob[0].transpose(0, 1), lb[0]
+        o = o.to(q.dtype)
+        return (o, lse.float()) if return_lse else o
+
+    def attention_paged(self, q, k_cache, v_cache, block_table, seqlens_k, causal=False,
+                        softmax_scale=None, return_lse=False, *, cu_seqlens_q=None,
+                        max_seqlen_q=None, mask_align="top_left", window=None, softcap=None,
+                        num_splits=None, out=None, check_lengths=True, **kw):
+        self.calls.append(("attention_paged", (q, k_cache, v_cache, block_table, seqlens_k),
+                           {"causal": causal, "mask_align": mask_align, "window": window,
+                                "softcap": softcap, "cu_seqlens_q": cu_seqlens_q, "out": out,
+                                "max_seqlen_q": max_seqlen_q, "num_splits": num_splits}))
+        assert block_table.dtype == torch.int32 and seqlens_k.dtype == torch.int32
+        o = torch.zeros(q.shape, dtype=torch.float64)
+        lse = torch.zeros(o.shape[:-1], dtype=torch.float64)
+        if cu_seqlens_q is not None:
+            lse = lse.transpose(0, 1)  # (heads, total)
+        for b in range(block_table.shape[0]):
+            n = int(seqlens_k[b])
+            k, v = (c[block_table[b].long()].flatten(0, 1)[:n].transpose(0, 1)[None]
+                    for c in (k_cache, v_cache))
+            if cu_seqlens_q is None:
+                o[b:b + 1], lse[b:b + 1] = _ref(q[b:b + 1], k, v, causal, softmax_scale,
+                                                mask_align, window, softcap)
+            else:
+                qs = slice(cu_seqlens_q[b], cu_seqlens_q[b + 1])
+                ob, lb = _ref(q[qs].transpose(0, 1)[None], k, v, causal, softmax_scale,
+                              mask_align, window, softcap)
+                o[qs], lse[:, qs] = ob[0].transpose(0, 1), lb[0]
+        o, lse = _store((o, lse), out)
+        return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    f = FakeOps()
+    ns = SimpleNamespace(attention=f.attention, attention_varlen=f.attention_varlen,
+                         attention_paged=f.attention_paged)
+    monkeypatch.setattr(fa, "ops", ns)
+    monkeypatch.setattr(fc_tf, "ops", ns)
+    return f
+
+
+def _randn(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DT)
+
+
+def _naive(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+    """FlashAttention's semantics written out in float64 on its (batch, seq, heads, dim)
+    layout, independent of flashcore's reference: bottom-right diagonal, GQA by head index."""
+    q, k, v = (t.double() for t in (q, k, v))
+    sq, sk, h, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
+    k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * (scale or 1 / math.sqrt(d))
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq)[:, None] + sk - sq
+    j = torch.arange(sk)[None, :]
+    left, right = window
+    right = 0 if causal else right
+    hide = torch.zeros(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        hide |= j < i - left
+    if right >= 0:
+        hide |= j > i + right
+    p = torch.softmax(s.masked_fill(hide, -math.inf), -1).nan_to_num(0.0)
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _close(a, b, tol=2e-2):
+    assert a.shape == b.shape, (a.shape, b.shape)
+    err = (a.double() - b.double()).abs().max().item()
+    assert err <= tol, f"max err {err}"
+
+
+# -- mapping ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal, window, softcap, sq, sk, want", [
+    (False, (-1, -1), 0.0, 5, 9, fa.Masks(False, "top_left", None, None)),
+    (True, (-1, -1), 0.0, 5, 9, fa.Masks(True, "bottom_right", None, None)),
+    (True, (-1, -1), 0.0, 9, 9, fa.Masks(True, "top_left", None, None)),
+    (True, (4, 7), 30.0, 5, 9, fa.Masks(True, "bottom_right", (4, 0), 30.0)),
+    (True, (-1, 3), 0.0, 5, 9, fa.Masks(True, "bottom_right", None, None)),
+    (False, (4, 2), 0.0, 5, 9, fa.Masks(False, "bottom_right", (4, 2), None)),
+    (False, (-1, 0), 0.0, 5, 9, fa.Masks(False, "bottom_right", (-1, 0), None)),
+    (True, (3, 0), 0.0, None, None, fa.Masks(True, "bottom_right", (3, 0), None)),
+])
+def test_fa_masks_map_flash_attention_conventions(causal, window, softcap, sq, sk, want):
+    assert fa.fa_masks(causal, window, softcap, sq, sk) == want
+
+
+def test_bad_window_size_names_it():
+    with pytest.raises(ValueError, match="window_size"):
+        fa.fa_masks(False, 5, 0.0)
+
+
+# -- flash_attn_func and its packed forms -------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal, window, softcap", [
+    (False, (-1, -1), 0.0), (True, (-1, -1), 0.0), (True, (3, 0), 0.0), (False, (2, 1), 5.0)])
+@pytest.mark.parametrize("sq, sk", [(7, 7), (3, 11), (1, 6)])
+def test_flash_attn_func_matches_flash_attention_semantics(fake, causal, window, softcap, sq, sk):
+    q = _randn(2, sq, 4, 64, seed=1)
+    k, v = _randn(2, sk, 2, 64, seed=2), _randn(2, sk, 2, 64, seed=3)
+    out = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    assert out.shape == q.shape and out.is_contiguous() and out.dtype == DT
+    _close(out, _naive(q, k, v, causal, window, softcap))
+    name, (cq, ck, cv), kw = fake.calls[-1]
+    # transposed views of the caller's tensors: same memory, no copy
+    assert name == "attention"
+    assert cq.data_ptr() == q.data_ptr() and cq.shape == (2, 4, sq, 64)
+    assert ck.data_ptr() == k.data_ptr() and cv.data_ptr() == v.data_ptr()
+    assert kw["out"].data_ptr() == out.data_ptr()  # the kernel writes the result in place
+
+
+def test_flash_attn_func_returns_lse_and_refuses_what_flashcore_lacks(fake):
+    q, k, v = _randn(1, 5, 2, 64), _randn(1, 5, 2, 64, seed=1), _randn(1, 5, 2, 64, seed=2)
+    _out, lse, probs = fa.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert lse.shape == (1, 2, 5) and lse.dtype == torch.float32 and probs is None
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fa.flash_attn_func(q, k, v, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        fa.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+
+
+def test_packed_functions_are_views(fake):
+    qkv = _randn(2, 6, 3, 4, 64)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True)
+    _close(out, _naive(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], True))
+    args = fake.calls[-1][1]
+    assert all(t.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr() for t in args)
+    q, kv = _randn(2, 3, 4, 64, seed=5), _randn(2, 8, 2, 2, 64, seed=6)
+    out = fa.flash_attn_kvpacked_func(q, kv, causal=True)
+    _close(out, _naive(q, kv[:, :, 0], kv[:, :, 1], True))
+
+
+def _cu(lens):
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_per_sequence_attention(fake, causal):
+    lq, lk = [3, 0, 5], [6, 2, 5]
+    q, k, v = _randn(8, 4, 64, seed=1), _randn(13, 2, 64, seed=2), _randn(13, 2, 64, seed=3)
+    cq, ck = _cu(lq), _cu(lk)
+    out, lse, _ = fa.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, causal=causal,
+                                            return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (4, 8)
+    for b in range(3):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        if lq[b]:
+            _close(out[qs], _naive(q[None, qs], k[None, ks], v[None, ks], causal)[0])
+    assert fake.calls[-1][2]["mask_align"] == ("bottom_right" if causal else "top_left")
+    qkv = _randn(8, 3, 4, 64, seed=4)
+    fa.flash_attn_varlen_qkvpacked_func(qkv, cq, 5, causal=True)
+    kv = _randn(13, 2, 2, 64, seed=4)
+    fa.flash_attn_varlen_kvpacked_func(q, kv, cq, ck, 5, 6)
+    assert fake.calls[-1][1][1].data_ptr() == kv.data_ptr()
+
+
+def test_varlen_with_block_table_runs_the_paged_op(fake):
+    pages, ps = 6, 4
+    kc, vc = _randn(pages, ps, 2, 64, seed=1), _randn(pages, ps, 2, 64, seed=2)
+    table = torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32)
+    lq, lk = [2, 3], [9, 3]
+    q = _randn(5, 4, 64, seed=3)
+    cq, ck = _cu(lq), _cu(lk)
+    out = fa.flash_attn_varlen_func(q, kc, vc, cq, ck, 3, 9, causal=True, block_table=table)
+    name, args, kw = fake.calls[-1]
+    assert name == "attention_paged" and args[4].tolist() == lk
+    assert kw["cu_seqlens_q"] is cq and kw["max_seqlen_q"] == 3
+    for b in range(2):
+        keys = [kc, vc]
+        k, v = (c[table[b].long()].flatten(0, 1)[:lk[b]][None] for c in keys)
+        qs = slice(cq[b], cq[b + 1])
+        _close(out[qs], _naive(q[None, qs], k, v, True)[0])
+
+
+# -- rotary and the KV cache -------------------------------------------------------------------
+
+
+def _rotary_tables(n, half, base=10000.0):
+    inv = base ** (-torch.arange(half, dtype=torch.float64) / half)
+    ang = torch.arange(n, dtype=torch.float64)[:, None] * inv
+    return ang.cos().float(), ang.sin().float()
+
+
+def _rotary64(x, cos, sin, pos, interleaved):
+    """Rotary as complex multiplication in float64: each feature pair (a, b) -> (a + ib) e^{iθ}."""
+    half = cos.shape[-1]
+    x = x.double()
+    xr = x[..., :2 * half]
+    if interleaved:
+        a, b = xr[..., 0::2], xr[..., 1::2]
+    else:
+        a, b = xr[..., :half], xr[..., half:]
+    z = torch.complex(a, b) * torch.polar(torch.ones(()).double(),
+                                          torch.atan2(sin.double(), cos.double())[pos][:, :, None])
+    turned = (torch.stack((z.real, z.imag), -1).flatten(-2) if interleaved
+              else torch.cat((z.real, z.imag), -1))
+    return torch.cat((turned, x[..., 2 * half:]), -1)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("rotary_dim", [64, 32])
+def test_rotary_matches_the_float64_formula(interleaved, rotary_dim):
+    x = torch.randn(2, 3, 4, 64)
+    cos, sin = _rotary_tables(20, rotary_dim // 2)
+    pos = torch.tensor([[0, 1, 2], [7, 8, 9]])
+    got = kv_cache.apply_rotary(x, cos, sin, pos, interleaved)
+    want = _rotary64(x, cos, sin, pos, interleaved)
+    assert (got.double() - want).abs().max() < 1e-5
+    assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])
+
+
+def test_dense_cache_as_pages_reads_the_same_memory():
+    cache = torch.randn(3, 256, 2, 64)
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+    pages, table = kv_cache.dense_as_pages(cache, rows)
+    assert pages.data_ptr() == cache.data_ptr() and pages.shape[1] == 256
+    odd = torch.randn(3, 40, 2, 64)
+    pages_odd, table_odd = kv_cache.dense_as_pages(odd, rows)
+    assert pages_odd is odd and table_odd.tolist() == [[2], [0]]
+    cache = torch.randn(3, 96, 2, 64)
+    pages, table = kv_cache.dense_as_pages(cache, rows)
+    assert pages.shape == (9, 32, 2, 64) and table.dtype == torch.int32
+    for b, r in enumerate(rows.tolist()):
+        assert torch.equal(pages[table[b].long()].flatten(0, 1), cache[r])
+
+
+def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=False,
+                      interleaved=True, window=(-1, -1), check_lengths=True):
+    b, sq, snew, cap = 2, 2, 2, 96
+    kc, vc = _randn(3, cap, 2, 64, seed=1), _randn(3, cap, 2, 64, seed=2)
+    kc0, _vc0 = kc.clone(), vc.clone()
+    q = _randn(b, sq, 4, 64, seed=3)
+    k, v = _randn(b, snew, 2, 64, seed=4), _randn(b, snew, 2, 64, seed=5)
+    cos, sin = _rotary_tables(cap, 16) if rotary else (None, None)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens,
+        cache_batch_idx=batch_idx, causal=causal, window_size=window,
+        rotary_interleaved=interleaved, return_softmax_lse=True, check_lengths=check_lengths)
+    lens = kv_cache.as_lengths(cache_seqlens, b, q.device).tolist()
+    rows = list(range(b)) if batch_idx is None else batch_idx.tolist()
+    assert lse.shape == (b, 4, sq)
+    for i, (r, n) in enumerate(zip(rows, lens)):
+        kn, qi = k[i:i + 1], q[i:i + 1]
+        if rotary:
+            per_token = causal or window != (-1, -1)
+            qpos = torch.arange(sq)[None] + n if per_token else torch.full((1, sq), n)
+            qi = _rotary64(qi, cos, sin, qpos, interleaved).to(DT)
+            kn = _rotary64(kn, cos, sin, torch.arange(snew)[None] + n, interleaved).to(DT)
+        # appended in place at cache_seqlens; every other position untouched
+        assert torch.equal(kc[r, n:n + snew], kn[0]) and torch.equal(vc[r, n:n + snew], v[i])
+        assert torch.equal(kc[r, :n], kc0[r, :n])
+        assert torch.equal(kc[r, n + snew:], kc0[r, n + snew:])
+        want = _naive(qi, kc[r:r + 1, :n + snew], vc[r:r + 1, :n + snew], causal, window)
+        _close(out[i:i + 1], want)
+    untouched = sorted(set(range(3)) - set(rows))
+    assert all(torch.equal(kc[r], kc0[r]) for r in untouched)
+    return fake.calls[-1]
+
+
+def test_kvcache_equal_lengths_slice_the_cache_for_attention(fake):
+    name, (_q, k, _v), kw = _dense_cache_call(fake, 5)
+    assert name == "attention" and k.shape == (2, 2, 7, 64) and kw["mask_align"] == "bottom_right"
+
+
+@pytest.mark.parametrize("rotary, interleaved", [(False, True), (True, True), (True, False)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_kvcache_per_row_lengths_read_the_dense_cache_as_pages(fake, rotary, interleaved, causal):
+    lens = torch.tensor([3, 17], dtype=torch.int32)
+    name, args, _kw = _dense_cache_call(fake, lens, causal=causal, rotary=rotary,
+                                       interleaved=interleaved)
+    assert name == "attention_paged" and args[4].tolist() == [5, 19]
+    assert args[1].shape == (9, 32, 2, 64)  # 96-key rows as three pages of 32, no copy
+
+
+def test_kvcache_batch_idx_and_window(fake):
+    _dense_cache_call(fake, torch.tensor([4, 9]), batch_idx=torch.tensor([2, 0], dtype=torch.int32),
+                      window=(3, 0))
+
+
+def test_kvcache_without_new_keys_and_whole_cache(fake):
+    kc, vc = _randn(2, 16, 2, 64, seed=1), _randn(2, 16, 2, 64, seed=2)
+    q = _randn(2, 1, 4, 64, seed=3)
+    out = fa.flash_attn_with_kvcache(q, kc, vc, causal=True)
+    _close(out, _naive(q, kc, vc, True))
+    assert fake.calls[-1][0] == "attention" and fake.calls[-1][1][1].shape[2] == 16
+
+
+def test_kvcache_paged_append_goes_through_the_block_table(fake):
+    pages, ps = 8, 4
+    kc, vc = _randn(pages, ps, 1, 64, seed=1), _randn(pages, ps, 1, 64, seed=2)
+    table = torch.tensor([[6, 2, 7], [0, 3, 5]], dtype=torch.int32)
+    q, k, v = _randn(2, 3, 2, 64, seed=3), _randn(2, 3, 1, 64, seed=4), _randn(2, 3, 1, 64, seed=5)
+    lens = torch.tensor([2, 7], dtype=torch.int32)
+    out = fa.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table,
+                                     causal=True, num_splits=4)
+    name, args, kw = fake.calls[-1]
+    assert name == "attention_paged" and args[3] is table and kw["num_splits"] == 4
+    for b in range(2):
+        keys = kc[table[b].long()].flatten(0, 1)
+        vals = vc[table[b].long()].flatten(0, 1)
+        n = int(lens[b])
+        assert torch.equal(keys[n:n + 3], k[b]) and torch.equal(vals[n:n + 3], v[b])
+        _close(out[b:b + 1], _naive(q[b:b + 1], keys[None, :n + 3], vals[None, :n + 3], True))
+
+
+def test_kvcache_errors_name_the_argument(fake):
+    kc, vc = _randn(2, 8, 2, 64), _randn(2, 8, 2, 64)
+    q, k = _randn(2, 1, 2, 64), _randn(2, 1, 2, 64)
+    lens = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="cache_leftpad"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens)
+    with pytest.raises(NotImplementedError, match="alibi_slopes"):
+        fa.flash_attn_with_kvcache(q, kc, vc, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="k and v"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k=k, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k=k, v=k)
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_batch_idx=lens,
+                                   block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_seqlens .* over the cache"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=torch.tensor([1, 8]))
+    with pytest.raises(ValueError, match="block_table entry"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens,
+                                   block_table=torch.tensor([[0], [9]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="rotary_sin"):
+        fa.flash_attn_with_kvcache(q, kc, vc, rotary_cos=torch.ones(8, 4))
+    with pytest.raises(ValueError, match="cache_seqlens has shape"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([1, 2, 3]))
+    assert not fake.calls  # every error comes before any attention
+
+
+# -- transformers ------------------------------------------------------------------------------
+
+
+def _tiny_llama(name, **extra):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=128, **extra)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(DT).eval()
+    model.set_attn_implementation(name)
+    return model
+
+
+def test_register_refuses_names_transformers_reads_otherwise():
+    for bad in ("flashcore_attn", "sdpa", "org/kernel", ""):
+        with pytest.raises(ValueError, match="name"):
+            fc_tf._check_name(bad)
+    fc_tf._check_name(fc_tf.DEFAULT_NAME)
+
+
+def test_a_flash_name_is_what_transformers_cannot_load():
+    """Why the default name avoids "flash": transformers then looks for FlashAttention."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AttentionInterface.register("flashcore_attn", fc_tf.attention_forward)
+    model = _tiny_llama("sdpa")
+    with pytest.raises((ValueError, ImportError)):
+        model.set_attn_implementation("flashcore_attn")
+
+
+def _logits(model, ids, mask=None):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.float()
+
+
+@pytest.fixture
+def llama_pair(fake):
+    name = fc_tf.register()
+    ours, theirs = _tiny_llama(name), _tiny_llama("sdpa")
+    theirs.load_state_dict(ours.state_dict())
+    assert ours.config._attn_implementation == name
+    fc_tf.reset_fallbacks()
+    return ours, theirs
+
+
+def test_transformers_plain_forward_runs_dense_causal_attention(fake, llama_pair):
+    ours, theirs = llama_pair
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    _close(_logits(ours, ids), _logits(theirs, ids), tol=0.1)
+    calls = [c for c in fake.calls if c[0] == "attention"]
+    assert len(calls) == 2 and fc_tf.fallback_count() == 0
+    q, k, _ = calls[0][1]
+    assert q.shape == (2, 4, 12, 64) and k.shape == (2, 2, 12, 64)  # GQA: no repeat_kv
+    assert calls[0][2]["causal"] and calls[0][2]["mask_align"] == "top_left"
+
+
+def test_transformers_padding_unpads_to_varlen(fake, llama_pair):
+    ours, theirs = llama_pair
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[0, :4] = 0  # left padding
+    a, b = _logits(ours, ids, mask), _logits(theirs, ids, mask)
+    _close(a[:, -6:], b[:, -6:], tol=0.1)
+    _close(a[1], b[1], tol=0.1)
+    assert {c[0] for c in fake.calls} == {"attention_varlen"} and fc_tf.fallback_count() == 0
+    cu_q = fake.calls[0][1][3]
+    assert cu_q.tolist() == [0, 6, 16]
+
+
+def test_transformers_greedy_generation_agrees(fake, llama_pair):
+    ours, theirs = llama_pair
+    ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(3))
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        a, b = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert torch.equal(a, b)
+    decode = [c for c in fake.calls if c[1][0].shape[2] == 1]
+    assert decode and all(c[0] == "attention" for c in decode)
+
+
+def test_transformers_static_cache_passes_row_lengths(fake, llama_pair):
+    ours, theirs = llama_pair
+    ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(4))
+    kw = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0,
+          "cache_implementation": "static"}
+    with torch.no_grad():
+        a, b = ours.generate(ids, **kw), theirs.generate(ids, **kw)
+    assert torch.equal(a, b)
+    paged = [c for c in fake.calls if c[0] == "attention_paged"]
+    assert paged and paged[-1][1][4].tolist() == [7]  # 5 prompt + 2 generated keys valid
+
+
+def test_transformers_four_d_mask_falls_back_counted(fake, llama_pair):
+    ours, theirs = llama_pair
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(5))
+    keep = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    _close(_logits(ours, ids, keep), _logits(theirs, ids, keep), tol=0.1)
+    assert fc_tf.fallback_reasons() == {"4-D mask": 2} and not fake.calls
+
+
+def test_transformers_sliding_window_and_softcap_reach_the_op(fake):
+    fc_tf.register()
+    module = SimpleNamespace(is_causal=True, training=False)
+    q, k, v = _randn(1, 4, 9, 64, seed=1), _randn(1, 2, 9, 64, seed=2), _randn(1, 2, 9, 64, seed=3)
+    out, _ = fc_tf.attention_forward(module, q, k, v, None, scaling=0.1, sliding_window=4,
+                                     softcap=20.0)
+    assert out.shape == (1, 9, 4, 64)
+    kw = fake.calls[-1][2]
+    assert kw["window"] == (3, 0) and kw["softcap"] == 20.0
+    want = _naive(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, (3, 0), 20.0,
+                  scale=0.1)
+    _close(out, want)
+    # the same call through the torch fallback (as a 4-D mask would take it) gives the same
+    keep = fc_tf.sdpa_fallback.keep_mask(None, 9, 9, True, (3, 0), q.device)
+    alt = fc_tf.sdpa_fallback.attention(q, k, v, keep, 0.1, 20.0, 0.0, False)
+    _close(alt.transpose(1, 2), want)
