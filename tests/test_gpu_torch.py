@@ -102,23 +102,22 @@ def test_opcheck():
 
 
 def test_inputs_that_require_grad_raise_unless_told():
-    """A call the backward does not build (a window) refuses inputs that require grad;
+    """A call the backward does not build (FP8 operands) refuses inputs that require grad;
     ``tests/test_gpu_backward.py`` checks the calls it builds."""
     q, k, v = _qkv()
     q.requires_grad_()
-    window = (16, 0)
-    with pytest.raises(RuntimeError, match="no backward for window yet.*q require grad"):
-        attention(q, k, v, causal=True, window=window)
+    fp8 = {"causal": True, "precision": "fp8"}
+    with pytest.raises(RuntimeError, match="no backward for precision='fp8' yet.*q require grad"):
+        attention(q, k, v, **fp8)
     with torch.no_grad():
-        expected = attention(q, k, v, causal=True, window=window)
-    out = attention(q, k, v, causal=True, window=window, allow_no_grad=True)
+        expected = attention(q, k, v, **fp8)
+    out = attention(q, k, v, allow_no_grad=True, **fp8)
     assert torch.equal(out, expected) and out.grad_fn is None
     with torch.inference_mode():
-        assert torch.equal(attention(q, k, v, causal=True, window=window), expected)
+        assert torch.equal(attention(q, k, v, **fp8), expected)
     # compiled: the forward runs, and a backward through it says why it cannot
-    f = torch.compile(lambda q, k, v: attention(q, k, v, causal=True,
-                                                window=window).float().sum())
-    with pytest.raises(RuntimeError, match="no backward for window yet"):
+    f = torch.compile(lambda q, k, v: attention(q, k, v, **fp8).float().sum())
+    with pytest.raises(RuntimeError, match="no backward for precision='fp8' yet"):
         f(q, k, v).backward()
 
 
