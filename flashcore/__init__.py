@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from .errors import (
     CacheCorruptionError,
     CatalogError,
@@ -14,13 +12,14 @@ from .errors import (
     LaunchError,
     SpecError,
 )
-from .spec import AttentionSpec, TileConfig
+from .specs import AttentionSpec, TileConfig
+from .version import __version__
 
 
 def __getattr__(name: str):
     # Lazy: importing flashcore stays cheap and works without torch's CUDA or the DSL.
     if name in ("compile_kernel", "compile_many", "can_compile"):
-        from .build import compiler
+        from .compiler import compiler
 
         return getattr(compiler, name)
     if name == "load_catalog":
@@ -28,7 +27,7 @@ def __getattr__(name: str):
 
         return load_catalog
     if name == "KernelArtifact":
-        from .build.artifact import KernelArtifact
+        from .compiler.artifact import KernelArtifact
 
         return KernelArtifact
     if name == "ops":

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import FlashcoreError, SpecError
-from .spec import ARCHS, AttentionSpec, TileConfig
+from .specs import ARCHS, AttentionSpec, TileConfig
 
 
 class CliError(FlashcoreError):
@@ -119,7 +119,7 @@ def _console():
 
 # -- verbs -------------------------------------------------------------------------------------
 def cmd_compile(a: argparse.Namespace) -> int:
-    from .build.compiler import compile_kernel
+    from .compiler.compiler import compile_kernel
 
     spec = _spec_from(a)
     art = compile_kernel(spec)
@@ -168,7 +168,7 @@ def _print_report(report: dict, out: Path | None) -> None:
 
 def _report_source(x: str) -> dict | AttentionSpec:
     """A dump folder's report, or spec flags as 'arch=sm_89,head_dim=128,...' (to compile)."""
-    from .build.safe_read import JSON_MAX, read_regular
+    from .compiler.safe_read import JSON_MAX, read_regular
 
     p = Path(x)
     if p.is_dir():
@@ -222,8 +222,8 @@ def _is_int(v) -> bool:
 def _load_report(source: dict | AttentionSpec) -> dict:
     if isinstance(source, dict):
         return source
-    from .build.compiler import compile_kernel
-    from .build.inspect import resources_report, sass
+    from .compiler.compiler import compile_kernel
+    from .compiler.inspect import resources_report, sass
 
     art = compile_kernel(source)
     return resources_report(art, sass(art.cubin))
@@ -244,8 +244,8 @@ def _check_out_dir(out: Path) -> None:
 
 
 def cmd_dump(a: argparse.Namespace) -> int:
-    from .build.compiler import compile_kernel, compile_many
-    from .build.inspect import dump
+    from .compiler.compiler import compile_kernel, compile_many
+    from .compiler.inspect import dump
 
     if a.compare:
         sources = [_report_source(x) for x in a.compare]  # both checked before compiling
@@ -253,7 +253,7 @@ def cmd_dump(a: argparse.Namespace) -> int:
     parent = Path(a.out) if a.out else Path("dump")
     specs = None
     if a.all:
-        from .build.catalog import catalog_specs
+        from .compiler.catalog import catalog_specs
 
         specs = catalog_specs((a.arch,)) if a.arch_given else catalog_specs()
     else:
@@ -289,7 +289,7 @@ def _compare(ra: dict, rb: dict) -> int:
 
 
 def cmd_precompile(a: argparse.Namespace) -> int:
-    from .build.catalog import catalog_specs
+    from .compiler.catalog import catalog_specs
 
     specs = []
     for arch in a.arch:
@@ -298,7 +298,7 @@ def cmd_precompile(a: argparse.Namespace) -> int:
         arts = _compile_with_progress(specs, a.jobs, None)
         print(f"{len(arts)} kernels in the cache")
         return 0
-    from .build.catalog_folder import build_catalog_folder, check_target
+    from .compiler.catalog_folder import build_catalog_folder, check_target
     from .errors import CatalogError
 
     out = Path(a.out)
@@ -322,7 +322,7 @@ def cmd_precompile(a: argparse.Namespace) -> int:
 def _compile_with_progress(specs, jobs, cache):
     from rich.progress import Progress
 
-    from .build.compiler import compile_many
+    from .compiler.compiler import compile_many
 
     with Progress(transient=False) as progress:
         task = progress.add_task("compiling", total=len(specs))
@@ -331,7 +331,7 @@ def _compile_with_progress(specs, jobs, cache):
 
 
 def cmd_cache(a: argparse.Namespace) -> int:
-    from .build.cache import MAX_SIZE_ENV, KernelCache, cache_root, parse_size
+    from .compiler.cache import MAX_SIZE_ENV, KernelCache, cache_root, parse_size
 
     cache = KernelCache(cache_root())
     if a.action == "list":
@@ -377,7 +377,7 @@ def _report_removal(verb: str, root: Path, failed: list) -> int:
 
 
 def cmd_catalog_hash(a: argparse.Namespace) -> int:
-    from .build.catalog import INDEX, catalog_sha256
+    from .compiler.catalog import INDEX, catalog_sha256
 
     root = Path(a.dir)
     print(f"{catalog_sha256(root)}  {root / INDEX}")
@@ -396,8 +396,8 @@ def _version(dist: str) -> str | None:
 def cmd_info(a: argparse.Namespace) -> int:
     import platform
 
-    from .build.cache import KernelCache, cache_root
-    from .build.fingerprint import dsl_fingerprint, dsl_version, source_hash
+    from .compiler.cache import KernelCache, cache_root
+    from .compiler.fingerprint import dsl_fingerprint, dsl_version, source_hash
 
     cache = KernelCache(cache_root())
     info = {
@@ -430,7 +430,7 @@ def cmd_info(a: argparse.Namespace) -> int:
 
 
 def _size_arg(text: str) -> int:
-    from .build.cache import parse_size
+    from .compiler.cache import parse_size
 
     try:
         return parse_size(text)

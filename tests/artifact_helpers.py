@@ -10,11 +10,11 @@ import os
 import time
 from pathlib import Path
 
-from flashcore.build import cache as cache_mod
-from flashcore.build.artifact import KernelArtifact, ParamInfo, Resources
-from flashcore.build.cache import KernelCache
-from flashcore.build.fingerprint import source_hash
-from flashcore.spec import AttentionSpec, KernelSpec, TileConfig
+from flashcore.compiler import cache as cache_mod
+from flashcore.compiler.artifact import KernelArtifact, ParamInfo, Resources
+from flashcore.compiler.cache import KernelCache
+from flashcore.compiler.fingerprint import source_hash
+from flashcore.specs import AttentionSpec, KernelSpec, TileConfig
 
 SPEC = AttentionSpec(arch="sm_90", head_dim=128, config=TileConfig((128, 64), warps=8),
                      causal=True)

@@ -19,8 +19,8 @@ import torch
 
 from flashcore.errors import SpecError
 from flashcore.ops.backward import attention_backward
-from flashcore.spec import TileConfig
-from flashcore.spec.backward import default_backward_config
+from flashcore.specs import TileConfig
+from flashcore.specs.backward import default_backward_config
 
 SHAPES = [(4, 16, 16, 1024, 64), (4, 16, 16, 1024, 128), (2, 32, 8, 2048, 128),
           (1, 16, 16, 4096, 64)]

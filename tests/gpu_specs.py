@@ -14,11 +14,11 @@ import argparse
 import itertools
 from pathlib import Path
 
-from flashcore.build.catalog import catalog_specs
+from flashcore.compiler.catalog import catalog_specs
 from flashcore.errors import SpecError
 from flashcore.ops.plan import packed_rows_config
-from flashcore.spec import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
-from flashcore.spec.attention import MASK_ALIGNS
+from flashcore.specs import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
+from flashcore.specs.attention import MASK_ALIGNS
 from flashcore.tuned.table import BUCKETS, lookup, table_arch, winner_specs
 from flashcore.tuning.search import all_candidates
 from tests.gpu_utils import (
@@ -281,7 +281,7 @@ def backward_specs(arch: str) -> list:
     tests' explicit tiles) and post, of every head dim; those that fit ``arch``."""
     from flashcore.ops.backward import backward_specs as one_pass
     from flashcore.ops.masks import Masking
-    from flashcore.spec.backward import default_backward_config
+    from flashcore.specs.backward import default_backward_config
 
     specs = []
     for dtype, d, (causal, align, window, cap) in itertools.product(DTYPES, HEAD_DIMS,
@@ -339,9 +339,9 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=sorted(GROUPS), default=None,
                     help="only the kernels of these test groups")
     a = ap.parse_args()
-    from flashcore.build.cache import KernelCache
-    from flashcore.build.catalog import write_catalog
-    from flashcore.build.compiler import compile_many
+    from flashcore.compiler.cache import KernelCache
+    from flashcore.compiler.catalog import write_catalog
+    from flashcore.compiler.compiler import compile_many
 
     specs = (list(dict.fromkeys(_as_launched(s) for g in a.only for s in GROUPS[g](a.arch)))
              if a.only else gpu_test_specs(a.arch, a.buckets))

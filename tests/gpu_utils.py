@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from flashcore.spec import AttentionSpec, TileConfig
-from flashcore.spec.families import WgmmaWs
+from flashcore.specs import AttentionSpec, TileConfig
+from flashcore.specs.families import WgmmaWs
 
 requires_cuda = None
 try:
@@ -112,7 +112,7 @@ def skip_unless_fits(head_dim: int, precision: str = "fp16", kv_fp8: bool = Fals
     import pytest
 
     from flashcore.errors import SpecError
-    from flashcore.spec import AttentionSpec, TileConfig
+    from flashcore.specs import AttentionSpec, TileConfig
 
     try:
         AttentionSpec(arch=current_arch(), head_dim=head_dim, precision=precision,

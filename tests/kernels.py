@@ -173,7 +173,7 @@ PARKED_BYTES = 32  # a few values parked across the key loop: one store before, 
 def assert_no_spills_in_loops(art, what: str = "") -> None:
     """A kernel may park a few values across its key loop in local memory (stored once before,
     loaded once after: seen for coordinates the epilogue needs), never spill inside a loop."""
-    from flashcore.build.inspect import local_memory_in_loops, sass
+    from flashcore.compiler.inspect import local_memory_in_loops, sass
 
     r = art.resources
     assert r.stack_frame_bytes <= PARKED_BYTES, (what, r)
@@ -190,6 +190,6 @@ def compiled_in_fresh_cache(specs: list, tmp_path_factory) -> dict:
     import os
 
     os.environ["FLASHCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    from flashcore.build.compiler import compile_many
+    from flashcore.compiler.compiler import compile_many
 
     return dict(zip(specs, compile_many(specs, jobs=2)))

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flashcore.build import cache as cache_mod
-from flashcore.build.artifact import CUBIN, META, MLIR, PTX, KernelArtifact
-from flashcore.build.cache import (
+from flashcore.compiler import cache as cache_mod
+from flashcore.compiler.artifact import CUBIN, META, MLIR, PTX, KernelArtifact
+from flashcore.compiler.cache import (
     CacheWarning,
     KernelCache,
     default_cache,
@@ -27,7 +27,7 @@ from flashcore.build.cache import (
     spec_dir_name,
 )
 from flashcore.errors import CacheCorruptionError
-from flashcore.spec import AttentionSpec, QuantizeSpec
+from flashcore.specs import AttentionSpec, QuantizeSpec
 from tests.artifact_helpers import SPEC, child_get_or_build, synthetic_artifact
 
 DSL = "4.8.1"
@@ -143,7 +143,7 @@ def test_every_corruption_detected(tmp_path, kind):
 
 def test_rehashed_but_invalid_meta_detected(tmp_path):
     # consistent checksums around content that is not an artifact (e.g. a bad spec)
-    from flashcore.build import artifact as artifact_mod
+    from flashcore.compiler import artifact as artifact_mod
 
     _art().save(tmp_path)
     meta = json.loads((tmp_path / META).read_text())
@@ -355,7 +355,7 @@ def test_default_cache_follows_env(tmp_path, monkeypatch):
 
 
 def test_source_hash(tmp_path, monkeypatch):
-    from flashcore.build import fingerprint
+    from flashcore.compiler import fingerprint
 
     h = source_hash()
     assert len(h) == 16 and int(h, 16) >= 0 and source_hash() == h
@@ -381,7 +381,7 @@ def test_source_hash(tmp_path, monkeypatch):
 
 def test_hash_and_version_do_not_import_the_dsl():
     code = (
-        "import sys; from flashcore.build.fingerprint import source_hash, dsl_fingerprint; "
+        "import sys; from flashcore.compiler.fingerprint import source_hash, dsl_fingerprint; "
         "source_hash(); dsl_fingerprint(); "
         "assert 'cutlass' not in sys.modules, 'cutlass was imported'"
     )

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from flashcore.spec import SMEM_PER_BLOCK, TileConfig
+from flashcore.specs import SMEM_PER_BLOCK, TileConfig
 from flashcore.tuned import table
 from flashcore.tuning import search
 

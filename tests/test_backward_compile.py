@@ -9,10 +9,10 @@ import struct
 
 import pytest
 
-from flashcore.build.abi import backward_params, params_for
+from flashcore.compiler.abi import backward_params, params_for
 from flashcore.errors import SpecError
-from flashcore.spec import SMEM_PER_BLOCK, BackwardSpec, TileConfig, spec_from_dict
-from flashcore.spec.backward import BACKWARD_KNOBS, default_backward_config
+from flashcore.specs import SMEM_PER_BLOCK, BackwardSpec, TileConfig, spec_from_dict
+from flashcore.specs.backward import BACKWARD_KNOBS, default_backward_config
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 

@@ -11,8 +11,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashcore.ops.backward as bw
 from flashcore.ops.masks import masking
-from flashcore.spec import BackwardSpec
-from flashcore.spec.backward import default_backward_config
+from flashcore.specs import BackwardSpec
+from flashcore.specs.backward import default_backward_config
 
 
 def test_fake_implementation_gives_the_gradients_shapes():

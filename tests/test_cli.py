@@ -123,7 +123,7 @@ def test_host_without_dsl_runs_catalog_and_refuses_missing(catalog):
     present = index["kernels"][0]["spec"]
     code = NO_DSL + f"""
 import json, flashcore
-from flashcore.spec import spec_from_dict
+from flashcore.specs import spec_from_dict
 assert not flashcore.can_compile()
 art = flashcore.compile_kernel(spec_from_dict(json.loads({json.dumps(json.dumps(present))})))
 print("LOADED", art.entry, len(art.cubin))
@@ -171,8 +171,8 @@ def test_load_catalog_checks_integrity_and_arch(catalog, tmp_path, monkeypatch):
 
 
 def test_catalog_without_ir_still_verifies_and_loads(catalog, tmp_path):
-    from flashcore.build.artifact import KernelArtifact
-    from flashcore.build.catalog import copy_catalog, verify_catalog
+    from flashcore.compiler.artifact import KernelArtifact
+    from flashcore.compiler.catalog import copy_catalog, verify_catalog
 
     copy_catalog(catalog, tmp_path / "slim")
     index = verify_catalog(tmp_path / "slim")

@@ -8,8 +8,8 @@ import struct
 import pytest
 
 from flashcore import AttentionSpec, compile_kernel
-from flashcore.build.abi import attention_params
-from flashcore.spec import SMEM_PER_BLOCK, TileConfig
+from flashcore.compiler.abi import attention_params
+from flashcore.specs import SMEM_PER_BLOCK, TileConfig
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 SPECS = [
@@ -62,7 +62,7 @@ def test_hopper_kernel_works_out_its_coordinates_before_waiting_for_the_previous
     """With programmatic dependent launch a CTA is resident before the previous grid ends: its
     coordinates (integer divisions: I2F.RP, MUFU.RCP) and addresses are worked out before the
     wait (ACQBULK), which then comes right before the first global load."""
-    from flashcore.build.inspect import sass, sass_opcodes
+    from flashcore.compiler.inspect import sass, sass_opcodes
 
     text = sass(artifacts[SPECS[3]].cubin)
     if text is None:
@@ -117,7 +117,7 @@ def test_launch_buffer_places_each_parameter_at_its_pointer(spec):
     import ctypes
     from types import SimpleNamespace
 
-    from flashcore.build.abi import params_for
+    from flashcore.compiler.abi import params_for
     from flashcore.runtime.loader import LoadedKernel
 
     params = params_for(spec)
@@ -155,7 +155,7 @@ def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):
     compiled for sm_89, stays within the L4's 99 KB of shared memory per block and does not
     spill (beyond a value parked across the key loop, as above)."""
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
-    from flashcore.build.compiler import compile_many
+    from flashcore.compiler.compiler import compile_many
     from flashcore.tuned.table import winner_specs
 
     specs = list(winner_specs("sm_90", build_arch="sm_89", precisions=("fp16",)).values())

@@ -7,9 +7,9 @@ import re
 
 import pytest
 
-from flashcore.build.abi import attention_params, combine_params
-from flashcore.build.inspect import local_memory_in_loops, loop_bodies, sass
-from flashcore.spec import SMEM_PER_BLOCK, AttentionSpec, CombineSpec, TileConfig
+from flashcore.compiler.abi import attention_params, combine_params
+from flashcore.compiler.inspect import local_memory_in_loops, loop_bodies, sass
+from flashcore.specs import SMEM_PER_BLOCK, AttentionSpec, CombineSpec, TileConfig
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 DECODE = TileConfig((16, 64), warps=1, stages=2)

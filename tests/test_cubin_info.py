@@ -1,4 +1,4 @@
-"""flashcore.build.cubin_info against cubins from the CuTe DSL and from ptxas.
+"""flashcore.compiler.cubin_info against cubins from the CuTe DSL and from ptxas.
 
 The attribute ids, register counts, frame and shared sizes read here were also compared once with
 the CUDA driver's own numbers (cuFuncGetAttribute, cuOccupancyMaxActiveBlocksPerMultiprocessor) on
@@ -16,9 +16,9 @@ import subprocess
 import pytest
 from elftools.elf.elffile import ELFFile
 
-from flashcore.build import cubin_info
-from flashcore.build.artifact import Resources
-from flashcore.build.cubin_info import (
+from flashcore.compiler import cubin_info
+from flashcore.compiler.artifact import Resources
+from flashcore.compiler.cubin_info import (
     EIAttr,
     EIFormat,
     occupancy,
@@ -27,7 +27,7 @@ from flashcore.build.cubin_info import (
     read_nv_info,
     read_resources,
 )
-from flashcore.build.ptx_info import parse_entry
+from flashcore.compiler.ptx_info import parse_entry
 from tests.kernels import assemble, find_nvdisasm, have_ptxas
 
 

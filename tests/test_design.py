@@ -12,17 +12,18 @@ PACKAGE = Path(__file__).resolve().parent.parent / "flashcore"
 # entry points and the package's lazy __init__ may use anything.
 LAYERS = {
     "errors": set(),
-    "spec": {"errors"},
-    "kernels": {"spec", "errors"},
-    "build": {"spec", "errors"},
-    "runtime": {"build", "spec", "errors"},
-    "tuned": {"spec", "errors"},
-    "ops": {"runtime", "build", "spec", "errors", "tuned"},
-    "tuning": {"ops", "runtime", "build", "spec", "errors", "tuned"},
-    "integrations": {"ops", "spec", "errors"},
+    "version": set(),
+    "specs": {"errors"},
+    "kernels": {"specs", "errors"},
+    "compiler": {"specs", "errors", "version"},
+    "runtime": {"compiler", "specs", "errors"},
+    "tuned": {"specs", "errors"},
+    "ops": {"runtime", "compiler", "specs", "errors", "tuned"},
+    "tuning": {"ops", "runtime", "compiler", "specs", "errors", "tuned"},
+    "integrations": {"ops", "specs", "errors"},
     "reference": {"kernels.common.block_info"},
 }
-TOP = {"cli", "bench", "autotune", "__init__"}
+TOP = {"cli", "bench", "autotune", "__init__", "spec", "build"}  # spec, build: old names
 
 
 def _modules() -> dict[str, Path]:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops.fp8 import key_permutation
-from flashcore.spec import AttentionSpec, QuantizeSpec, SpecError, TileConfig
+from flashcore.specs import AttentionSpec, QuantizeSpec, SpecError, TileConfig
 from tests.kernels import assert_no_spills_in_loops
 
 
@@ -322,7 +322,7 @@ def test_fp8_specs_refuse_sm80():
 @pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
 def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
-    from flashcore.build.compiler import compile_many
+    from flashcore.compiler.compiler import compile_many
 
     att = AttentionSpec(arch=arch, head_dim=128, causal=True, precision="fp8", config=TileConfig((128, 64), warps=8))
     quant = QuantizeSpec(arch=arch, dtype="bfloat16", head_dim=128, transpose=True)
@@ -339,7 +339,7 @@ def test_fp8_kernel_compiles_with_e4m3_mma(arch, tmp_path, monkeypatch):
     assert_no_spills_in_loops(a, att.name)
     assert "cvt.rn.satfinite.e4m3x2.f32" in qz.ptx
     assert math.isclose(a.smem_dynamic, att.smem_bytes)
-    from flashcore.build.inspect import sass, sass_opcodes
+    from flashcore.compiler.inspect import sass, sass_opcodes
 
     text = sass(a.cubin)
     if text is None:
@@ -362,10 +362,10 @@ def test_per_head_scales_take_an_amax_pass_then_a_cast_of_many_ctas(tmp_path, mo
     reduces the shares itself (one warp's shuffles) before a single 16-byte load a thread. The
     ABI names the shares' tensor; ``part="amax"`` is only the per-head scale's first pass."""
     monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(tmp_path))
-    from flashcore.build.abi import params_for
-    from flashcore.build.compiler import compile_many
-    from flashcore.build.inspect import sass, sass_opcodes
-    from flashcore.spec.quantize import AMAX_SHARES
+    from flashcore.compiler.abi import params_for
+    from flashcore.compiler.compiler import compile_many
+    from flashcore.compiler.inspect import sass, sass_opcodes
+    from flashcore.specs.quantize import AMAX_SHARES
 
     assert AMAX_SHARES == 32  # a warp's lanes: lane i reads share i
     with pytest.raises(SpecError, match="first pass"):

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.errors import SpecError
 from flashcore.ops.backward import attention_backward
-from flashcore.spec import BackwardSpec, TileConfig
+from flashcore.specs import BackwardSpec, TileConfig
 from tests.gpu_utils import current_arch, max_abs, poison_, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]

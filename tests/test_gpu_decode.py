@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
-from flashcore.spec import MAX_SPLITS
+from flashcore.specs import MAX_SPLITS
 from flashcore.tuned.table import DECODE_DEFAULT
 from tests.gpu_utils import FP8_KV_CONFIGS, max_abs, requires_cuda
 from tests.test_gpu_attention import _allowed

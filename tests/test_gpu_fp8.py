@@ -28,7 +28,7 @@ from flashcore import reference
 from flashcore.ops import attention, plan
 from flashcore.ops.fp8 import attention_fp8, key_permutation, padded_keys, quantize_fp8
 from flashcore.runtime.device import arch_of
-from flashcore.spec import TileConfig
+from flashcore.specs import TileConfig
 from tests.gpu_utils import (
     FP8_SPLIT_CONFIGS,
     ROUNDED_SUMS_LSE_SLACK,

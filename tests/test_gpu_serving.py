@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops import attention, attention_paged, attention_varlen
-from flashcore.spec import TileConfig
+from flashcore.specs import TileConfig
 from tests.gpu_utils import max_abs, requires_cuda
 from tests.test_gpu_attention import _allowed
 from tests.test_gpu_decode import FP8_KV_TOL, _rel_l2

@@ -19,7 +19,7 @@ from flashcore import reference
 from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
-from flashcore.spec import TileConfig
+from flashcore.specs import TileConfig
 from tests.gpu_utils import fp8_sums_rounded_p, max_abs, requires_cuda
 from tests.test_gpu_attention import _allowed, _sdpa
 from tests.test_gpu_fp8 import SIM_TOL

@@ -216,7 +216,7 @@ def test_first_call_from_a_fresh_thread():
 def test_two_gpus_and_two_processes(tmp_path):
     """Kernels load per device; calls on cuda:1; load_catalog checks every device; two
     processes (torch.distributed, one GPU each) share one cache directory without a race."""
-    from flashcore.build.fingerprint import PACKAGE
+    from flashcore.compiler.fingerprint import PACKAGE
 
     q, k, v = _qkv()
     q1, k1, v1 = (t.to("cuda:1") for t in (q, k, v))

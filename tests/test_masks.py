@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
-from flashcore.build.abi import attention_params
+from flashcore.compiler.abi import attention_params
 from flashcore.errors import SpecError
 from flashcore.kernels.common.block_info import (
     UNBOUNDED,
@@ -22,7 +22,7 @@ from flashcore.kernels.common.block_info import (
     token_keys,
 )
 from flashcore.ops.masks import NO_MASK, Masking, masking
-from flashcore.spec import AttentionSpec, TileConfig
+from flashcore.specs import AttentionSpec, TileConfig
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 

@@ -16,7 +16,7 @@ from flashcore.ops import plan
 from flashcore.ops.eager import resolve_config
 from flashcore.ops.inputs import E4M3
 from flashcore.ops.validate import _ranges_overlap, _self_overlapping, check_qkv, signed_query
-from flashcore.spec import TileConfig
+from flashcore.specs import TileConfig
 from flashcore.tuned.table import DECODE_DEFAULT
 
 
@@ -275,7 +275,7 @@ def test_fp8_kv_cache_splits_for_two_warp_groups_a_sm():
 def test_a_decode_calls_tile_is_a_spec_of_its_arch(arch):
     """Whatever packed rows a decode call has, the tile ``tile=None`` resolves to builds on its
     arch (split or not, its rows packed or not), for 16-bit K/V and an FP8 KV cache."""
-    from flashcore.spec import FP8_ARCHS, AttentionSpec
+    from flashcore.specs import FP8_ARCHS, AttentionSpec
 
     for precision, d, causal in itertools.product(("fp16", "fp8kv"), (64, 128), (False, True)):
         if precision == "fp8kv" and arch not in FP8_ARCHS:

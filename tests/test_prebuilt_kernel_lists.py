@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flashcore.spec import AttentionSpec, TileConfig
+from flashcore.specs import AttentionSpec, TileConfig
 from tests.gpu_specs import gpu_test_specs
 from tests.gpu_utils import FP8_KV_CONFIGS
 

@@ -1,4 +1,4 @@
-"""flashcore.build.ptx_info against PTX emitted by the CuTe DSL and hand-written PTX."""
+"""flashcore.compiler.ptx_info against PTX emitted by the CuTe DSL and hand-written PTX."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from flashcore.build.artifact import ParamInfo
-from flashcore.build.ptx_info import parse_entry, parse_reqntid, ptx_isa_version, ptx_target
+from flashcore.compiler.artifact import ParamInfo
+from flashcore.compiler.ptx_info import parse_entry, parse_reqntid, ptx_isa_version, ptx_target
 from tests.kernels import handwritten_ptx
 
 HEADER = ".version 8.0\n.target sm_90\n.address_size 64\n"

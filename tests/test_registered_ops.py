@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flashcore.ops import library
-from flashcore.spec import TileConfig
+from flashcore.specs import TileConfig
 
 WS = TileConfig((128, 128), warps=8, stages=3, family="wgmma_ws")
 

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
-from flashcore.build.abi import attention_params, varlen_grid
+from flashcore.compiler.abi import attention_params, varlen_grid
 from flashcore.errors import SpecError
-from flashcore.spec import AttentionSpec, TileConfig, family
+from flashcore.specs import AttentionSpec, TileConfig, family
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 

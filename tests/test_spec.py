@@ -12,7 +12,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from flashcore.errors import SpecError
-from flashcore.spec import (
+from flashcore.specs import (
     ARCHS,
     DTYPES,
     HEAD_DIMS,
@@ -25,7 +25,7 @@ from flashcore.spec import (
     family,
     spec_from_dict,
 )
-from flashcore.spec import arch as arch_mod
+from flashcore.specs import arch as arch_mod
 
 MMA = family("mma_sync")
 CONFIGS = [

@@ -40,7 +40,7 @@ def test_causal_masked_steps_cover_every_key_block_on_the_diagonal():
     needs. (A 128x192 tile crosses two 192-key blocks where 128m mod 192 is 64 or 128: with
     one masked step its causal output is wrong.)"""
     from flashcore.kernels.common.block_info import KeyBounds, masked_steps
-    from flashcore.spec.families import FAMILIES
+    from flashcore.specs.families import FAMILIES
 
     tiles = {(tm, tn) for fam in FAMILIES.values() for tm in fam.knobs["tile_m"]
              for tn in fam.knobs["tile_n"]}

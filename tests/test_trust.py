@@ -26,14 +26,14 @@ from pathlib import Path
 import pytest
 
 from flashcore import cli
-from flashcore.build import cache as cache_mod
-from flashcore.build import catalog as catalog_mod
-from flashcore.build import compiler, fingerprint, owner
-from flashcore.build.artifact import CUBIN, META, MLIR, PTX, KernelArtifact
-from flashcore.build.cache import CacheWarning, KernelCache, parse_size
-from flashcore.build.catalog import copy_catalog, verify_catalog, write_catalog
+from flashcore.compiler import cache as cache_mod
+from flashcore.compiler import catalog as catalog_mod
+from flashcore.compiler import compiler, fingerprint, owner
+from flashcore.compiler.artifact import CUBIN, META, MLIR, PTX, KernelArtifact
+from flashcore.compiler.cache import CacheWarning, KernelCache, parse_size
+from flashcore.compiler.catalog import copy_catalog, verify_catalog, write_catalog
 from flashcore.errors import CatalogError, CompileError, KernelNotAvailableError
-from flashcore.spec import AttentionSpec, QuantizeSpec
+from flashcore.specs import AttentionSpec, QuantizeSpec
 from tests.artifact_helpers import (
     SPEC,
     child_get_or_build_failing,
@@ -374,7 +374,7 @@ def test_worker_exits_and_removes_its_output_when_its_parent_dies(tmp_path):
 
 def test_compiler_sweeps_build_dirs_of_dead_processes_before_a_build(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    host = owner.host_tag()  # build folders are named by host tag and pid (flashcore.build.owner)
+    host = owner.host_tag()  # build folders are named by host tag and pid (flashcore.compiler.owner)
     dead = tmp_path / f"flashcore-build-h{host}-{_dead_pid()}-x1y2z3"
     (dead / "0").mkdir(parents=True)
     (dead / "0" / "kernel.ptx").write_text("left by a killed process")
@@ -406,7 +406,7 @@ def test_source_hash_changes_with_a_spec_property_the_kernel_reads(tmp_path, mon
     monkeypatch.setattr(fingerprint, "PACKAGE", copy)
     before = fingerprint.fresh_source_hash()
     assert before == fingerprint.fresh_source_hash()
-    attention = copy / "spec" / "attention.py"
+    attention = copy / "specs" / "attention.py"
     text = attention.read_text()
     assert "def programmatic_launch" in text and "return self.arch in PDL_ARCHS" in text
     attention.write_text(text.replace("return self.arch in PDL_ARCHS",
@@ -430,8 +430,8 @@ def test_a_real_compile_imports_only_files_the_key_covers(real_compile):
 def test_an_import_outside_the_key_is_a_compile_error():
     inside = [str(p.resolve()) for p in fingerprint.build_source_files()[:3]]
     compiler._check_imports(SPEC, inside)  # fine
-    outside = str((fingerprint.PACKAGE / "build" / "cache.py").resolve())
-    with pytest.raises(CompileError, match=r"imported .*build/cache\.py.*does not cover"):
+    outside = str((fingerprint.PACKAGE / "compiler" / "cache.py").resolve())
+    with pytest.raises(CompileError, match=r"imported .*compiler/cache\.py.*does not cover"):
         compiler._check_imports(SPEC, [*inside, outside])
 
 
@@ -791,7 +791,7 @@ def test_put_and_prune_remove_temporaries_of_dead_or_old_writers(tmp_path, fake_
     cache = KernelCache(tmp_path / "cache")
     sdir = cache.spec_dir(SPEC)
     sdir.mkdir(parents=True)
-    me = owner.owner_tag()  # temporaries are named by host tag and pid (flashcore.build.owner)
+    me = owner.owner_tag()  # temporaries are named by host tag and pid (flashcore.compiler.owner)
     dead = sdir / f".tmp-x-dsl{DSL}-h{owner.host_tag()}-{_dead_pid()}-0123abcd"
     old = sdir / f".tmp-x-dsl{DSL}-{me}-4567abcd"
     live = sdir / f".tmp-x-dsl{DSL}-{me}-89abcdef"

@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 
 from flashcore import cli
-from flashcore.build import cache as cache_mod
-from flashcore.build import compiler, owner
-from flashcore.build.artifact import CUBIN, META, KernelArtifact
-from flashcore.build.cache import CacheWarning, KernelCache, TransientCompileError
-from flashcore.build.catalog import verify_catalog, write_catalog
+from flashcore.compiler import cache as cache_mod
+from flashcore.compiler import compiler, owner
+from flashcore.compiler.artifact import CUBIN, META, KernelArtifact
+from flashcore.compiler.cache import CacheWarning, KernelCache, TransientCompileError
+from flashcore.compiler.catalog import verify_catalog, write_catalog
 from flashcore.errors import CatalogError, CompileError
 from flashcore.ops.masks import UNBOUNDED, WINDOW_MAX, masking
-from flashcore.spec import AttentionSpec
+from flashcore.specs import AttentionSpec
 from tests.artifact_helpers import SPEC, isolate_cache, synthetic_artifact
 
 DSL = "4.8.1-cu12"
@@ -716,7 +716,7 @@ def test_processes_of_one_pid_namespace_share_the_host_tag():
     if not os.path.exists(ns):
         pytest.skip("no /proc pid namespace here")
     other = subprocess.run([sys.executable, "-c",
-                            "from flashcore.build.owner import host_tag; print(host_tag())"],
+                            "from flashcore.compiler.owner import host_tag; print(host_tag())"],
                            capture_output=True, text=True, check=True).stdout.strip()
     assert other == tag  # the same namespace: pids compare
 

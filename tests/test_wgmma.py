@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from flashcore.build.abi import attention_params
-from flashcore.build.inspect import sass, sass_opcodes
+from flashcore.compiler.abi import attention_params
+from flashcore.compiler.inspect import sass, sass_opcodes
 from flashcore.errors import SpecError
-from flashcore.spec import AttentionSpec, TileConfig, dsl_arch
+from flashcore.specs import AttentionSpec, TileConfig, dsl_arch
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 HOPPER = TileConfig((128, 128), warps=8, stages=2, family="wgmma")

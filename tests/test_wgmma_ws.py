@@ -11,10 +11,10 @@ import struct
 
 import pytest
 
-from flashcore.build.abi import CoordParam, TensorMapParam, tma_attention_params
-from flashcore.build.inspect import sass, sass_opcodes
+from flashcore.compiler.abi import CoordParam, TensorMapParam, tma_attention_params
+from flashcore.compiler.inspect import sass, sass_opcodes
 from flashcore.errors import LaunchError, SpecError
-from flashcore.spec import AttentionSpec, TileConfig
+from flashcore.specs import AttentionSpec, TileConfig
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 WS = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
@@ -158,7 +158,7 @@ def test_each_walk_of_the_keys_has_one_copy_of_the_step(ws_artifacts, spec):
     P·V: the wgmma of two steps a walk (a loop of masked steps beside one of unmasked ones was a
     second copy of the step, and spilled the 192-row causal tiles). FP8 with K per head walks
     in either softmax form; FP8's P·V group sums P's rows too (P times ones)."""
-    from flashcore.spec.families import WgmmaWs
+    from flashcore.specs.families import WgmmaWs
 
     k = 32 if spec.precision == "fp8" else 16  # an MMA's K: e4m3 k32, 16-bit k16
     sums = WgmmaWs.sums_by_mma(spec)
@@ -176,8 +176,8 @@ def test_fp8_row_sums_come_from_the_tensor_cores_and_no_wgmma_is_serialised(ws_a
     and FP8 d64 ones without a mask keep their FADDs); and ptxas serialises no kernel's wgmma
     (C7511: an accumulator register that one walk of the keys left dead did it to every FP8
     kernel, 1.27-1.30x their time)."""
-    from flashcore.build.cubin_info import ptxas_stats
-    from flashcore.spec.families import WgmmaWs
+    from flashcore.compiler.cubin_info import ptxas_stats
+    from flashcore.specs.families import WgmmaWs
 
     art = ws_artifacts[spec]
     body = art.ptx[art.ptx.index(".entry"):]
@@ -196,7 +196,7 @@ def test_fp8_row_sums_come_from_the_tensor_cores_and_no_wgmma_is_serialised(ws_a
 def _key_loops(text: str) -> list[list[tuple[str, str]]]:
     """The innermost loops with warpgroup MMAs and exponentials (the key loops), each as its
     (opcode, operands) list."""
-    from flashcore.build.inspect import loop_bodies
+    from flashcore.compiler.inspect import loop_bodies
 
     lines = text.splitlines()
     instr = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
@@ -380,7 +380,7 @@ def test_fp8_walks_keys_with_a_rounded_offset_where_k_is_descaled_per_head(ws_ar
     # rows x tile_n over 128 threads): the exact form one a score (s - max), the rounded form
     # none (the row sums are the tensor cores', ``WgmmaWs.sums_by_mma``: before, one FADD a
     # score more in each form)
-    from flashcore.spec.families import WgmmaWs
+    from flashcore.specs.families import WgmmaWs
 
     n = spec.config.tile_n // 2
     sums = 0 if WgmmaWs.sums_by_mma(spec) else n  # a FADD a score where the rows sum P
@@ -410,7 +410,7 @@ def _p_operand_loops(art, spec, mma: str) -> tuple[bool, list]:
     of 128-key steps at d128), checked against the key loops' ``mma`` instructions: S = Q·Kᵀ
     reads both operands through descriptors, P·V reads P from registers unless it is shared.
     Returns (shared, the key loops); skips where nvdisasm is missing."""
-    from flashcore.spec.families import WgmmaWs
+    from flashcore.specs.families import WgmmaWs
 
     shared = WgmmaWs.p_in_shared(spec)
     assert shared == (spec.head_dim == 128 and spec.config.tile == (192, 128))
@@ -433,7 +433,7 @@ def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifact
     P through a descriptor, after eight ``stmatrix`` x4 a key step and an async-proxy fence,
     with no spills; else P is the register A operand. The shared-memory budget counts P's
     16-bit tile."""
-    from flashcore.spec.families import WgmmaWs
+    from flashcore.specs.families import WgmmaWs
 
     art, c = ws_artifacts[spec], spec.config
     base = spec.replace(config=c.replace(tile=(128, c.tile_n), warps=8))  # P in registers
@@ -454,7 +454,7 @@ def test_fp8_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts,
     """Three consumers at d128 (``WgmmaWs.p_in_shared``): the P·V QGMMAs read P through a
     descriptor, after 32-bit stores of its words (16 a key step) and an async-proxy fence; else
     P is the register A operand. The spec's shared-memory budget counts P's tile."""
-    from flashcore.spec.families import WgmmaWs
+    from flashcore.specs.families import WgmmaWs
 
     art = ws_artifacts[spec]
     shared, _ = _p_operand_loops(art, spec, "QGMMA")

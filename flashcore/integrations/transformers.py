@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..spec import HEAD_DIMS
+from ..specs import HEAD_DIMS
 from . import sdpa_fallback
 
 DEFAULT_NAME = "fcore_attention"

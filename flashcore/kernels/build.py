@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..spec import AttentionSpec, BackwardSpec, CombineSpec, KernelSpec, QuantizeSpec, dsl_arch
+from ..specs import AttentionSpec, BackwardSpec, CombineSpec, KernelSpec, QuantizeSpec, dsl_arch
 
 
 @dataclass
@@ -139,7 +139,7 @@ def _quantize_args(spec: QuantizeSpec) -> tuple:
 
 
 def _backward_args(spec: BackwardSpec) -> tuple:
-    """``flashcore.build.abi.backward_params``' tensors as fakes: 16-bit (batch, heads, seq,
+    """``flashcore.compiler.abi.backward_params``' tensors as fakes: 16-bit (batch, heads, seq,
     head_dim), fp32 row workspaces (batch, heads, rows) and the fp32 dQ accumulator."""
     import cutlass
 

@@ -19,8 +19,8 @@ shares one after another pays one L2 round trip per share: its time grows with t
 import cutlass
 import cutlass.cute as cute
 
-from ..spec import MAX_SPLITS, CombineSpec
-from ..spec.combine import IN_FLIGHT
+from ..specs import MAX_SPLITS, CombineSpec
+from ..specs.combine import IN_FLIGHT
 from .common.dtypes import DTYPES
 from .common.softmax import LN_2, LOG2_E
 

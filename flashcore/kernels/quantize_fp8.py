@@ -20,7 +20,7 @@ Every value is cast as ``x * 448 / amax``, so no finite input saturates (|x| <= 
 import cutlass
 import cutlass.cute as cute
 
-from ..spec.quantize import AMAX_SHARES  # a warp's lanes: one reads each share
+from ..specs.quantize import AMAX_SHARES  # a warp's lanes: one reads each share
 from .common.dtypes import DTYPES
 
 E4M3_MAX = 448.0

@@ -61,7 +61,7 @@ def main() -> int:
         print(f"worker imported flashcore from {flashcore.__file__}, not {ROOT}", file=sys.stderr)
         return 4
     from flashcore.kernels.build import build
-    from flashcore.spec import spec_from_dict
+    from flashcore.specs import spec_from_dict
 
     specs = [spec_from_dict(d) for d in json.load(sys.stdin)]
     for i, spec in enumerate(specs):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import TileConfig
+from ..specs import TileConfig
 from .backward import needs_grad, why_no_backward
 from .eager import run
 from .library import attention_op, attention_paged_op, attention_varlen_op

@@ -3,7 +3,7 @@
 traces it) and the autograd formula of ``torch.ops.flashcore.attention``
 (``register_attention_backward``).
 
-Three launches on torch's current stream (``flashcore.spec.backward``): the pre kernel (D =
+Three launches on torch's current stream (``flashcore.specs.backward``): the pre kernel (D =
 rowsum(dO ∘ O), the LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (a CTA
 per key block: dK and dV in registers, dQ by fp32 atomics) and the post kernel (dQ in q's
 dtype). What it builds: fp16/bf16, head_dim 64 and 128, any lengths, the forward's masks (causal
@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..build.abi import LOG2_E, backward_grid, backward_rows_grid
+from ..compiler.abi import LOG2_E, backward_grid, backward_rows_grid
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
-from ..spec import BackwardSpec, TileConfig
-from ..spec.backward import ROW_PAD, default_backward_config
+from ..specs import BackwardSpec, TileConfig
+from ..specs.backward import ROW_PAD, default_backward_config
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking, call_masking
 from .validate import check_extents, check_qkv, softmax_scale_of

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from ..runtime.device import arch_of
-from ..spec import HEAD_DIMS, TileConfig
+from ..specs import HEAD_DIMS, TileConfig
 from . import plan
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 from .launcher import launch_attention

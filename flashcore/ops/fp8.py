@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import TileConfig
+from ..specs import TileConfig
 from .eager import run_fp8
 from .inputs import E4M3
 from .library import attention_fp8_op, quantize_fp8_op

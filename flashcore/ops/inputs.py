@@ -1,5 +1,5 @@
 """Tensors to kernel arguments: dtype names, and the (pointer, extents, strides) of each tensor
-parameter in the order ``flashcore.build.abi`` describes."""
+parameter in the order ``flashcore.compiler.abi`` describes."""
 
 from __future__ import annotations
 

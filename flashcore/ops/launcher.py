@@ -9,11 +9,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..build.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
+from ..compiler.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
 from ..runtime import tensor_map
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
-from ..spec import DEFAULT_FAMILY, AttentionSpec, CombineSpec, TileConfig, family
+from ..specs import DEFAULT_FAMILY, AttentionSpec, CombineSpec, TileConfig, family
 from . import plan
 from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking
@@ -80,7 +80,7 @@ def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> 
 
 def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
     """(B, H, S) per token with a unit last stride, (B, H) per head, or a paged cache's
-    (pages, heads, page_size) per key with any strides (``build.abi.attention_params``)."""
+    (pages, heads, page_size) per key with any strides (``compiler.abi.attention_params``)."""
     if paged:
         return (t.data_ptr(), *t.shape, *t.stride())
     if t.dim() == 3:
@@ -90,7 +90,7 @@ def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
 
 def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     """A TMA kernel's Q, K, V arguments: each tensor's descriptor, then its (seq, heads, batch)
-    (``build.abi.tma_attention_params``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
+    (``compiler.abi.tma_attention_params``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
     slot, the head_dim stride in the seq stride's) is described as head_dim rows of keys.
     Memoised on the kernel per (arguments, dtype): a descriptor depends on nothing else, and an
     eager loop that reuses its buffers then pays one look-up a call, not three."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..spec import TileConfig
+from ..specs import TileConfig
 from .backward import needs_grad, register_attention_backward
 from .eager import explicit_config, run, run_fp8
 from .inputs import E4M3

@@ -8,8 +8,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..spec.attention import MASK_ALIGNS
-from ..spec.attention import WINDOW_UNBOUNDED as UNBOUNDED
+from ..specs.attention import MASK_ALIGNS
+from ..specs.attention import WINDOW_UNBOUNDED as UNBOUNDED
 
 WINDOW_MAX = 2**31 - 1  # a side is an int32 kernel argument; from UNBOUNDED on it limits nothing
 
@@ -47,7 +47,7 @@ class Masking:
         return (("mask_align", align), ("window", window), ("softcap", softcap))
 
     def scalars(self, softmax_scale: float) -> tuple:
-        """The kernel's run-time mask arguments, in ABI order (``flashcore.build.abi``).
+        """The kernel's run-time mask arguments, in ABI order (``flashcore.compiler.abi``).
 
         ``softmax_scale`` is >= 0 here (``signed_query``). With 0 every logit is 0, and so is
         every capped one (cap * tanh(0)): both soft-cap factors are then 0, not cap / 0."""

@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..errors import SpecError
-from ..spec import MAX_SPLITS, AttentionSpec, TileConfig
+from ..specs import MAX_SPLITS, AttentionSpec, TileConfig
 from ..tuned.table import BUCKETS, bucket_of, lookup
 
 DECODE_MAX_Q = BUCKETS[0][1]  # the decode bucket's bound

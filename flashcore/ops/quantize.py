@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from ..build.abi import MAX_GRID_Z
+from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
-from ..spec import HEAD_DIMS, QuantizeSpec
-from ..spec.quantize import AMAX_SHARES
+from ..specs import HEAD_DIMS, QuantizeSpec
+from ..specs.quantize import AMAX_SHARES
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 
 VT_PAD = 128  # Vᵀ's key extent is padded to this (the largest tile_n): its tiles are never ragged

@@ -30,9 +30,9 @@ from dataclasses import replace
 
 import torch
 
-from ..build.abi import MAX_GRID_Z
+from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
-from ..spec import HEAD_DIMS
+from ..specs import HEAD_DIMS
 from .eager import resolve_config
 from .inputs import DTYPE_NAMES, E4M3, prepared, readable
 from .launcher import Serving, launch_attention

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..spec import HEAD_DIMS
+from ..specs import HEAD_DIMS
 from .inputs import DTYPE_NAMES, E4M3, readable, readable_copy
 from .plan import MAX_SPLITS
 

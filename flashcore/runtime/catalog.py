@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..build.cache import CACHE_ENV, use_catalog
-from ..build.catalog import CATALOG_SHA256_ENV, verify_index
+from ..compiler.cache import CACHE_ENV, use_catalog
+from ..compiler.catalog import CATALOG_SHA256_ENV, verify_index
 from ..errors import CatalogError
 from .device import visible_archs
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 from ..errors import FlashcoreError
-from ..spec import ARCHS
+from ..specs import ARCHS
 
 ARCH_ENV = "FLASHCORE_ARCH"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..build.compiler import compile_kernel
-from ..spec import KernelSpec
+from ..compiler.compiler import compile_kernel
+from ..specs import KernelSpec
 from .loader import LoadedKernel, load_kernel
 
 _loaded: dict[tuple[KernelSpec, int], LoadedKernel] = {}

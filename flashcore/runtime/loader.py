@@ -17,8 +17,8 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..build.abi import ScalarParam, TensorMapParam, TensorParam, check_against_entry, params_for
-from ..build.artifact import KernelArtifact
+from ..compiler.abi import ScalarParam, TensorMapParam, TensorParam, check_against_entry, params_for
+from ..compiler.artifact import KernelArtifact
 from ..errors import LaunchError
 from .device import capability, native_arch, runs_from_ptx
 from .driver import check, cu

@@ -1,5 +1,5 @@
 """TMA descriptors (``CUtensorMap``) for the kernels that load with TMA, encoded by the driver
-(``cuTensorMapEncodeTiled``) from a tensor argument and its ``build.abi.TensorMapParam``.
+(``cuTensorMapEncodeTiled``) from a tensor argument and its ``compiler.abi.TensorMapParam``.
 
 A (batch, heads, seq, head_dim) tensor is a rank-4 map walked innermost first: dims
 (head_dim, seq, heads, batch), byte strides of seq, heads, batch; the box is

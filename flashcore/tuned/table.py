@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from ..spec import AttentionSpec, SpecError, TileConfig, family
+from ..specs import AttentionSpec, SpecError, TileConfig, family
 
 TUNED_DIR = Path(__file__).resolve().parent
 TABLE_ENV = "FLASHCORE_TUNED"

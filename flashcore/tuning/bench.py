@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from ..build.fingerprint import PACKAGE, dsl_fingerprint, hash_files, source_hash
-from ..spec import TileConfig
+from ..compiler.fingerprint import PACKAGE, dsl_fingerprint, hash_files, source_hash
+from ..specs import TileConfig
 from .peers import (
     Impl,
     _flashcore,

@@ -11,7 +11,7 @@ representative shape per bucket and writes the winners to ``flashcore/tuned/<arc
 
 Candidates come from every kernel family that runs on the arch (``--families`` narrows them):
 the default family's from the curated lists below (each must also fit an L4, which borrows the
-Hopper table), another family's from its knob grid (``flashcore.spec.families``). The table's
+Hopper table), another family's from its knob grid (``flashcore.specs.families``). The table's
 current entry is timed again with them, so a winner always beats the incumbent in the same run.
 A winner of a non-default family is written with the default family's best as its fallback.
 """
@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from ..errors import KernelNotAvailableError, SpecError
-from ..spec import DEFAULT_FAMILY, FAMILIES, FP8_ARCHS, AttentionSpec, TileConfig
+from ..specs import DEFAULT_FAMILY, FAMILIES, FP8_ARCHS, AttentionSpec, TileConfig
 from ..tuned.table import BUCKETS, DECODE_DEFAULT, DEFAULT, TUNED_DIR, clear, entries, key
 
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
@@ -97,7 +97,7 @@ def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
 def decode_specs(spec: AttentionSpec) -> list:
     """The kernels a decode config runs: split-KV partials and their combine, or the whole
     rows when the keys are not split (a large batch fills the GPU)."""
-    from ..spec import CombineSpec
+    from ..specs import CombineSpec
 
     return [spec.replace(split_kv=True), spec.replace(split_kv=False),
             CombineSpec(arch=spec.arch, dtype=spec.dtype, head_dim=spec.head_dim)]
@@ -131,8 +131,8 @@ def _check_families(arch: str, families) -> None:
 
 def build(arch: str, out: Path, jobs: int | None, buckets=None,
           precisions: tuple[str, ...] = ("fp16", "fp8"), families=None) -> int:
-    from ..build.cache import KernelCache
-    from ..build.compiler import compile_many
+    from ..compiler.cache import KernelCache
+    from ..compiler.compiler import compile_many
 
     _check_families(arch, families)
     precisions = tuple(p for p in precisions if p == "fp16" or arch in FP8_ARCHS)
@@ -183,7 +183,7 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None,
     entries of buckets not run are kept."""
     import torch
 
-    from ..build.compiler import compile_kernel
+    from ..compiler.compiler import compile_kernel
     from ..ops import attention
     from ..runtime.device import arch_of
     from .peers import fp8_kernel_only

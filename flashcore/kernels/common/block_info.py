@@ -16,7 +16,7 @@ the last key), ``right`` is 0 when causal, and a side without a window is ``UNBO
 import math
 from dataclasses import dataclass
 
-from ...spec.attention import WINDOW_UNBOUNDED as UNBOUNDED
+from ...specs.attention import WINDOW_UNBOUNDED as UNBOUNDED
 
 
 @dataclass(frozen=True)

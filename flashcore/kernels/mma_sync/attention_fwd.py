@@ -23,7 +23,7 @@ MMAs' fragments convert in registers to fp16, for either output dtype, ``e4m3_op
 results per share of the keys, for the combine kernel), causal (top-left, torch's
 ``is_causal``), LSE.
 
-ABI: ``flashcore.build.abi`` (grid and parameters).
+ABI: ``flashcore.compiler.abi`` (grid and parameters).
 """
 
 import math
@@ -31,7 +31,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 
-from ...spec import AttentionSpec
+from ...specs import AttentionSpec
 from ..common.block_info import masked_steps
 from ..common.fp8 import P_SCALE, fold_query_descales
 from ..common.fragments import mn_view
@@ -79,7 +79,7 @@ class AttentionForward:
         seqlens_k: cute.Tensor | None = None,
     ):
         """The launch; flashcore keeps only the kernel's cubin and its runtime repeats this
-        geometry (``flashcore.build.abi.attention_grid``)."""
+        geometry (``flashcore.compiler.abi.attention_grid``)."""
         lay = KernelLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         rows, heads = mQ.shape[2], mQ.shape[1]

@@ -7,7 +7,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
-from ...spec import AttentionSpec
+from ...specs import AttentionSpec
 from ..common.copies import g2s_copy, swizzled_row_atom
 from ..common.dtypes import DTYPES, E4M3
 

@@ -11,14 +11,14 @@ block (above a causal diagonal, top-left or bottom-right, or outside a window) a
 
 Inputs: Q, K, V, dO (batch, heads, seq, head_dim) 16-bit; the pre kernel's log2 LSE and D
 (batch, heads, padded rows) fp32; outputs dK, dV (K's shape). ABI:
-``flashcore.build.abi.backward_params``.
+``flashcore.compiler.abi.backward_params``.
 """
 
 
 import cutlass
 import cutlass.cute as cute
 
-from ...spec import BackwardSpec
+from ...specs import BackwardSpec
 from ..common.copies import load_rows
 from ..common.grid import wait_for_previous_grid
 from .cta import BackwardCta

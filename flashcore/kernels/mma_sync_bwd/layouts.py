@@ -13,8 +13,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
-from ...spec import BackwardSpec
-from ...spec.backward import warp_grid
+from ...specs import BackwardSpec
+from ...specs.backward import warp_grid
 from ..common.copies import g2s_copy, swizzled_row_atom
 from ..common.dtypes import DTYPES
 

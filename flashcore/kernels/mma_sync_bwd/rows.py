@@ -11,8 +11,8 @@
 import cutlass
 import cutlass.cute as cute
 
-from ...spec import BackwardSpec
-from ...spec.backward import ROW_THREADS
+from ...specs import BackwardSpec
+from ...specs.backward import ROW_THREADS
 from ..common.dtypes import DTYPES
 from ..common.grid import wait_for_previous_grid
 from ..common.softmax import LOG2_E

@@ -23,7 +23,7 @@ above the diagonal are never visited (``common/block_info.py``).
   stores; natural-log LSE if asked.
 
 Causal masks are top-left (torch's ``is_causal``). Interface and launch geometry are those of
-the mma_sync kernel (``flashcore.build.abi``): the serving, window, soft-cap and FP8 arguments
+the mma_sync kernel (``flashcore.compiler.abi``): the serving, window, soft-cap and FP8 arguments
 are accepted and must be None (the spec checks refuse such specs).
 """
 
@@ -148,7 +148,7 @@ class WgmmaAttentionForward:
     """Trace-time configuration of one kernel: the spec is Python data (constexpr)."""
 
     def __init__(self, spec):
-        self.spec = spec  # validated by flashcore.spec.families.Wgmma
+        self.spec = spec  # validated by flashcore.specs.families.Wgmma
         self.smem_size = 0
 
     @cute.jit
@@ -175,7 +175,7 @@ class WgmmaAttentionForward:
         seqlens_k: cute.Tensor | None = None,
     ):
         """The launch; flashcore keeps only the kernel's cubin and its runtime repeats this
-        geometry (``flashcore.build.abi.attention_grid``)."""
+        geometry (``flashcore.compiler.abi.attention_grid``)."""
         refuse_extras("wgmma", (mQd, mKd, mVd, window_left, window_right, softcap_in,
                                 softcap_out, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k))
         lay = WgmmaLayouts(self.spec)

@@ -1,6 +1,6 @@
 """The wgmma family's trace-time data: which specs it builds, its shared-memory layouts and
 struct, the global<->shared copies and the two tiled warpgroup MMAs of one spec (which specs
-the family builds, and their shared-memory budget: ``flashcore.spec.families.Wgmma``).
+the family builds, and their shared-memory budget: ``flashcore.specs.families.Wgmma``).
 
 Shared tiles are the canonical 128-byte-swizzled K-major wgmma layout (rows of head_dim
 elements, 8-row x 64-element atoms). Q and K are K-major operands of S = Q·Kᵀ as stored; V,

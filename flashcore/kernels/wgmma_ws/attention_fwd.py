@@ -13,7 +13,7 @@ warpgroup and 1-3 consumer warpgroups.
   ``turns.py``).
 * Every tensor but O and LSE reaches the kernel as a TMA descriptor (a 128-byte kernel
   parameter) with its coordinate tensor's run-time extents; flashcore's runtime encodes them
-  (``flashcore.runtime.tensor_map``, parameters in ``flashcore.build.abi``). TMA zero-fills rows
+  (``flashcore.runtime.tensor_map``, parameters in ``flashcore.compiler.abi``). TMA zero-fills rows
   past a sequence end; the masked first block hides those keys.
 * Three consumers of 128-key steps at head_dim 128 (16-bit or e4m3): P goes to the P·V wgmma
   through a shared tile of its own (``Consumer.store_p``, the SS form): 160 registers a thread
@@ -71,7 +71,7 @@ class WgmmaWsAttentionForward:
     """Trace-time configuration of one kernel: the spec is Python data (constexpr)."""
 
     def __init__(self, spec):
-        self.spec = spec  # validated by flashcore.spec.families.WgmmaWs
+        self.spec = spec  # validated by flashcore.specs.families.WgmmaWs
         self.smem_size = 0
 
     @cute.jit
@@ -84,7 +84,7 @@ class WgmmaWsAttentionForward:
              cu_seqlens_k: cute.Tensor | None = None, block_table: cute.Tensor | None = None,
              seqlens_k: cute.Tensor | None = None):
         """The launch; flashcore keeps only the cubin, and its runtime encodes the descriptors
-        these atoms describe (``flashcore.build.abi.tma_attention_params``)."""
+        these atoms describe (``flashcore.compiler.abi.tma_attention_params``)."""
         lay = WsLayouts(self.spec)
         refuse_extras("wgmma_ws", (window_left, window_right, softcap_in, softcap_out,
                                    cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)

@@ -1,6 +1,6 @@
 """The warp-specialised Hopper kernel's trace-time data: shared-memory layouts and struct (the
 wgmma family's 128-byte-swizzled tiles, plus the pipelines' mbarriers), the two tiled warpgroup
-MMAs over the consumer warpgroups, and the TMA pipelines (``flashcore.spec.families.WgmmaWs``
+MMAs over the consumer warpgroups, and the TMA pipelines (``flashcore.specs.families.WgmmaWs``
 validates and budgets the spec)."""
 
 import cutlass
@@ -8,7 +8,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import OperandMajorMode
 
-from ...spec.families import WgmmaWs
+from ...specs.families import WgmmaWs
 from ..common.dtypes import DTYPES, E4M3
 from ..wgmma.layouts import WARPGROUP, k_major, smem_tiles, tiled_mmas
 from . import row_sums

@@ -21,9 +21,9 @@ import json
 import os
 from pathlib import Path
 
-from .. import __version__
 from ..errors import CacheCorruptionError, CatalogError
-from ..spec import AttentionSpec, TileConfig
+from ..specs import AttentionSpec, TileConfig
+from ..version import __version__
 from .artifact import META, KernelArtifact
 from .cache import KernelCache
 from .catalog_index import (  # noqa: F401 - re-exported: the catalog API in one place

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from ..spec import KernelSpec
+from ..specs import KernelSpec
 
 LAYOUT = "v1"
 QUARANTINE = "quarantine"

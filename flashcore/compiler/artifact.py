@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CacheCorruptionError, SpecError
-from ..spec import KernelSpec, spec_from_dict
+from ..specs import KernelSpec, spec_from_dict
 from .safe_read import CUBIN_MAX, JSON_MAX, TEXT_MAX, read_regular
 
 ARTIFACT_FORMAT = 1

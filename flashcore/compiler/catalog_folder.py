@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import CatalogError
-from ..spec import KernelSpec
+from ..specs import KernelSpec
 from .artifact import KernelArtifact
 from .cache import KernelCache, cache_root
 from .catalog import catalog_sha256, write_catalog

@@ -1,8 +1,9 @@
 """Everything a compiled kernel depends on besides its spec, as strings that key the cache.
 
 - ``source_hash()``: every source file the compile worker can import (``BUILD_SOURCES``: the
-  package's ``__init__``, ``errors``, the specs and the kernels). The compiler checks after each
-  build that the worker imported nothing else from flashcore, so the key cannot miss a file.
+  package's ``__init__``, ``errors``, ``version``, the specs and the kernels). The compiler
+  checks after each build that the worker imported nothing else from flashcore, so the key
+  cannot miss a file.
 - ``dsl_fingerprint()``: the versions of every installed ``nvidia-cutlass-dsl*`` distribution,
   including which toolkit flavour of its libraries (``-libs-cu12`` and ``-libs-cu13`` emit
   different PTX ISA versions).
@@ -24,7 +25,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent  # the flashcore package folder
 # What the compile worker imports (relative to PACKAGE): files, or folders taken whole.
-BUILD_SOURCES = ("__init__.py", "errors.py", "spec", "kernels")
+BUILD_SOURCES = ("__init__.py", "errors.py", "version.py", "specs", "kernels")
 # Environment variables the DSL reads at import or compile time: never inherited by a worker.
 # (``CUTE_`` covers both of its DSL instances, ``CUTE_DSL_*`` and ``CUTE_EXPERIMENTAL_DSL_*``.)
 CODEGEN_ENV_PREFIXES = ("CUTE_", "CUTLASS_")

@@ -24,7 +24,7 @@ from typing import Any
 from elftools.common.exceptions import ELFError
 from elftools.elf.elffile import ELFFile
 
-from ..spec import SMEM_PER_SM
+from ..specs import SMEM_PER_SM
 from .artifact import Resources
 from .ptx_info import parse_reqntid, ptx_target
 

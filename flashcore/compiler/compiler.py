@@ -21,9 +21,9 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .. import __version__
 from ..errors import CompileError, KernelNotAvailableError
-from ..spec import KernelSpec, dsl_arch
+from ..specs import KernelSpec, dsl_arch
+from ..version import __version__
 from .abi import check_against_entry, params_for
 from .artifact import KernelArtifact
 from .cache import KernelCache, TransientCompileError, default_cache
@@ -89,7 +89,7 @@ def _build_one(spec: KernelSpec) -> KernelArtifact:
             f"kernel {spec.name} is not in the cache and this host cannot compile it "
             f"(nvidia-cutlass-dsl is not installed).\n  spec: {spec.to_json()}\n"
             "Build it on any machine with the DSL (no GPU needed), e.g.\n"
-            "  python -c 'import flashcore; from flashcore.spec import spec_from_dict; "
+            "  python -c 'import flashcore; from flashcore.specs import spec_from_dict; "
             f"flashcore.compile_kernel(spec_from_dict({spec.to_dict()!r}))'\n"
             "then copy that machine's cache folder here and point FLASHCORE_CACHE_DIR at it "
             "(or use flashcore.load_catalog)."
@@ -153,7 +153,7 @@ def _check_imports(spec: KernelSpec, imported: list[str]) -> None:
     if outside:
         raise CompileError(
             f"{spec.name}: the compile worker imported {outside}, which the cache key does not "
-            "cover (flashcore/build/fingerprint.py BUILD_SOURCES)"
+            "cover (flashcore/compiler/fingerprint.py BUILD_SOURCES)"
         )
 
 

@@ -11,13 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..errors import SpecError
 from .arch import DTYPE_BYTES, E4M3_BYTES, SMEM_PER_BLOCK
+from .tile import TileConfig
 
-if TYPE_CHECKING:
-    from .attention import AttentionSpec
+
+class FamilySpec(Protocol):
+    """What a family reads of an ``attention.AttentionSpec`` (which imports the families to
+    validate itself, so the families name its fields here instead of importing it)."""
+
+    arch: str
+    dtype: str
+    head_dim: int
+    config: TileConfig
+    causal: bool
+    precision: str
+    kv_fp8: bool
+    mask_align: str
+    page_size: int
+
+    @property
+    def elem_bytes(self) -> int: ...
 
 _SMEM_ALIGN = 1024  # every shared buffer is 1024-byte aligned (swizzle atoms repeat at 1 KB)
 
@@ -36,11 +52,11 @@ class KernelFamily(Protocol):
 
     def dsl_arch(self, arch: str) -> str: ...
 
-    def validate(self, spec: AttentionSpec) -> None: ...
+    def validate(self, spec: FamilySpec) -> None: ...
 
-    def copies_whole_pages(self, spec: AttentionSpec, page_size: int) -> bool: ...
+    def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool: ...
 
-    def smem_bytes(self, spec: AttentionSpec) -> int: ...
+    def smem_bytes(self, spec: FamilySpec) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -67,7 +83,7 @@ class MmaSync:
             "kv_splits": (1, 2, 4),
         }
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: FamilySpec) -> None:
         c = spec.config
 
         def bad(what: str) -> SpecError:
@@ -116,7 +132,7 @@ class MmaSync:
             )
 
     @staticmethod
-    def copy_rows(spec: AttentionSpec) -> int:
+    def copy_rows(spec: FamilySpec) -> int:
         """Rows of a K/V tile one pass of a warp group's 16-byte copies covers: each row of a
         swizzle atom (at most 128 bytes) takes a thread per 16 bytes
         (``kernels/common/copies.g2s_copy``). An FP8 KV cache is copied as e4m3 bytes."""
@@ -124,7 +140,7 @@ class MmaSync:
         line = min(spec.head_dim * ring_bytes, 128)
         return spec.config.group_threads * 16 // line
 
-    def copies_whole_pages(self, spec: AttentionSpec, page_size: int) -> bool:
+    def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool:
         """Whether a paged cache of ``page_size`` keys a page can be copied a page at a time:
         every copy pass of a thread stays in one page (the page a multiple of the rows per
         pass) and a key block is a whole number of pages or lies inside one."""
@@ -132,7 +148,7 @@ class MmaSync:
         return (page_size % self.copy_rows(spec) == 0
                 and (tn % page_size == 0 or page_size % tn == 0))
 
-    def smem_bytes(self, spec: AttentionSpec) -> int:
+    def smem_bytes(self, spec: FamilySpec) -> int:
         """Dynamic shared memory the kernel allocates (``flashcore/kernels/mma_sync/layouts.py``
         lays it out; the build checks the two agree): the Q tile; K and V tiles per stage and
         key split; for fp8 operands a separate 16-bit output tile (the e4m3 Q buffer is too
@@ -180,7 +196,7 @@ class Wgmma:
         return {"tile_m": (64, 128), "tile_n": (64, 128), "warps": (4, 8), "stages": (2, 3),
                 "kv_splits": (1,)}
 
-    def validate(self, spec: AttentionSpec) -> None:
+    def validate(self, spec: FamilySpec) -> None:
         c = spec.config
 
         def bad(what: str) -> SpecError:
@@ -206,10 +222,10 @@ class Wgmma:
         if need > budget:
             raise bad(f"needs {need} bytes of shared memory, over {spec.arch}'s {budget}")
 
-    def copies_whole_pages(self, spec: AttentionSpec, page_size: int) -> bool:
+    def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool:
         return False
 
-    def smem_bytes(self, spec: AttentionSpec) -> int:
+    def smem_bytes(self, spec: FamilySpec) -> int:
         """Q (reused for the output tile) and ``stages`` K and V tiles, 1 KB aligned
         (``flashcore/kernels/wgmma/layouts.py``)."""
         c, d = spec.config, spec.head_dim
@@ -236,7 +252,7 @@ class WgmmaWs(Wgmma):
                 "stages": (2, 3, 4), "kv_splits": (1,)}
 
     @staticmethod
-    def p_in_shared(spec: AttentionSpec) -> bool:
+    def p_in_shared(spec: FamilySpec) -> bool:
         """Whether P reaches the P·V wgmma through shared memory (its SS form) rather than in
         registers: head_dim 128 with three consumer warpgroups of 128-key steps, whose 160
         registers a thread hold S and O (64 each) but not P beside them (FP8: 288 bytes of
@@ -245,7 +261,7 @@ class WgmmaWs(Wgmma):
         return spec.head_dim == 128 and c.warps == 12 and c.tile_n == 128
 
     @staticmethod
-    def sums_by_mma(spec: AttentionSpec) -> bool:
+    def sums_by_mma(spec: FamilySpec) -> bool:
         """Whether the softmax's row sums come from the tensor cores (P times a tile of ones,
         ``flashcore/kernels/wgmma_ws/row_sums.py``) rather than one FADD a score: with FP8
         operands, whose key step waits on its chain of dependent phases rather than on the
@@ -255,7 +271,7 @@ class WgmmaWs(Wgmma):
         (docs/tried-and-dropped.md)."""
         return spec.precision == "fp8" and (spec.head_dim >= 128 or spec.causal)
 
-    def smem_bytes(self, spec: AttentionSpec) -> int:
+    def smem_bytes(self, spec: FamilySpec) -> int:
         """The wgmma tiles, after 1 KB holding the pipelines' mbarriers; for fp8 operands a
         16-bit output tile of its own (the e4m3 Q buffer is half its size), P's tile where
         it goes through shared memory, and the row sums' tile of ones."""

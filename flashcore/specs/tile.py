@@ -2,7 +2,7 @@
 
 The op, the autotuner's tables, the catalog, the CLI and the tests all pass a ``TileConfig``
 whole; nothing unpacks it into positional tuples. Defaults live here and nowhere else. Which
-values a kernel family accepts is the family's business (``flashcore.spec.families``); this class
+values a kernel family accepts is the family's business (``flashcore.specs.families``); this class
 checks only that each knob is a positive whole number.
 """
 
@@ -34,7 +34,7 @@ class TileConfig:
     (``None``: one per 16 rows, at most 8). ``stages``: K/V blocks in flight. ``kv_splits``:
     groups of ``warps`` warps in one CTA, each walking its own share of the keys, merged
     through shared memory at the end. ``family``: the kernel design that runs the tile
-    (``flashcore.spec.families``; empty for the arch's default), so a tuned table can pick a
+    (``flashcore.specs.families``; empty for the arch's default), so a tuned table can pick a
     family per bucket like any other knob.
     """
 

@@ -49,7 +49,7 @@ import platformdirs
 from filelock import FileLock, Timeout
 
 from ..errors import CacheCorruptionError, CatalogError, CompileError
-from ..spec import KernelSpec, spec_from_dict
+from ..specs import KernelSpec, spec_from_dict
 from .artifact import META, KernelArtifact
 from .catalog_index import CATALOG_SHA256_ENV, read_index
 from .fingerprint import dsl_fingerprint, source_hash

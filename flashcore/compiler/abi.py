@@ -276,7 +276,7 @@ def check_against_entry(params: tuple, entry_params) -> None:
             )
 
 
-# -- the attention backward (``flashcore.spec.backward``) ----------------------------------------
+# -- the attention backward (``flashcore.specs.backward``) ----------------------------------------
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..errors import CacheCorruptionError, CatalogError, SpecError
-from ..spec import spec_from_dict
+from ..specs import spec_from_dict
 from .artifact import META, KernelArtifact
 from .layout import CATALOG_INDEX, ENTRY_DIR, LAYOUT, spec_dir_name
 from .safe_read import INDEX_MAX, JSON_MAX, read_regular
