@@ -15,11 +15,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from flashcore.build.cache import KernelCache
-from flashcore.build.compiler import compile_many
-from flashcore.build.fingerprint import source_hash
-from flashcore.build.inspect import find_nvdisasm
-from flashcore.spec import spec_from_dict
+from flashcore.compiler.cache import KernelCache
+from flashcore.compiler.compiler import compile_many
+from flashcore.compiler.fingerprint import source_hash
+from flashcore.compiler.inspect import find_nvdisasm
+from flashcore.specs import spec_from_dict
 
 
 def kind(name: str) -> str:

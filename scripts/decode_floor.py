@@ -125,7 +125,7 @@ def decode_series(keys, l2: int, fp8kv: bool) -> dict:
 def specs(arch: str) -> list:
     """Every kernel this script launches (as launched: split kernels carry no LSE), for a
     catalog built ahead on a host with the DSL."""
-    from flashcore.spec import AttentionSpec, CombineSpec, QuantizeSpec, SpecError
+    from flashcore.specs import AttentionSpec, CombineSpec, QuantizeSpec, SpecError
     from flashcore.tuned.table import lookup
 
     out = []
@@ -152,9 +152,9 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=2)
     a = ap.parse_args()
     if a.build:
-        from flashcore.build.cache import KernelCache
-        from flashcore.build.catalog import write_catalog
-        from flashcore.build.compiler import compile_many
+        from flashcore.compiler.cache import KernelCache
+        from flashcore.compiler.catalog import write_catalog
+        from flashcore.compiler.compiler import compile_many
 
         todo = specs(a.arch)
         arts = compile_many(todo, jobs=a.jobs, cache=KernelCache(Path(a.build)))

@@ -26,7 +26,7 @@ import torch
 
 from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
-from flashcore.spec import TileConfig
+from flashcore.specs import TileConfig
 from flashcore.tuning.bench import DECODE, Shape
 from flashcore.tuning.peers import _fa4, _sdpa, read_floor
 from flashcore.tuning.timing import n_sets, time_kernel
@@ -54,7 +54,7 @@ def fp8kv_bytes(s: Shape) -> float:
 def without_combine():
     """Launch split calls' first kernel only (a timing probe: the output is not combined)."""
     from flashcore.ops import launcher
-    from flashcore.spec import CombineSpec
+    from flashcore.specs import CombineSpec
 
     real = launcher.launch
 
@@ -133,7 +133,7 @@ def show(shape: Shape, res: dict) -> None:
 def sweep_specs(arch: str, dtypes) -> list:
     """Every kernel the sweep can launch (d128, no LSE): each config split and unsplit, with
     and without an FP8 KV cache, the tuned decode kernels and the combines."""
-    from flashcore.spec import AttentionSpec, CombineSpec, SpecError
+    from flashcore.specs import AttentionSpec, CombineSpec, SpecError
     from flashcore.tuned.table import lookup
 
     specs = []
@@ -151,7 +151,7 @@ def sweep_specs(arch: str, dtypes) -> list:
 
 def build(arch: str, dtypes, jobs: int) -> None:
     """Compile the sweep's kernels in parallel into $FLASHCORE_CACHE_DIR's cache."""
-    from flashcore.build.compiler import compile_many
+    from flashcore.compiler.compiler import compile_many
 
     specs = sweep_specs(arch, dtypes)
     compile_many(specs, jobs=jobs)

@@ -26,7 +26,7 @@ from flashcore import reference
 from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
-from flashcore.spec import TileConfig
+from flashcore.specs import TileConfig
 
 
 def qkv(b, hq, hkv, sq, sk, d, dtype=torch.float16, seed=0):
@@ -255,7 +255,7 @@ def wgmma_cases():
 def wgmma_16bit_cases():
     # the Hopper families (sm_90): ragged lengths (S_q != S_k, not multiples of the tile, 1),
     # GQA, causal rows with no key, 2- and 3-block rings wrapping around (700 keys: 6-11 blocks)
-    from flashcore.spec import TileConfig
+    from flashcore.specs import TileConfig
 
     for tile, warps, stages, fam in (((128, 128), 8, 2, "wgmma"), ((64, 128), 4, 3, "wgmma"),
                                      ((128, 64), 8, 3, "wgmma"), ((128, 128), 8, 2, "wgmma_ws"),
@@ -277,7 +277,7 @@ def wgmma_16bit_cases():
 def wgmma_fp8_cases():
     # FP8 operands in the warp-specialised family (e4m3 wgmma): 128- and 64-key Vᵀ tiles,
     # three consumers taking turns; ragged, GQA, S = 1, causal rows with no key
-    from flashcore.spec import TileConfig
+    from flashcore.specs import TileConfig
 
     for tile, warps, stages in (((128, 128), 8, 2), ((128, 64), 8, 3), ((192, 128), 12, 2),
                                 ((192, 64), 12, 3), ((64, 64), 4, 2)):  # 64x64: short and d64 mid
@@ -295,7 +295,7 @@ def fp8_khead_cases():
     # FP8 operands with K descaled per (batch, head) (folded into the rows' exp2 scales): the
     # warp-specialised family's tuned tiles on sm_90, the mma_sync family's prefill and split
     # decode everywhere; ragged, GQA, S = 1, causal rows with no key
-    from flashcore.spec import TileConfig
+    from flashcore.specs import TileConfig
 
     configs = [TileConfig((64, 64)), TileConfig((16, 64), warps=1)]
     if arch_of(torch.cuda.current_device()) == "sm_90":
@@ -342,7 +342,7 @@ def causal_order_cases():
     # (kernels/common/tile_order.py), ragged, GQA; every family whose grid takes that order.
     # The grids have more CTAs than SMs (the sectioned order), but for one Hopper shape (one
     # wave: the per-head order)
-    from flashcore.spec import TileConfig
+    from flashcore.specs import TileConfig
 
     for tile, knobs in (((64, 64), {}), ((32, 64), {"warps": 2, "kv_splits": 2}),
                         ((64, 64), {"stages": 2})):
