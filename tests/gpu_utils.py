@@ -119,3 +119,65 @@ def skip_unless_fits(head_dim: int, precision: str = "fp16", kv_fp8: bool = Fals
                       kv_fp8=kv_fp8, config=TileConfig(knobs.pop("tile"), **knobs))
     except SpecError as e:
         pytest.skip(f"does not fit {current_arch()}: {e}")
+
+
+# the error yardsticks the GPU tests share: SDPA and torch in the inputs' dtype
+def sdpa(q, k, v, causal, scale):
+    """SDPA, the baseline of our error bound (K/V may have fewer heads: GQA). Its flash and
+    efficient backends overflow on a negative scale (NaN on the H100 with torch 2.11):
+    there it gets -q with |scale|, the same logits."""
+    if scale is not None and scale < 0:
+        q, scale = -q, -scale
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def allowed_error(err_sdpa, ref, dtype, q=None, k=None, v=None, scale=None) -> float:
+    """2x SDPA's own error + 1e-4, plus two terms for what rounding alone may do:
+    - one output ulp: where torch cannot use its flash backend (top-left causal, S_q != S_k) it
+      falls back to kernels that keep P in fp32, while an FA2-class kernel rounds P to the input
+      dtype before P·V, which can flip the output's last bit (bf16, |O| ~ 300: 2.0 vs 0.61 seen);
+    - fp32 rounding of the logits: with |s| ~ 1e5 (|x| ~ 100, scale 1) a row whose two best keys
+      differ by 0.018 (1.5 fp32 ulps) is decided by summation order (13.2 vs SDPA's 0.38 on that
+      one row of 10854 seen); the term is 4 eps32 max|s| spread(v), ~4e-4 for |s| ~ 100.
+    """
+    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(ref.abs().max().item(), 1e-30)))
+    logits = 0.0
+    if q is not None:
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: each query head's K/V head
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)
+        s_max = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() * sc
+        spread = (v.double().amax() - v.double().amin()).item()
+        logits = 4 * torch.finfo(torch.float32).eps * s_max * spread
+    return 2 * err_sdpa + 1e-4 + ulp + logits
+
+
+def visible_keys(sq, sk, causal, align, window, device):
+    shift = sk - sq if align == "bottom_right" else 0
+    i = torch.arange(sq, device=device)[:, None] + shift
+    j = torch.arange(sk, device=device)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i
+    if window is not None:
+        if window[1] >= 0:
+            ok &= j <= i + window[1]
+        if window[0] >= 0:
+            ok &= j >= i - window[0]
+    return ok
+
+
+def torch_baseline(q, k, v, causal, align, window, softcap):
+    """torch's attention in q's dtype with the same masks: SDPA with a boolean mask, or for
+    soft-capping the capped logits by hand (fp32 logits, P rounded to q's dtype)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
+    ok = visible_keys(q.shape[2], k.shape[2], causal, align, window, q.device)
+    if softcap is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ok)
+    else:
+        s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        s = (softcap * torch.tanh(s / softcap)).masked_fill(~ok, -math.inf)
+        out = (torch.softmax(s, -1).to(q.dtype).float() @ v.float()).to(q.dtype)
+    return out.nan_to_num(0.0)  # rows that see no key: 0, as the kernel and the reference

@@ -37,7 +37,7 @@ def _call(**changes):
             "k_descale": None, "v_descale": None, "mask_align": "top_left", "window": None,
             "softcap": None, "config": None}
     args.update(changes)
-    return tuple(args[name] for name in bw.ATTENTION_INPUTS)
+    return tuple(args[name] for name in bw._input_names())
 
 
 def _ctx(inputs, lse_rows: int = 6):

@@ -18,10 +18,12 @@ from flashcore.ops import attention
 from tests.gpu_utils import (
     SPLIT_CONFIGS,
     STAGE_CONFIGS,
+    allowed_error,
     attention_shapes,
     current_arch,
     max_abs,
     requires_cuda,
+    sdpa,
     skip_unless_fits,
 )
 
@@ -36,37 +38,6 @@ def _inputs(b, h, sq, sk, d, dtype, magnitude, seed):
     return mk(sq), mk(sk), mk(sk)
 
 
-def _sdpa(q, k, v, causal, scale):
-    """SDPA, the baseline of our error bound (K/V may have fewer heads: GQA). Its flash and
-    efficient backends overflow on a negative scale (NaN on the H100 with torch 2.11):
-    there it gets -q with |scale|, the same logits."""
-    if scale is not None and scale < 0:
-        q, scale = -q, -scale
-    return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-
-
-def _allowed(err_sdpa, ref, dtype, q=None, k=None, v=None, scale=None) -> float:
-    """2x SDPA's own error + 1e-4, plus two terms for what rounding alone may do:
-    - one output ulp: where torch cannot use its flash backend (top-left causal, S_q != S_k) it
-      falls back to kernels that keep P in fp32, while an FA2-class kernel rounds P to the input
-      dtype before P·V, which can flip the output's last bit (bf16, |O| ~ 300: 2.0 vs 0.61 seen);
-    - fp32 rounding of the logits: with |s| ~ 1e5 (|x| ~ 100, scale 1) a row whose two best keys
-      differ by 0.018 (1.5 fp32 ulps) is decided by summation order (13.2 vs SDPA's 0.38 on that
-      one row of 10854 seen); the term is 4 eps32 max|s| spread(v), ~4e-4 for |s| ~ 100.
-    """
-    ulp = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(max(ref.abs().max().item(), 1e-30)))
-    logits = 0.0
-    if q is not None:
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: each query head's K/V head
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else abs(scale)
-        s_max = (q.double() @ k.double().transpose(-1, -2)).abs().max().item() * sc
-        spread = (v.double().amax() - v.double().amin()).item()
-        logits = 4 * torch.finfo(torch.float32).eps * s_max * spread
-    return 2 * err_sdpa + 1e-4 + ulp + logits
-
-
 def _check_against_sdpa(q, k, v, causal, scale, tile=(64, 64)):
     ref = reference.attention(q, k, v, causal=causal, softmax_scale=scale, device=q.device)
     out = torch.full_like(q, float("nan"))  # poisoned: an unwritten element fails isfinite
@@ -75,8 +46,8 @@ def _check_against_sdpa(q, k, v, causal, scale, tile=(64, 64)):
     assert out.shape == q.shape and out.dtype == q.dtype
     assert torch.isfinite(out).all(), "NaN/Inf in the output"
     err = max_abs(out, ref)
-    err_sdpa = max_abs(_sdpa(q, k, v, causal, scale), ref)
-    allowed = _allowed(err_sdpa, ref, q.dtype, q, k, v, scale)
+    err_sdpa = max_abs(sdpa(q, k, v, causal, scale), ref)
+    allowed = allowed_error(err_sdpa, ref, q.dtype, q, k, v, scale)
     assert err <= allowed, f"max err {err:.3g} vs SDPA's {err_sdpa:.3g} (allowed {allowed:.3g})"
     rel = (out.double() - ref).norm() / ref.norm().clamp_min(1e-30)
     return err, err_sdpa, rel.item()
@@ -111,9 +82,9 @@ def test_tiles(tile, causal, d):
     ref = reference.attention(q, k, v, causal=causal, device=q.device)
     out = attention(q, k, v, tile=tile, causal=causal)
     err = max_abs(out, ref)
-    err_sdpa = max_abs(_sdpa(q, k, v, causal, None), ref)
+    err_sdpa = max_abs(sdpa(q, k, v, causal, None), ref)
     assert torch.isfinite(out).all()
-    assert err <= _allowed(err_sdpa, ref, q.dtype)
+    assert err <= allowed_error(err_sdpa, ref, q.dtype)
 
 
 @pytest.mark.parametrize("sq", [600, 100])
@@ -135,8 +106,8 @@ def _check_with_lse(q, k, v, causal, **knobs):
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "NaN or unwritten elements"
     err = max_abs(out, ref)
-    err_sdpa = max_abs(_sdpa(q, k, v, causal, None), ref)
-    assert err <= _allowed(err_sdpa, ref, q.dtype), f"max err {err:.3g} vs SDPA's {err_sdpa:.3g}"
+    err_sdpa = max_abs(sdpa(q, k, v, causal, None), ref)
+    assert err <= allowed_error(err_sdpa, ref, q.dtype), f"max err {err:.3g} vs SDPA's {err_sdpa:.3g}"
     assert max_abs(lse, ref_lse) < 1e-3 * max(1.0, ref_lse.abs().max().item())
 
 
@@ -195,12 +166,12 @@ def test_strided_inputs():
     v = torch.randn(2, 90, 4, 64, device="cuda", dtype=torch.float16).transpose(1, 2)
     ref = reference.attention(q, k, v, device=q.device)
     out = attention(q, k, v)
-    assert max_abs(out, ref) <= _allowed(max_abs(_sdpa(q, k, v, False, None), ref), ref, q.dtype)
+    assert max_abs(out, ref) <= allowed_error(max_abs(sdpa(q, k, v, False, None), ref), ref, q.dtype)
     # a non-contiguous last dim is copied, not misread
     qt = torch.randn(2, 4, 64, 200, device="cuda", dtype=torch.float16).transpose(2, 3)
     out2 = attention(qt, k, v)
     ref2 = reference.attention(qt, k, v, device=q.device)
-    assert max_abs(out2, ref2) <= _allowed(max_abs(_sdpa(qt, k, v, False, None), ref2), ref2,
+    assert max_abs(out2, ref2) <= allowed_error(max_abs(sdpa(qt, k, v, False, None), ref2), ref2,
                                            qt.dtype)
 
 
@@ -274,7 +245,7 @@ def test_copied_inputs_live_until_the_launch():
         assert kt.stride(3) != 1
         out = attention(q, kt, vt)
         ref = reference.attention(q, k, v, device=q.device)
-        assert max_abs(out, ref) <= _allowed(max_abs(_sdpa(q, k, v, False, None), ref), ref,
+        assert max_abs(out, ref) <= allowed_error(max_abs(sdpa(q, k, v, False, None), ref), ref,
                                              q.dtype)
 
 

@@ -19,7 +19,7 @@ from flashcore import reference
 from flashcore.errors import SpecError
 from flashcore.ops.backward import attention_backward
 from flashcore.specs import BackwardSpec, TileConfig
-from tests.gpu_utils import current_arch, max_abs, poison_, requires_cuda
+from tests.gpu_utils import current_arch, max_abs, poison_, requires_cuda, visible_keys
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -50,23 +50,6 @@ def _reference_grads(q, k, v, dout, causal, scale, masks=None):
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
-def _visible(sq, sk, causal, masks, device):
-    """(sq, sk) bool: which keys each query sees (flashcore.reference's definition)."""
-    shift = sk - sq if masks.get("mask_align") == "bottom_right" else 0
-    i = torch.arange(sq, device=device).unsqueeze(1) + shift
-    j = torch.arange(sk, device=device).unsqueeze(0)
-    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if causal:
-        ok &= j <= i
-    window = masks.get("window")
-    if window is not None:
-        if window[1] >= 0:
-            ok &= j <= i + window[1]
-        if window[0] >= 0:
-            ok &= j >= i - window[0]
-    return ok
-
-
 def _math_grads(q, k, v, dout, causal, scale, masks):
     """Gradients of torch's attention arithmetic in the inputs' dtype (SDPA's math backend's,
     which takes no soft-cap) with the same masks: the yardstick where SDPA has no such mask.
@@ -79,7 +62,8 @@ def _math_grads(q, k, v, dout, causal, scale, masks):
     cap = masks.get("softcap")
     if cap is not None:
         s = cap * torch.tanh(s / cap)
-    ok = _visible(q.shape[2], k.shape[2], causal, masks, q.device)
+    ok = visible_keys(q.shape[2], k.shape[2], causal, masks.get("mask_align", "top_left"),
+                      masks.get("window"), q.device)
     p = torch.softmax(s.masked_fill(~ok, -math.inf), -1).masked_fill(~ok, 0.0)
     (p @ vv).backward(dout)
     return q.grad, k.grad, v.grad

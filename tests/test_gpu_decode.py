@@ -20,8 +20,7 @@ from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
 from flashcore.specs import MAX_SPLITS
 from flashcore.tuned.table import DECODE_DEFAULT
-from tests.gpu_utils import FP8_KV_CONFIGS, max_abs, requires_cuda
-from tests.test_gpu_attention import _allowed
+from tests.gpu_utils import FP8_KV_CONFIGS, allowed_error, max_abs, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -37,7 +36,7 @@ def _qkv(b, hq, hkv, sq, sk, d, dtype, seed, magnitude=1.0):
     return mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
 
 
-def _sdpa(q, k, v, causal):
+def sdpa(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -51,8 +50,8 @@ def _check(q, k, v, causal, **knobs):
     assert res is out and lse.shape == q.shape[:3] and lse.dtype == torch.float32
     assert torch.isfinite(out).all(), "NaN or unwritten elements"
     err = max_abs(out, ref)
-    err_sdpa = max_abs(_sdpa(q, k, v, causal), ref)
-    allowed = _allowed(err_sdpa, ref, q.dtype, q, k, v)
+    err_sdpa = max_abs(sdpa(q, k, v, causal), ref)
+    allowed = allowed_error(err_sdpa, ref, q.dtype, q, k, v)
     assert err <= allowed, f"max err {err:.3g} vs SDPA's {err_sdpa:.3g} (allowed {allowed:.3g})"
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is seen"

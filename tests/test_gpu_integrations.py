@@ -11,9 +11,7 @@ import torch
 
 from flashcore import reference
 from flashcore.integrations import flash_attn as fa
-from tests.gpu_utils import max_abs, requires_cuda
-from tests.test_gpu_attention import _allowed
-from tests.test_gpu_masks import _torch_baseline
+from tests.gpu_utils import allowed_error, max_abs, requires_cuda, torch_baseline
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -30,9 +28,9 @@ def _check(out_bshd, q, k, v, causal, window, softcap):
     args = (_t(q), _t(k), _t(v))
     ref = reference.attention(*args, causal=causal, mask_align="bottom_right", window=win,
                               softcap=softcap or None, device=q.device)
-    base = _torch_baseline(*args, causal, "bottom_right", win, softcap or None)
+    base = torch_baseline(*args, causal, "bottom_right", win, softcap or None)
     err, err_sdpa = max_abs(_t(out_bshd), ref), max_abs(base, ref)
-    allowed = _allowed(err_sdpa, ref, q.dtype)
+    allowed = allowed_error(err_sdpa, ref, q.dtype)
     assert err <= allowed, f"max err {err:.3g} vs SDPA's {err_sdpa:.3g} (allowed {allowed:.3g})"
 
 

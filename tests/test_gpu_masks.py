@@ -8,8 +8,6 @@ logits computed by torch in the input dtype's precision). Output and LSE are poi
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -17,42 +15,11 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops import attention
-from tests.gpu_utils import max_abs, requires_cuda
-from tests.test_gpu_attention import _allowed
+from tests.gpu_utils import allowed_error, max_abs, requires_cuda, torch_baseline
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def _visible(sq, sk, causal, align, window, device):
-    shift = sk - sq if align == "bottom_right" else 0
-    i = torch.arange(sq, device=device)[:, None] + shift
-    j = torch.arange(sk, device=device)[None, :]
-    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
-    if causal:
-        ok &= j <= i
-    if window is not None:
-        if window[1] >= 0:
-            ok &= j <= i + window[1]
-        if window[0] >= 0:
-            ok &= j >= i - window[0]
-    return ok
-
-
-def _torch_baseline(q, k, v, causal, align, window, softcap):
-    """torch's attention in q's dtype with the same masks: SDPA with a boolean mask, or for
-    soft-capping the capped logits by hand (fp32 logits, P rounded to q's dtype)."""
-    g = q.shape[1] // k.shape[1]
-    k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
-    ok = _visible(q.shape[2], k.shape[2], causal, align, window, q.device)
-    if softcap is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ok)
-    else:
-        s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        s = (softcap * torch.tanh(s / softcap)).masked_fill(~ok, -math.inf)
-        out = (torch.softmax(s, -1).to(q.dtype).float() @ v.float()).to(q.dtype)
-    return out.nan_to_num(0.0)  # rows that see no key: 0, as the kernel and the reference
 
 
 @settings(settings.get_profile("gpu"))
@@ -101,8 +68,8 @@ def check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, align, win
     torch.cuda.synchronize()
     assert res is out and torch.isfinite(out).all(), "NaN or unwritten elements"
     err = max_abs(out, ref)
-    err_torch = max_abs(_torch_baseline(q, k, v, causal, align, window, softcap), ref)
-    allowed = _allowed(err_torch, ref, q.dtype, q, k, v)
+    err_torch = max_abs(torch_baseline(q, k, v, causal, align, window, softcap), ref)
+    allowed = allowed_error(err_torch, ref, q.dtype, q, k, v)
     assert err <= allowed, f"max err {err:.3g} vs torch's {err_torch:.3g} (allowed {allowed:.3g})"
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is seen"

@@ -21,10 +21,8 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.specs import TileConfig
-from tests.gpu_utils import max_abs, requires_cuda
-from tests.test_gpu_attention import _allowed
+from tests.gpu_utils import allowed_error, max_abs, requires_cuda, torch_baseline
 from tests.test_gpu_decode import FP8_KV_TOL, _rel_l2
-from tests.test_gpu_masks import _torch_baseline
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -50,9 +48,9 @@ def _check_sequence(out, lse, q, k, v, causal, masks, dt, what):
         assert not out.any() and torch.isneginf(lse).all(), f"{what}: rows without keys"
         return
     err = max_abs(out, ref)
-    err_torch = max_abs(_torch_baseline(q, k, v, causal, masks["mask_align"], masks["window"],
+    err_torch = max_abs(torch_baseline(q, k, v, causal, masks["mask_align"], masks["window"],
                                         masks["softcap"]), ref)
-    allowed = _allowed(err_torch, ref, dt, q, k, v)
+    allowed = allowed_error(err_torch, ref, dt, q, k, v)
     assert err <= allowed, f"{what}: max err {err:.3g}, torch {err_torch:.3g}, allowed {allowed:.3g}"
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), f"{what}: -inf LSE exactly where no key"

@@ -20,8 +20,7 @@ from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
 from flashcore.runtime.device import arch_of
 from flashcore.specs import TileConfig
-from tests.gpu_utils import fp8_sums_rounded_p, max_abs, requires_cuda
-from tests.test_gpu_attention import _allowed, _sdpa
+from tests.gpu_utils import allowed_error, fp8_sums_rounded_p, max_abs, requires_cuda, sdpa
 from tests.test_gpu_fp8 import SIM_TOL
 from tests.test_gpu_wgmma import FP8_EXACT_MARGIN, FP8_SIM_TOL, _rel_l2
 
@@ -46,8 +45,8 @@ def _check_16bit(out, lse, q, k, v, causal, scale, what):
     ref, ref_lse = reference.attention(q, k, v, causal=causal, softmax_scale=scale,
                                        return_lse=True, device=q.device)
     assert torch.isfinite(out).all(), f"{what}: NaN, inf or unwritten elements"
-    err, err_sdpa = max_abs(out, ref), max_abs(_sdpa(q, k, v, causal, scale), ref)
-    allowed = _allowed(err_sdpa, ref, q.dtype, q, k, v, scale)
+    err, err_sdpa = max_abs(out, ref), max_abs(sdpa(q, k, v, causal, scale), ref)
+    allowed = allowed_error(err_sdpa, ref, q.dtype, q, k, v, scale)
     assert err <= allowed, f"{what}: max err {err:.3g}, SDPA {err_sdpa:.3g}, allowed {allowed:.3g}"
     if lse is not None:
         assert max_abs(lse, ref_lse) < 1e-3 * max(1.0, ref_lse.abs().max().item()), f"{what}: lse"

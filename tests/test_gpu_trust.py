@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8, quantize_paged_cache
-from tests.gpu_utils import max_abs, requires_cuda
-from tests.test_gpu_attention import _allowed
+from tests.gpu_utils import allowed_error, max_abs, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -38,7 +37,7 @@ def _check(out, q, k, v, causal, what):
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"{what}: NaN or unwritten elements"
     ref = reference.attention(q, k, v, causal=causal, device=q.device)
-    err, allowed = max_abs(out, ref), _allowed(_sdpa_error(q, k, v, causal, ref), ref, q.dtype,
+    err, allowed = max_abs(out, ref), allowed_error(_sdpa_error(q, k, v, causal, ref), ref, q.dtype,
                                                q, k, v)
     assert err <= allowed, f"{what}: max err {err:.3g}, allowed {allowed:.3g}"
 

@@ -19,12 +19,13 @@ from tests.gpu_utils import (
     ROUNDED_SUMS_LSE_SLACK,
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
+    allowed_error,
     current_arch,
     fp8_sums_rounded_p,
     max_abs,
     requires_cuda,
+    sdpa,
 )
-from tests.test_gpu_attention import _allowed, _sdpa
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -51,8 +52,8 @@ def _check(b, hq, hkv, sq, sk, d, dt, causal, config, return_lse, seed, mag=1.0)
     assert torch.isfinite(out).all(), "NaN/Inf or unwritten elements in the output"
     err = max_abs(out, ref)
     kx, vx = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
-    err_sdpa = max_abs(_sdpa(q, kx, vx, causal, None), ref)
-    allowed = _allowed(err_sdpa, ref, dt, q, k, v)
+    err_sdpa = max_abs(sdpa(q, kx, vx, causal, None), ref)
+    allowed = allowed_error(err_sdpa, ref, dt, q, k, v)
     assert err <= allowed, f"max err {err:.3g} vs SDPA's {err_sdpa:.3g} (allowed {allowed:.3g})"
     if return_lse:
         lse = res[1]

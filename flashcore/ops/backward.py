@@ -177,13 +177,6 @@ def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None,
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
-# ``torch.ops.flashcore.attention``'s inputs, in its schema's order (``library._attention``);
-# the registered schema's own names are read when it exists (``_input_names``)
-ATTENTION_INPUTS = ("q", "k", "v", "causal", "softmax_scale", "return_lse", "tile", "warps",
-                    "stages", "kv_splits", "num_splits", "precision", "k_descale", "v_descale",
-                    "mask_align", "window", "softcap", "config")
-
-
 def why_no_backward(q: Tensor, k: Tensor, *, causal: bool = False, precision: str = "fp16",
                     k_descale: Tensor | None = None, mask_align: str = "top_left",
                     window=None, softcap=None) -> str | None:
@@ -202,21 +195,17 @@ def _unsupported(args: dict) -> str | None:
                            k_descale=args.get("k_descale"))
 
 
-def _input_names(n: int) -> tuple[str, ...]:
-    """The names of the registered attention op's ``n`` inputs (its schema, which gains
-    arguments over time), else ``ATTENTION_INPUTS``."""
-    try:
-        names = tuple(a.name for a in torch.ops.flashcore.attention.default._schema.arguments)
-    except (AttributeError, RuntimeError):
-        names = ATTENTION_INPUTS
-    return names if len(names) == n else ATTENTION_INPUTS
+def _input_names() -> tuple[str, ...]:
+    """The names of the registered attention op's inputs, in order (its schema: the one
+    declaration of its signature)."""
+    return tuple(a.name for a in torch.ops.flashcore.attention.default._schema.arguments)
 
 
 def setup_attention_context(ctx, inputs: tuple, output: tuple) -> None:
     """``torch.ops.flashcore.attention``'s setup_context: saves q, k, v, out and lse (the op
     must have computed the LSE: the public function asks for it whenever an input requires
     grad) and what the backward needs to know of the call."""
-    args = dict(zip(_input_names(len(inputs)), inputs))
+    args = dict(zip(_input_names(), inputs))
     ctx.inputs = len(inputs)
     out, lse = output
     ctx.why_not = _unsupported(args)

@@ -25,7 +25,7 @@ from .arch import (
 )
 from .families import DEFAULT_FAMILY, family
 from .serial import SpecData
-from .tile import TileConfig
+from .tile import TileConfig, TiledKernel
 
 PRECISIONS = ("fp16", "fp8")  # MMA operand precision: the input dtype, or float8_e4m3fn
 # where the causal diagonal (and a window's edges) sit when S_q != S_k: top-left (torch's
@@ -38,7 +38,7 @@ WINDOW_UNBOUNDED = 1 << 30  # a window side without a limit, as the kernel takes
 
 
 @dataclass(frozen=True)
-class AttentionSpec(SpecData):
+class AttentionSpec(SpecData, TiledKernel):
     """One forward attention kernel.
 
     ``dtype`` is the query and output dtype. ``precision="fp8"`` multiplies float8_e4m3fn Q, K
@@ -184,30 +184,6 @@ class AttentionSpec(SpecData):
         fam.validate(self)
 
     # -- derived -------------------------------------------------------------------------------
-    @property
-    def tile(self) -> tuple[int, int]:
-        return self.config.tile
-
-    @property
-    def tile_m(self) -> int:
-        return self.config.tile_m
-
-    @property
-    def tile_n(self) -> int:
-        return self.config.tile_n
-
-    @property
-    def warps(self) -> int:
-        return self.config.warps  # type: ignore[return-value]
-
-    @property
-    def stages(self) -> int:
-        return self.config.stages
-
-    @property
-    def kv_splits(self) -> int:
-        return self.config.kv_splits
-
     @property
     def group_threads(self) -> int:
         """Threads that share one key range (all of them unless kv_splits > 1)."""

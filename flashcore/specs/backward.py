@@ -34,7 +34,7 @@ from .arch import (
 )
 from .attention import MASK_ALIGNS
 from .serial import SpecData
-from .tile import TileConfig
+from .tile import TileConfig, TiledKernel
 
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
 ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this (the largest tile_m)
@@ -56,7 +56,7 @@ def warp_grid(rows: int, cols: int, warps: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class BackwardSpec(SpecData):
+class BackwardSpec(SpecData, TiledKernel):
     """One kernel of the attention backward (``op`` names which). ``config`` and ``causal``
     describe the main kernel (``tile`` = (query rows, keys) per block); the row kernels take
     the defaults."""
@@ -136,18 +136,6 @@ class BackwardSpec(SpecData):
     def shifted_mask(self) -> bool:
         """The general key bounds (``kernels.common.block_info``): bottom-right or a window."""
         return self.mask_align == "bottom_right" or self.window
-
-    @property
-    def tile_m(self) -> int:
-        return self.config.tile_m
-
-    @property
-    def tile_n(self) -> int:
-        return self.config.tile_n
-
-    @property
-    def warps(self) -> int:
-        return self.config.warps  # type: ignore[return-value]
 
     @property
     def threads(self) -> int:

@@ -126,3 +126,34 @@ def tile_config(config: TileConfig | None = None, **knobs: Any) -> TileConfig:
     if "tile" in changes and "warps" not in changes and config is None:
         changes["warps"] = None
     return base.replace(**changes) if changes else base
+
+
+class TiledKernel:
+    """The tile knobs of a kernel spec whose ``config`` is a TileConfig, read through it (a
+    mixin of the attention and backward specs)."""
+
+    config: TileConfig
+
+    @property
+    def tile(self) -> tuple[int, int]:
+        return self.config.tile
+
+    @property
+    def tile_m(self) -> int:
+        return self.config.tile_m
+
+    @property
+    def tile_n(self) -> int:
+        return self.config.tile_n
+
+    @property
+    def warps(self) -> int:
+        return self.config.warps  # type: ignore[return-value]
+
+    @property
+    def stages(self) -> int:
+        return self.config.stages
+
+    @property
+    def kv_splits(self) -> int:
+        return self.config.kv_splits
