@@ -14,15 +14,15 @@ memory: ``torch.cuda.max_memory_allocated`` over one step, less what was allocat
 from __future__ import annotations
 
 import contextlib
-import json
 import statistics
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .peers import Impl, _fa4, _flashcore, _flex, _sdpa
+from .records import result_row, write_record
 from .shape import Shape
 from .timing import n_sets, time_eager, time_kernel
 
@@ -217,15 +217,6 @@ def backward_table(results: list[BackwardResult], ours: str = "flashcore") -> st
 
 def record_backward(results: list[BackwardResult], out: Path, env: dict) -> Path:
     """A JSON record beside the forward's (``env``: ``bench.environment()``)."""
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = env["date"].replace(":", "").replace("-", "")[:15]
-    path = out / f"backward-{env['sm']}-{stamp}.json"
-    rows = []
-    for r in results:
-        d = asdict(r)
-        d["shape"] = asdict(r.shape)
-        d["step_tflops"] = r.step_tflops
-        d["backward_tflops"] = r.backward_tflops
-        rows.append(d)
-    path.write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
-    return path
+    return write_record(out, "backward", env, [
+        result_row(r, step_tflops=r.step_tflops, backward_tflops=r.backward_tflops)
+        for r in results])

@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import datetime
 import importlib.metadata
-import json
 import platform
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from .peers import (
     implementations,
     read_floor,
 )
+from .records import result_row, write_record
 from .shape import Shape
 from .timing import n_sets, time_eager, time_kernel
 
@@ -261,18 +261,8 @@ DEFAULT_OUT = "bench-results"
 
 
 def record(results: list[Result], out: Path, tag: str = "bench") -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    env = environment()
-    stamp = env["date"].replace(":", "").replace("-", "")[:15]
-    path = out / f"{tag}-{env['sm']}-{stamp}.json"
-    rows = []
-    for r in results:
-        d = asdict(r)
-        d["shape"] = asdict(r.shape)
-        d["tflops"] = r.tflops
-        d["tbps"] = r.tbps
-        rows.append(d)
-    path.write_text(json.dumps({"environment": env, "results": rows}, indent=1) + "\n")
+    path = write_record(out, tag, environment(),
+                        [result_row(r, tflops=r.tflops, tbps=r.tbps) for r in results])
     with contextlib.suppress(Exception):
         chart(results, path.with_suffix(".png"))
     return path
