@@ -24,7 +24,7 @@ import torch
 from .peers import Impl, _fa4, _flashcore, _flex, _sdpa
 from .records import result_row, write_record
 from .shape import Shape
-from .timing import n_sets, time_eager, time_kernel
+from .timing import alternating, n_sets, time_eager, time_kernel
 
 BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: five products against two
 STEP_FLOPS = 1.0 + BACKWARD_FLOPS
@@ -149,22 +149,18 @@ def measure_backward(shapes: list[Shape], impls: dict[str, Impl],
         mine = {name: BackwardResult(shape, name) for name in impls}
         steps: dict[str, list[float]] = {name: [] for name in mine}
         backs: dict[str, list[float]] = {name: [] for name in mine}
-        for turn in range(rounds):
-            order = list(mine.items())
-            if turn % 2:
-                order.reverse()
-            for name, r in order:
-                if r.error:
-                    continue
-                fn = impls[name]
-                try:
-                    with getattr(fn, "context", contextlib.nullcontext)():
-                        if turn == 0:
-                            r.peak_bytes = step_peak_bytes(fn, sets[0], shape.causal)
-                        steps[name].append(time_step(fn, sets, shape.causal, r.extra))
-                        backs[name].append(time_backward(fn, sets, shape.causal, r.extra))
-                except Exception as e:  # noqa: BLE001 (a peer without this shape: record it)
-                    r.error = _error(e)
+        for turn, name, r in alternating(mine, rounds):
+            if r.error:
+                continue
+            fn = impls[name]
+            try:
+                with getattr(fn, "context", contextlib.nullcontext)():
+                    if turn == 0:
+                        r.peak_bytes = step_peak_bytes(fn, sets[0], shape.causal)
+                    steps[name].append(time_step(fn, sets, shape.causal, r.extra))
+                    backs[name].append(time_backward(fn, sets, shape.causal, r.extra))
+            except Exception as e:  # noqa: BLE001 (a peer without this shape: record it)
+                r.error = _error(e)
         for name, r in mine.items():
             if steps[name] and backs[name] and not r.error:
                 r.step_us = statistics.median(steps[name])

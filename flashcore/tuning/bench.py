@@ -45,7 +45,7 @@ from .peers import (
 )
 from .records import result_row, write_record
 from .shape import Shape
-from .timing import n_sets, time_eager, time_kernel
+from .timing import alternating, n_sets, time_eager, time_kernel
 
 MISSION = Shape(1, 8, 512, 64)
 # the decode issue's shapes: B, H_q, H_kv, S_k, D with one query token
@@ -127,26 +127,22 @@ def measure(shapes: list[Shape], impls: dict[str, Impl], eager: bool = True,
         sets = [shape.inputs() for _ in range(n_sets(int(shape.min_bytes()), l2))]
         mine = {name: Result(shape, name) for name in impls if _applies(name, shape)}
         times: dict[str, list[float]] = {name: [] for name in mine}
-        for turn in range(rounds):
-            order = list(mine.items())
-            if turn % 2:
-                order.reverse()
-            for name, r in order:
-                if r.error:
-                    continue
-                fn = impls[name]
+        for turn, name, r in alternating(mine, rounds):
+            if r.error:
+                continue
+            fn = impls[name]
 
-                def call(q, k, v, fn=fn, causal=shape.causal):
-                    return fn(q, k, v, causal)
+            def call(q, k, v, fn=fn, causal=shape.causal):
+                return fn(q, k, v, causal)
 
-                try:
-                    with getattr(fn, "context", contextlib.nullcontext)():
-                        times[name].append(time_kernel(call, sets))
-                        if eager and shape == MISSION and turn == 0:  # host overhead shows
-                            r.eager_us = time_eager(call, sets)  # only at small shapes
-                except Exception as e:  # a peer without support for this shape: record, go on
-                    r.error = (f"{type(e).__name__}: "
-                               f"{str(e).splitlines()[0][:160] if str(e) else ''}")
+            try:
+                with getattr(fn, "context", contextlib.nullcontext)():
+                    times[name].append(time_kernel(call, sets))
+                    if eager and shape == MISSION and turn == 0:  # host overhead shows
+                        r.eager_us = time_eager(call, sets)  # only at small shapes
+            except Exception as e:  # a peer without support for this shape: record, go on
+                r.error = (f"{type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:160] if str(e) else ''}")
         for name, r in mine.items():
             if times[name] and not r.error:
                 r.kernel_us = statistics.median(times[name])

@@ -100,3 +100,14 @@ def report(name: str, impls: dict, sets: Sequence[tuple], work: float,
         base = base or us
         cells.append(f"{label:34s} {us:9.1f} us {work / us / 1e6:7.2f} {unit} x{us / base:5.2f}")
     print(f"{name}\n    " + "\n    ".join(cells), flush=True)
+
+
+def alternating(items: dict, rounds: int):
+    """(round, key, value) of ``items`` for each of ``rounds`` rounds, every other round in
+    reverse order (ABBA), so drift in clocks or temperature favours no one."""
+    for turn in range(rounds):
+        order = list(items.items())
+        if turn % 2:
+            order.reverse()
+        for key, value in order:
+            yield turn, key, value
