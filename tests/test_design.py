@@ -21,6 +21,7 @@ LAYERS = {
     "ops": {"runtime", "compiler", "specs", "errors", "tuned"},
     "tuning": {"ops", "runtime", "compiler", "specs", "errors", "tuned"},
     "integrations": {"ops", "specs", "errors"},
+    "distributed": {"ops"},
     "reference": {"kernels.common.block_info"},
 }
 TOP = {"cli", "bench", "autotune", "__init__", "spec", "build"}  # spec, build: old names

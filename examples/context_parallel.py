@@ -1,0 +1,83 @@
+"""Context-parallel attention across GPUs: each rank holds a slice of the sequence.
+
+    torchrun --nproc-per-node N examples/context_parallel.py [--seq 32768] [--causal]
+
+Prints, per method, the time of one forward step on N GPUs (each with 1/N of the sequence)
+next to flashcore's time for the whole sequence on one GPU, and the sharded result's largest
+difference from the one-GPU output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from flashcore.distributed import (
+    all_gather_attention,
+    context_parallel_attention,
+    ring_attention,
+    shard_zigzag,
+    unshard_zigzag,
+)
+from flashcore.ops import attention
+
+
+def timed(fn, iters: int) -> float:
+    """Milliseconds per call, after a warm-up call (which also compiles or loads kernels)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dist.barrier()
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    g = torch.Generator(device="cuda").manual_seed(0)  # the same full inputs on every rank
+    def make(h: int) -> torch.Tensor:
+        return torch.randn(args.batch, h, args.seq, args.head_dim, device="cuda", generator=g,
+                           dtype=torch.bfloat16)
+
+    q, k, v = make(args.heads), make(args.kv_heads), make(args.kv_heads)
+    ql, kl, vl = (shard_zigzag(t, rank, world) for t in (q, k, v))  # causal load balance
+
+    single_ms = timed(lambda: attention(q, k, v, causal=args.causal), args.iters)
+    single = attention(q, k, v, causal=args.causal)
+    methods = {"ring": ring_attention, "all_gather": all_gather_attention,
+               "auto": context_parallel_attention}
+    for name, fn in methods.items():
+        def step(fn=fn):
+            return fn(ql, kl, vl, causal=args.causal, layout="zigzag")
+
+        ms = timed(step, args.iters)
+        parts = [torch.empty_like(ql) for _ in range(world)]
+        dist.all_gather(parts, step().contiguous())
+        diff = (unshard_zigzag(parts, world) - single).abs().max().item()
+        if rank == 0:
+            print(f"{name:>10}: {ms:8.3f} ms/step on {world} GPUs vs {single_ms:8.3f} ms on one "
+                  f"({single_ms / ms:5.2f}x), max |diff| vs one GPU {diff:.3e}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

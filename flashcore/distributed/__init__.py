@@ -1,0 +1,18 @@
+"""Context parallelism: attention over a ``torch.distributed`` group for q, k, v sharded along
+the sequence (forward only)."""
+
+from .gather import all_gather_attention, context_parallel_attention, prefers_all_gather
+from .layout import shard_contiguous, shard_zigzag, unshard_zigzag
+from .merge import merge_partials
+from .ring import ring_attention
+
+__all__ = [
+    "all_gather_attention",
+    "context_parallel_attention",
+    "merge_partials",
+    "prefers_all_gather",
+    "ring_attention",
+    "shard_contiguous",
+    "shard_zigzag",
+    "unshard_zigzag",
+]

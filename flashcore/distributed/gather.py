@@ -1,0 +1,117 @@
+"""All-gather attention (gather every rank's K/V, then one local call per query chunk) and the
+choice between it and the ring."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .common import (
+    AttentionFn,
+    Shards,
+    check_inputs,
+    check_shards,
+    gather_lengths,
+    resolve_attention_fn,
+    resolve_scale,
+)
+from .layout import check_layout, unshard_zigzag
+from .merge import accumulation_dtype
+from .ring import ring_attention
+
+METHODS = ("auto", "ring", "all_gather")
+
+
+def _gather_sequence(x: torch.Tensor, lengths: list[int], group: dist.ProcessGroup | None,
+                     layout: str) -> torch.Tensor:
+    """The whole sequence of ``x`` (batch, heads, seq_shard, dim) in global order."""
+    longest = max(lengths)
+    pad = longest - x.shape[2]
+    if pad:  # all_gather needs equal sizes: pad the shorter shards, cut after
+        x = torch.cat([x, x.new_zeros((*x.shape[:2], pad, x.shape[3]))], dim=2)
+    parts = [torch.empty_like(x) for _ in lengths]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    parts = [p[:, :, :n] for p, n in zip(parts, lengths)]
+    if layout == "zigzag":
+        return unshard_zigzag(parts, len(parts))
+    return torch.cat(parts, dim=2)
+
+
+def _query_chunks(layout: str, shards: Shards, rank: int) -> list[tuple[slice, int]]:
+    """(local query rows, number of global keys up to and including the chunk's last query)."""
+    sq = shards.q[rank]
+    if layout == "zigzag":
+        c, world = sq // 2, len(shards.q)
+        return [(slice(0, c), (rank + 1) * c), (slice(c, sq), (2 * world - rank) * c)]
+    return [(slice(0, sq), shards.q_offset(rank) + sq)]
+
+
+def all_gather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "contiguous",
+    return_lse: bool = False,
+    attention_fn: AttentionFn | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``ring_attention``'s result by all-gathering K and V, then attending locally: cheap when
+    K/V are small (GQA with few K/V heads), at the memory of the whole sequence's K/V per rank.
+
+    Causal: each contiguous query chunk attends to the keys up to its last query with
+    ``mask_align="bottom_right"`` (one call for "contiguous", two for "zigzag"'s chunks).
+    """
+    check_layout(layout)
+    check_inputs(q, k, v)
+    fn = resolve_attention_fn(attention_fn)
+    scale = resolve_scale(q, softmax_scale)
+    rank = dist.get_rank(group)
+    shards = gather_lengths(q, k, group)
+    check_shards(shards, layout, causal)
+    k_all, v_all = (_gather_sequence(t, shards.k, group, layout) for t in (k, v))
+
+    if not causal:
+        out, lse = fn(q, k_all, v_all, causal=False, softmax_scale=scale, return_lse=True,
+                      mask_align="top_left")
+    else:
+        outs, lses = [], []
+        for rows, end in _query_chunks(layout, shards, rank):
+            o, s = fn(q[:, :, rows], k_all[:, :, :end], v_all[:, :, :end], causal=True,
+                      softmax_scale=scale, return_lse=True, mask_align="bottom_right")
+            outs.append(o)
+            lses.append(s)
+        out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    out = out.to(q.dtype)
+    return (out, lse.to(accumulation_dtype(q.dtype))) if return_lse else out
+
+
+def prefers_all_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The ``method="auto"`` rule: all-gather when one token's K and V bytes are no more than its
+    Q bytes (GQA with at least two query heads per K/V head, at equal head dims).
+
+    Both move the same (N-1) shards of K/V per rank; the ring hides it behind compute but merges
+    a Q-sized float32 accumulator every step, which outweighs an exposed gather of K/V no larger
+    than Q. Per-token bytes are the same on every rank, so all ranks choose alike.
+    """
+    kv = k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
+    return kv <= q.shape[1] * q.shape[3] * q.element_size()
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    method: str = "auto",
+    **kwargs,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``ring_attention`` or ``all_gather_attention`` (same keyword arguments): ``method="auto"``
+    picks by ``prefers_all_gather``; "ring" and "all_gather" force one."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method == "all_gather" or (method == "auto" and prefers_all_gather(q, k, v)):
+        return all_gather_attention(q, k, v, **kwargs)
+    return ring_attention(q, k, v, **kwargs)
