@@ -136,3 +136,12 @@ def isolate_cache(tmp_path: Path, monkeypatch, dsl: str) -> None:
     monkeypatch.setattr(cache_mod, "_defaults", {})
     monkeypatch.setattr(cache_mod, "_warned_read_only", set())
     monkeypatch.setattr("flashcore.runtime.catalog.visible_archs", dict)
+
+
+def one_line_error(capsys, *words) -> str:
+    """The CLI's stderr: one line, no traceback, naming each of ``words``."""
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    for w in words:
+        assert w in err, err
+    return err

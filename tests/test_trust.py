@@ -38,6 +38,7 @@ from tests.artifact_helpers import (
     SPEC,
     child_get_or_build_failing,
     isolate_cache,
+    one_line_error,
     synthetic_artifact,
 )
 
@@ -1021,20 +1022,12 @@ def no_compile(monkeypatch):
     monkeypatch.setattr(compiler, "compile_many", refuse)
 
 
-def _one_line_error(capsys, *words) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for w in words:
-        assert w in err, err
-    return err
-
-
 def test_dump_out_not_a_folder(tmp_path, capsys, no_compile):
     (tmp_path / "file").write_text("x")
     assert cli.main(["dump", "--arch", "sm_89", "--out", str(tmp_path / "file")]) == 2
-    _one_line_error(capsys, "--out", "not a folder")
+    one_line_error(capsys, "--out", "not a folder")
     assert cli.main(["dump", "--out", str(tmp_path / "file" / "below")]) == 2
-    _one_line_error(capsys, "--out", "cannot write there")
+    one_line_error(capsys, "--out", "cannot write there")
 
 
 def test_dump_out_read_only(tmp_path, capsys, no_compile, read_only):
@@ -1042,24 +1035,24 @@ def test_dump_out_read_only(tmp_path, capsys, no_compile, read_only):
     ro.mkdir()
     read_only(ro)
     assert cli.main(["dump", "--out", str(ro)]) == 2
-    _one_line_error(capsys, "--out", str(ro), "cannot write there", "Read-only")
+    one_line_error(capsys, "--out", str(ro), "cannot write there", "Read-only")
     assert cli.main(["dump", "--out", str(ro / "new")]) == 2
-    _one_line_error(capsys, "cannot write there")
+    one_line_error(capsys, "cannot write there")
 
 
 def test_dump_compare_no_such_folder(tmp_path, capsys, no_compile):
     assert cli.main(["dump", "--compare", str(tmp_path / "nosuchdir"), "arch=sm_89"]) == 2
-    _one_line_error(capsys, "nosuchdir", "neither a dump folder")
+    one_line_error(capsys, "nosuchdir", "neither a dump folder")
 
 
 def test_dump_compare_folder_without_a_report(tmp_path, capsys, no_compile):
     assert cli.main(["dump", "--compare", "arch=sm_89", str(tmp_path)]) == 2
-    _one_line_error(capsys, "not a dump folder", "resources.json")
+    one_line_error(capsys, "not a dump folder", "resources.json")
 
 
 def test_dump_compare_unknown_spec_field(capsys, no_compile):
     assert cli.main(["dump", "--compare", "arch=sm_89,bogus=1", "arch=sm_89"]) == 2
-    _one_line_error(capsys, "unknown spec field 'bogus'")
+    one_line_error(capsys, "unknown spec field 'bogus'")
 
 
 def _autotune(*args, tmp_path):

@@ -29,7 +29,7 @@ from flashcore.compiler.catalog import verify_catalog, write_catalog
 from flashcore.errors import CatalogError, CompileError
 from flashcore.ops.masks import UNBOUNDED, WINDOW_MAX, masking
 from flashcore.specs import AttentionSpec
-from tests.artifact_helpers import SPEC, isolate_cache, synthetic_artifact
+from tests.artifact_helpers import SPEC, isolate_cache, one_line_error, synthetic_artifact
 
 DSL = "4.8.1-cu12"
 OTHER = AttentionSpec(arch="sm_90", head_dim=64)
@@ -112,14 +112,6 @@ def _snapshot(folder: Path) -> dict:
             for p in folder.rglob("*")}
 
 
-def _one_line_error(capsys, *words) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    for w in words:
-        assert w in err, err
-    return err
-
-
 # == 1. precompile --out: only a catalog is replaced ==============================================
 def _fake_compile_many(log: list | None = None, during=None):
     """compile_many without the compiler: synthetic artifacts through the given cache."""
@@ -165,7 +157,7 @@ def test_precompile_never_replaces_a_folder_read_index_refuses(tmp_path, monkeyp
     (site / "notes.txt").write_text("mine")
     before = sorted(os.listdir(site))
     assert _within(20, _precompile, site) == 2
-    _one_line_error(capsys, "--out", str(site), "not a flashcore catalog", "refusing")
+    one_line_error(capsys, "--out", str(site), "not a flashcore catalog", "refusing")
     assert sorted(os.listdir(site)) == before and (site / "notes.txt").read_text() == "mine"
     assert stat.S_IMODE(site.stat().st_mode) == 0o750
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no stage left
@@ -183,7 +175,7 @@ def test_a_folder_that_stops_being_a_catalog_during_the_build_is_left_alone(tmp_
 
     monkeypatch.setattr(compiler, "compile_many", _fake_compile_many(during=swap_in_a_project))
     assert _precompile(out) == 2
-    _one_line_error(capsys, "not a flashcore catalog")
+    one_line_error(capsys, "not a flashcore catalog")
     assert (out / "app.js").read_text() == "mine"
     assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []  # no stage left
 
@@ -472,7 +464,7 @@ def test_a_hostile_index_json_is_refused_not_waited_on(tmp_path, monkeypatch, ca
     plant(root / "index.json")
     with _memory_cap():
         assert _within(20, cli.main, ["catalog-hash", str(root)]) == 2
-        _one_line_error(capsys, "index.json", "not a regular file")
+        one_line_error(capsys, "index.json", "not a regular file")
         monkeypatch.setenv("FLASHCORE_CACHE_DIR", str(root))
         with pytest.raises(CatalogError, match="not a regular file"):
             _within(20, compiler.compile_kernel, SPEC)
@@ -503,7 +495,7 @@ def test_dump_compare_reads_no_fifo(tmp_path, capsys):
     d.mkdir()
     os.mkfifo(d / "resources.json")
     assert _within(20, cli.main, ["dump", "--compare", str(d), str(d)]) == 2
-    _one_line_error(capsys, "resources.json", "not a regular file")
+    one_line_error(capsys, "resources.json", "not a regular file")
 
 
 # == 5. workers: timeouts, deaths, missing products ===============================================
@@ -648,7 +640,7 @@ def test_dump_compare_of_a_foreign_folder_is_a_one_line_error(tmp_path, capsys, 
     d.mkdir()
     (d / "resources.json").write_text(json.dumps(FOREIGN_REPORTS[kind]))
     assert cli.main(["dump", "--compare", str(d), str(d)]) == 2
-    _one_line_error(capsys, "--compare", "not a flashcore dump report")
+    one_line_error(capsys, "--compare", "not a flashcore dump report")
 
 
 def test_dump_compare_of_reports_of_different_versions(tmp_path, capsys):

@@ -78,3 +78,17 @@ def check_shards(shards: Shards, layout: str, causal: bool) -> None:
 def peer(group: dist.ProcessGroup | None, group_rank: int) -> int:
     """The global rank P2P ops address, of a rank in ``group``."""
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+def start(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+          softmax_scale: float | None, group: dist.ProcessGroup | None, layout: str,
+          attention_fn: AttentionFn | None) -> tuple[AttentionFn, float, Shards]:
+    """What both context-parallel ops begin with: the checks, the attention call, the scale and
+    every rank's shard lengths (a collective: every rank of ``group`` calls it)."""
+    check_layout(layout)
+    check_inputs(q, k, v)
+    fn = resolve_attention_fn(attention_fn)
+    scale = resolve_scale(q, softmax_scale)
+    shards = gather_lengths(q, k, group)
+    check_shards(shards, layout, causal)
+    return fn, scale, shards

@@ -6,16 +6,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .common import (
-    AttentionFn,
-    Shards,
-    check_inputs,
-    check_shards,
-    gather_lengths,
-    resolve_attention_fn,
-    resolve_scale,
-)
-from .layout import check_layout, unshard_zigzag
+from .common import AttentionFn, Shards, start
+from .layout import unshard_zigzag
 from .merge import accumulation_dtype
 from .ring import ring_attention
 
@@ -64,13 +56,9 @@ def all_gather_attention(
     Causal: each contiguous query chunk attends to the keys up to its last query with
     ``mask_align="bottom_right"`` (one call for "contiguous", two for "zigzag"'s chunks).
     """
-    check_layout(layout)
-    check_inputs(q, k, v)
-    fn = resolve_attention_fn(attention_fn)
-    scale = resolve_scale(q, softmax_scale)
+    fn, scale, shards = start(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
+                              layout=layout, attention_fn=attention_fn)
     rank = dist.get_rank(group)
-    shards = gather_lengths(q, k, group)
-    check_shards(shards, layout, causal)
     k_all, v_all = (_gather_sequence(t, shards.k, group, layout) for t in (k, v))
 
     if not causal:

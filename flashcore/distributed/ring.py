@@ -8,16 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .common import (
-    AttentionFn,
-    check_inputs,
-    check_shards,
-    gather_lengths,
-    peer,
-    resolve_attention_fn,
-    resolve_scale,
-)
-from .layout import check_layout, plan_blocks
+from .common import AttentionFn, peer, start
+from .layout import plan_blocks
 from .merge import Partial, accumulation_dtype
 
 
@@ -72,13 +64,9 @@ def ring_attention(
     lengths) or skipped, all expressible by ``attention_fn``. K/V may have fewer heads (GQA).
     ``attention_fn`` defaults to ``flashcore.ops.attention``.
     """
-    check_layout(layout)
-    check_inputs(q, k, v)
-    fn = resolve_attention_fn(attention_fn)
-    scale = resolve_scale(q, softmax_scale)
+    fn, scale, shards = start(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
+                              layout=layout, attention_fn=attention_fn)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    shards = gather_lengths(q, k, group)
-    check_shards(shards, layout, causal)
     send_to, recv_from = peer(group, (rank + 1) % world), peer(group, (rank - 1) % world)
 
     acc = Partial.empty(q, v.shape[-1], accumulation_dtype(q.dtype))

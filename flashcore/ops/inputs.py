@@ -38,8 +38,10 @@ def readable_copy(t: torch.Tensor) -> torch.Tensor:
     """``t``, or a fresh compact copy of it where the kernels cannot read it as it is. A fresh
     allocation, never ``contiguous()``: that returns a contiguous view at a misaligned base
     unchanged."""
-    if readable(t):
-        return t
+    return t if readable(t) else _fresh_copy(t)
+
+
+def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
 
 
@@ -51,7 +53,7 @@ def prepared(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     ptr = t.data_ptr()
     align = 16 // t.element_size()
     if sd != 1 or ptr % 16 or sb % align or sh % align or ss % align:
-        t = torch.empty(t.shape, dtype=t.dtype, device=t.device).copy_(t)
+        t = _fresh_copy(t)
         sb, sh, ss, _ = t.stride()
         ptr = t.data_ptr()
     b, h, s, _ = t.shape

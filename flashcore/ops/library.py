@@ -12,8 +12,8 @@ implementations give the shapes, dtypes and strides the real ones return. Eager 
 ``flashcore.ops.attention`` skip this layer (it costs host time) and run the same code directly.
 
 ``torch.ops.flashcore.attention`` has an autograd formula (``flashcore.ops.backward``: its
-registered ``torch.ops.flashcore.attention_backward`` op) for dense 16-bit calls without a mask
-or with top-left causal; its backward raises an error naming what it lacks for the rest. The
+registered ``torch.ops.flashcore.attention_backward`` op) for 16-bit calls, masks included;
+its backward raises an error naming what it lacks for FP8 operands and the FP8 KV cache. The
 other ops carry a formula whose backward raises an error that says so, so a compiled model
 never trains silently through attention.
 """

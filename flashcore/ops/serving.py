@@ -335,11 +335,14 @@ def run_paged(
         q4, q_arg = prepared(q)
         o4, lse_v = target, lse
 
-    def tables(b0: int, b1: int) -> tuple:
+    def tables(b0: int, b1: int) -> tuple:  # sequences b0..b1's (past the grid's z limit)
         return (*((_vector_arg(cu_q[b0:b1 + 1]),) if packed else ()),
                 _table_arg(block_table[b0:b1]), _vector_arg(lens[b0:b1]))
 
-    serving = Serving(packed, page_size, tables(0, batch), batch, max_q, max_k)
+    # the whole batch's arguments without slicing: a view costs an eager decode call host time
+    whole = (*((_vector_arg(cu_q),) if packed else ()), _table_arg(block_table),
+             _vector_arg(lens))
+    serving = Serving(packed, page_size, whole, batch, max_q, max_k)
     _launch_batches(serving, tables, lambda part: launch_attention(
         q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), descales, cfg, causal, scale, num_splits,
         kv_fp8=kd is not None, mask=mask, serving=part))
