@@ -114,20 +114,21 @@ def load_paged(tiled_copy, thr_copy, page_of, dst, coords, n_block, slot, seqlen
 def load_gathered(tiled_copy, thr_copy, row_of, dst, coords, n_block, slot, seqlen,
                   tile: cutlass.Constexpr, ragged: cutlass.Constexpr):
     """``load_block`` for a ``tile`` (rows, cols) whose rows are scattered (a paged cache):
-    ``row_of(key)`` is key ``key``'s (cols,) row in global memory. Each thread's row ``m`` is
+    ``row_of(m, key)`` is key ``key``'s (cols,) row in global memory (``m``: the thread's row
+    pass, so a caller may keep what it looked up for the next tile of the same keys). Each thread's row ``m`` is
     copied from a view whose rows all sit at that row's address (row stride 0), partitioned like
     the whole tile, so its chunks keep the tile's columns and 16-byte copies."""
     for m in cutlass.range_constexpr(cute.size(dst, mode=[1])):
         key = coords[0, m, 0, n_block][0]
         if cutlass.const_expr(ragged):
             if key < seqlen:
-                copy_row(tiled_copy, thr_copy.partition_S, row_of(key),
+                copy_row(tiled_copy, thr_copy.partition_S, row_of(m, key),
                          dst[None, m, None, slot], m, tile)
             else:
                 dst[None, m, None, slot].fill(0)
         else:
-            copy_row(tiled_copy, thr_copy.partition_S, row_of(key), dst[None, m, None, slot],
-                     m, tile)
+            copy_row(tiled_copy, thr_copy.partition_S, row_of(m, key),
+                     dst[None, m, None, slot], m, tile)
 
 
 @cute.jit

@@ -44,10 +44,8 @@ class Cta:
 
         # ---- global tiles and their coordinates (for predicates and masks) --------------------
         gQ = self.query_tile(mQ, head, batch)
-        if cutlass.const_expr(spec.paged_kv):  # pages, or rows of any page size (issue_paged)
-            rows_of = seqs.page if spec.page_size else seqs.paged_row
-            self.k_paged = lambda i: rows_of(mK, batch, self.kv_head, i)
-            self.v_paged = lambda i: rows_of(mV, batch, self.kv_head, i)
+        if cutlass.const_expr(spec.paged_kv):
+            self.mK, self.mV, self.batch = mK, mV, batch  # pages or rows: ``paged_sources``
         else:
             gK = cute.local_tile(seqs.key_rows(mK, batch, self.kv_head), (tn, d), (None, 0))
             if cutlass.const_expr(lay.fp8):  # Vᵀ, padded with zero keys: never ragged
@@ -95,8 +93,34 @@ class Cta:
             self.tKgK, self.tKsK = k_copy.partition_S(gK), k_copy.partition_D(self.sK_ring)
             self.tVgV, self.tVsV = v_copy.partition_S(gV), v_copy.partition_D(self.sV_ring)
         self.tKVcKV = k_copy.partition_S(cKV)
+        if cutlass.const_expr(spec.paged_kv):
+            self.paged_sources()
 
         self.mma_operands(sK, sVt)
+
+    def paged_sources(self):
+        """Where a paged cache's K and V blocks come from (``pipeline.issue_paged``). With the
+        page size compiled in, ``k_paged(i)``/``v_paged(i)`` is the sequence's page i. Else a
+        block is gathered a row at a time: ``k_paged(m, key)`` looks up the page of this
+        thread's row ``m`` (key ``key``) and keeps it, so ``v_paged(m, key)``, issued after it
+        for the same block in every schedule, reuses it (one table read and one division per
+        row instead of two)."""
+        seqs, batch = self.seqs, self.batch
+        if cutlass.const_expr(self.spec.page_size):
+            self.k_paged = lambda i: seqs.page(self.mK, batch, self.kv_head, i)
+            self.v_paged = lambda i: seqs.page(self.mV, batch, self.kv_head, i)
+        else:
+            slots = cute.make_rmem_tensor((cute.size(self.tKsK, mode=[1]), 2), cutlass.Int32)
+
+            def k_row(m, key):
+                page, row = seqs.paged_slot(self.mK, batch, key)
+                slots[m, 0], slots[m, 1] = page, row
+                return self.mK[page, self.kv_head, row, None]
+
+            def v_row(m, key):
+                return self.mV[slots[m, 0], self.kv_head, slots[m, 1], None]
+
+            self.k_paged, self.v_paged = k_row, v_row
 
     def query_tile(self, mQ, head, batch):
         """The CTA's (tile_m, head_dim) tile of Q; with ``packed_tokens`` None, and row r of the

@@ -70,7 +70,8 @@ def issue_v(cta: Cta, n_block, slot, ragged: cutlass.Constexpr):
 @cute.jit
 def issue_paged(cta: Cta, tiled_copy, rows_of, dst, n_block, slot, ragged: cutlass.Constexpr):
     """A K or V block of a paged cache: a page at a time when the spec compiles the page size
-    in (``rows_of(i)``: the sequence's page i), else a row at a time (key i's row)."""
+    in (``rows_of(i)``: the sequence's page i), else a row at a time (``rows_of(m, key)``:
+    ``Cta.paged_sources``)."""
     tile = (cta.config.tile_n, cta.spec.head_dim)
     if cutlass.const_expr(cta.spec.page_size):
         load_paged(tiled_copy, cta.k_copy, rows_of, dst, cta.tKVcKV, n_block, slot,

@@ -76,7 +76,7 @@ class Sequences:
 
     def key_rows(self, t: cute.Tensor, batch, kv_head):
         """The rows of (batch, kv_head) of K-shaped ``t`` as a (seq, head_dim) tensor (not for
-        a paged cache: see ``paged_row``)."""
+        a paged cache: see ``paged_slot`` and ``page``)."""
         if self.varlen:
             if self.k_span is None:
                 self.k_span = self._span(self.cu_k, batch, t.shape[2])
@@ -89,10 +89,11 @@ class Sequences:
         page = cutlass.Uint32(self.block_table[batch, index])
         return cutlass.Int32(cutlass.min(page, cutlass.Uint32(t.shape[0] - 1)))
 
-    def paged_row(self, t: cute.Tensor, batch, kv_head, key):
-        """Key ``key`` of (batch, kv_head) in paged ``t``: its (head_dim,) row."""
+    def paged_slot(self, t: cute.Tensor, batch, key):
+        """Where key ``key`` of sequence ``batch`` sits in paged ``t``: (cache page, row of the
+        page). The page size is a run-time value here, so this costs a division."""
         page_size = t.shape[2]
-        return t[self._page_index(t, batch, key // page_size), kv_head, key % page_size, None]
+        return self._page_index(t, batch, key // page_size), key % page_size
 
     def page(self, t: cute.Tensor, batch, kv_head, index):
         """Page ``index`` of (batch, kv_head)'s keys in paged ``t``: its (page_size, head_dim)
