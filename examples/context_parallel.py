@@ -50,7 +50,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL binds a device
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL binds a device
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator(device="cuda").manual_seed(0)  # the same full inputs on every rank
