@@ -21,7 +21,7 @@ from flashcore.kernels.common.block_info import (
     masked_steps,
     token_keys,
 )
-from flashcore.ops.masks import NO_MASK, Masking, masking
+from flashcore.ops.masks import NO_MASK, Masking, folded, masking
 from flashcore.specs import AttentionSpec, TileConfig
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
@@ -220,3 +220,45 @@ def test_mask_kernels_compile_with_their_abi_and_no_spills(mask_artifacts, spec)
     assert "tanh.approx" not in body
     if spec.softcap:
         assert body.count("ex2.approx") >= 2 * spec.tile_m * spec.tile_n // spec.threads
+
+
+@settings(max_examples=300, deadline=None)
+@given(sq=st.integers(1, 9), sk=st.integers(1, 9), causal=st.booleans(),
+       align=st.sampled_from(["top_left", "bottom_right"]),
+       window=st.one_of(st.none(), st.tuples(st.integers(-1, 12), st.integers(-1, 12))),
+       softcap=st.sampled_from([None, 2.0]))
+def test_folded_masks_keep_every_rows_keys(sq, sk, causal, align, window, softcap):
+    """A fold never changes what any row sees: the float64 reference gives the same output and
+    LSE (-inf rows included) with the folded masks."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    masks = masking(causal, align, window, softcap)
+    f_causal, f_masks = folded(causal, masks, sq, sk)
+    g = torch.Generator().manual_seed(sq * 31 + sk)
+    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (sq, sk, sk))
+
+    def run(c, m):
+        return reference.attention(q, k, v, causal=c, mask_align=m.align, window=m.window,
+                                   softcap=m.softcap, return_lse=True)
+
+    (out, lse), (f_out, f_lse) = run(causal, masks), run(f_causal, f_masks)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(f_lse))
+    torch.testing.assert_close(f_out, out, rtol=1e-12, atol=1e-12)
+    finite = torch.isfinite(lse)
+    torch.testing.assert_close(f_lse[finite], lse[finite], rtol=1e-12, atol=1e-12)
+    assert f_masks.softcap == masks.softcap
+
+
+def test_folds_pick_the_canonical_masks():
+    br = masking(True, "bottom_right", None, None)
+    assert folded(True, br, 64, 64) == (True, Masking())  # S_q = S_k: top-left
+    assert folded(True, br, 1, 4096) == (False, Masking())  # one query sees every key
+    assert folded(True, br, 16, 4096) == (True, br)  # a real shift stays
+    assert folded(True, Masking(), 1, 4096) == (True, Masking())  # top-left decode sees key 0
+    wide = masking(True, "top_left", (5000, 0), None)
+    assert folded(True, wide, 4096, 4096) == (True, Masking())  # wider than the keys
+    assert folded(True, wide, 8192, 8192) == (True, wide)
+    both = masking(False, "bottom_right", (300, 300), 1.5)
+    assert folded(False, both, 100, 200) == (False, Masking(softcap=1.5))
+    assert folded(False, both, 100, 1000)[1].window == (300, 300)
+

@@ -25,7 +25,7 @@ from ..runtime.launch import kernel_for, launch
 from ..specs import BackwardSpec, TileConfig
 from ..specs.backward import ROW_PAD, default_backward_config
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
-from .masks import NO_MASK, Masking, call_masking
+from .masks import NO_MASK, Masking, call_masking, folded
 from .validate import check_extents, check_qkv, softmax_scale_of
 
 # (device, dtype, head_dim, config, causal, mask fields) -> loaded kernels
@@ -104,6 +104,7 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     ``spec.backward.default_backward_config``)."""
     masks = call_masking(causal, mask_align, window, softcap)
     check_qkv(q, k, v)
+    causal, masks = folded(causal, masks, q.shape[2], k.shape[2])
     if k.dtype != q.dtype:
         raise ValueError("attention_backward: an FP8 KV cache has no backward; k and v must "
                          "have q's dtype")

@@ -14,7 +14,7 @@ from ..specs import HEAD_DIMS, TileConfig
 from . import plan
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 from .launcher import launch_attention
-from .masks import NO_MASK, Masking, call_masking
+from .masks import NO_MASK, Masking, call_masking, folded
 from .quantize import padded_keys, run_quantize
 from .validate import (
     check_extents,
@@ -68,7 +68,8 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
         softcap=None):
     """The eager implementation (the registered op's too): validate, plan, launch."""
     check_qkv(q, k, v)
-    mask = call_masking(causal, mask_align, window, softcap)
+    causal, mask = folded(causal, call_masking(causal, mask_align, window, softcap), q.shape[2],
+                          k.shape[2])
     softmax_scale = softmax_scale_of(softmax_scale, q.shape[3])
     check_num_splits("attention", num_splits)
     dev = q.get_device()

@@ -106,3 +106,36 @@ def call_masking(causal, align: str, window, softcap) -> Masking:
         return NO_MASK
     return masking(causal, align, tuple(window) if isinstance(window, (list, tuple)) else window,
                    softcap)
+
+
+def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int) -> tuple[bool, Masking]:
+    """The same attention of a dense (seqlen_q, seqlen_k) call with the fewest mask features,
+    so the canonical spec runs (and the fast families, which build fewer masks, can run it).
+
+    Query i sees keys i + offset - left .. i + offset + right (offset: S_k - S_q bottom-right,
+    else 0; right 0 when causal). Each rule keeps every row's keys exactly:
+    * a window side no row's range reaches past is no limit: both (or, causal, the left one)
+      free means no window;
+    * a diagonal at or past the last key for the first row (top-left with one key,
+      bottom-right with one query) hides nothing: not causal;
+    * bottom-right with S_q = S_k is top-left; alignment without causal or window means nothing.
+    Soft-capping always changes the logits: it stays."""
+    if not (causal or masks.window is not None) or 0 in (seqlen_q, seqlen_k):
+        return causal, masks
+    offset = seqlen_k - seqlen_q if masks.align == "bottom_right" else 0
+    window = masks.window
+    if window is not None:
+        left, right = window
+        left_free = left < 0 or left >= seqlen_q - 1 + offset
+        right_free = causal or right < 0 or right >= seqlen_k - 1 - offset
+        if left_free and right_free:
+            window = None
+    if causal and window is None and offset >= seqlen_k - 1:
+        causal = False
+    align = masks.align
+    if offset == 0 or not (causal or window is not None):
+        align = "top_left"
+    if (align, window) == (masks.align, masks.window):
+        return causal, masks
+    return causal, Masking(align, window, masks.softcap)
+
