@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from .common import AttentionFn, Shards, start
 from .layout import unshard_zigzag
-from .merge import accumulation_dtype
+from .merge import accumulation_dtype, merge_partials
 from .ring import ring_attention
 
 METHODS = ("auto", "ring", "all_gather")
@@ -38,6 +38,21 @@ def _query_chunks(layout: str, shards: Shards, rank: int) -> list[tuple[slice, i
     return [(slice(0, sq), shards.q_offset(rank) + sq)]
 
 
+def _causal_chunk(fn: AttentionFn, q: torch.Tensor, k_all: torch.Tensor, v_all: torch.Tensor,
+                  end: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of a query chunk at global positions end - len .. end - 1 under a causal
+    mask: its diagonal block and, merged in the accumulation dtype, the keys before it."""
+    start_ = end - q.shape[2]
+    out, lse = fn(q, k_all[:, :, start_:end], v_all[:, :, start_:end], causal=True,
+                  softmax_scale=scale, return_lse=True, mask_align="top_left")
+    if start_ == 0:
+        return out, lse
+    before, lse_before = fn(q, k_all[:, :, :start_], v_all[:, :, :start_], causal=False,
+                            softmax_scale=scale, return_lse=True, mask_align="top_left")
+    acc = accumulation_dtype(q.dtype)
+    return merge_partials(out.to(acc), lse.to(acc), before.to(acc), lse_before.to(acc))
+
+
 def all_gather_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -53,8 +68,10 @@ def all_gather_attention(
     """``ring_attention``'s result by all-gathering K and V, then attending locally: cheap when
     K/V are small (GQA with few K/V heads), at the memory of the whole sequence's K/V per rank.
 
-    Causal: each contiguous query chunk attends to the keys up to its last query with
-    ``mask_align="bottom_right"`` (one call for "contiguous", two for "zigzag"'s chunks).
+    Causal: each contiguous query chunk (one for "contiguous", two for "zigzag") attends to
+    the keys at its own positions with a top-left diagonal (S_q = S_k) and to every key before
+    them in full, the two merged by their LSE: the masks the fastest kernels build, where one
+    bottom-right call over the prefix would not run on them everywhere.
     """
     fn, scale, shards = start(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
                               layout=layout, attention_fn=attention_fn)
@@ -67,8 +84,7 @@ def all_gather_attention(
     else:
         outs, lses = [], []
         for rows, end in _query_chunks(layout, shards, rank):
-            o, s = fn(q[:, :, rows], k_all[:, :, :end], v_all[:, :, :end], causal=True,
-                      softmax_scale=scale, return_lse=True, mask_align="bottom_right")
+            o, s = _causal_chunk(fn, q[:, :, rows], k_all, v_all, end, scale)
             outs.append(o)
             lses.append(s)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
