@@ -437,6 +437,28 @@ def hostile_cases():
         yield ok
 
 
+def kv_split_cases():
+    # one CTA's two warp groups merging through shared memory (kv_splits=2), on legal inputs:
+    # key blocks that split evenly between the groups (256 keys) and unevenly (300: 3 and 2,
+    # so the groups pass different numbers of their own named barriers before the merge)
+    config = TileConfig((32, 64), warps=2, kv_splits=2)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    for sk in (256, 300, 65):
+        q, k, v = qkv(2, 4, 4, 300, sk, 64, seed=sk)
+        yield check(f"dense kv_splits=2 300x{sk}", attention(q, k, v, config=config), q, k, v,
+                    False)
+        qp, kp, vp = (torch.randn(2 * sk, 4, 64, device="cuda", generator=g,
+                                  dtype=torch.float16) for _ in range(3))
+        cu = torch.tensor([0, sk, 2 * sk], dtype=torch.int32, device="cuda")
+        out = attention_varlen(qp, kp, vp, cu, cu, sk, sk, config=config)
+        ok = True
+        for b in range(2):
+            r = slice(b * sk, (b + 1) * sk)
+            ok &= check(f"varlen kv_splits=2 seq {b} {sk}x{sk}",
+                        *(t[r].transpose(0, 1)[None] for t in (out, qp, kp, vp)), False)
+        yield ok
+
+
 def backward_cases():
     from flashcore.ops.backward import attention_backward
 
@@ -468,7 +490,8 @@ def main() -> int:
              "wgmma-fp8": wgmma_fp8_cases, "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
-             "hostile": hostile_cases, "backward": backward_cases}[mode]
+             "hostile": hostile_cases, "backward": backward_cases,
+             "kv-splits": kv_split_cases}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)
