@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The one driver for GPU hosts. Phases run in the order named, each taking the words after it
+# up to the next phase; logs and records go to $OUT (default bench-results/gpu).
+#
+#   bash scripts/gpu.sh setup build sm_90 sm_89 tests sm_90 sm_89 sanitize sm_90 bench
+#   GPU=1 bash scripts/gpu.sh tests sm_89 &     # one phase per GPU, side by side
+#
+#   setup             pure-Python wheels in .whl/ (platformdirs, pyelftools) into /tmp/fc-site;
+#                     the CuTe DSL where ../shared/tools/dsl-wheels installed it (/root/dsl)
+#   build ARCH...     tests.gpu_specs into one catalog per arch ($CACHE_ROOT-ARCH, default
+#                     /tmp/fc-ARCH; BUILD_ARGS, default "--buckets": e.g. "--only serving")
+#   tests ARCH...     the GPU tests with ARCH's kernels (sm_89 runs an L4's PTX on an H100);
+#                     PYTEST_ARGS picks files, FLASHCORE_GPU_EXAMPLES the examples a property
+#   sanitize ARCH...  memcheck, racecheck, synccheck over SANITIZE_MODES (scripts/sanitize.sh)
+#   bench             python -m flashcore.bench --quick $BENCH_ARGS: every peer in one run
+#   decode            the decode sweep (scripts/decode_sweep.py $DECODE_ARGS)
+#   hostprof          eager host time per call of this tree, and of OLD_TREE if set
+#   ab                scripts/ab_trees.py: OLD_TREE against this tree ($AB_ARGS)
+#   tune              the autotuner into $OUT/sm_90.json, then the quick benchmark with it
+#
+# A phase's time limit is ${PHASE}_S seconds (BUILD_S, TESTS_S, ...); GPU=i pins the phases to
+# GPU i; JOBS sets the build's workers (default: the host's cores).
+set -u
+out=${OUT:-bench-results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 FLASHCORE_NO_SHRINK=1
+[ -n "${GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$GPU
+cache=${CACHE_ROOT:-/tmp/fc}
+status=0
+tag=${GPU:+gpu$GPU-}
+
+limit() {  # the phase's time limit: ${PHASE}_S, else the default given
+  local var
+  var="$(echo "$1" | tr '[:lower:]' '[:upper:]')_S"
+  echo "${!var:-$2}"
+}
+
+use_arch() {  # kernels of ARCH: its catalog, and FLASHCORE_ARCH unless it is this GPU's own
+  export FLASHCORE_CACHE_DIR=$cache-$1
+  if [ "$1" = "$(python3 -c 'from flashcore.runtime.device import arch_of; print(arch_of(0))')" ]
+  then unset FLASHCORE_ARCH; else export FLASHCORE_ARCH=$1; fi
+}
+
+summary() {  # the lines of a log worth reading in the call's output
+  grep -E "$2" "$1" | tail -"${3:-20}"
+}
+
+setup() {
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    [ -d /tmp/fc-site ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+      --no-cache-dir --target /tmp/fc-site .whl/*.whl
+    export PYTHONPATH=/tmp/fc-site:${PYTHONPATH:-}
+  fi
+  [ -f /root/dsl/env.sh ] && source /root/dsl/env.sh
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+  nvidia-smi --query-gpu=index,name,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+}
+
+build() {
+  local log="$out/build-$1.log"
+  ( time timeout -s KILL "$(limit build 300)" python3 -m tests.gpu_specs --arch "$1" \
+      --out "$cache-$1" --jobs "${JOBS:-$(nproc)}" ${BUILD_ARGS:---buckets} ) > "$log" 2>&1
+  summary "$log" "kernels|real|Error" 4
+}
+
+tests() {
+  local log="$out/${tag}gpu-tests-$1.log"
+  use_arch "$1"
+  timeout -s KILL "$(limit tests 300)" python3 -m pytest -m gpu --hypothesis-show-statistics \
+    -p no:cacheprovider -q -rs ${PYTEST_ARGS:-tests} > "$log" 2>&1
+  local rc=$?
+  echo "tests $1 exit $rc" | tee -a "$log"
+  [ $rc -ne 0 ] && status=1
+  summary "$log" "passed|failed|Falsifying|^FAILED|^ERROR" 25
+}
+
+sanitize() {
+  use_arch "$1"
+  OUT="$out/${tag}sanitize" SANITIZE_S=$(limit sanitize 300) bash scripts/sanitize.sh || status=1
+}
+
+run_phase() {  # a phase without arch words
+  case "$1" in
+    bench) timeout -s KILL "$(limit bench 400)" python3 -m flashcore.bench --quick \
+             ${BENCH_ARGS:-} --out "$out" > "$out/${tag}bench.log" 2>&1
+           tail -30 "$out/${tag}bench.log" ;;
+    decode) timeout -s KILL "$(limit decode 240)" python3 scripts/decode_sweep.py \
+              ${DECODE_ARGS:-} > "$out/${tag}decode-sweep.log" 2>&1
+            tail -60 "$out/${tag}decode-sweep.log" ;;
+    hostprof) local log="$out/${tag}host-overhead.log"
+              timeout -s KILL "$(limit hostprof 120)" python3 scripts/host_overhead.py \
+                --tag new > "$log" 2>&1
+              if [ -n "${OLD_TREE:-}" ]; then
+                (cd "$OLD_TREE" && FLASHCORE_CACHE_DIR=$cache-old PYTHONPATH="$PWD:$PYTHONPATH" \
+                   timeout -s KILL "$(limit hostprof 120)" python3 scripts/host_overhead.py \
+                   --tag old) >> "$log" 2>&1
+              fi
+              grep "per call" "$log" ;;
+    ab) timeout -s KILL "$(limit ab 330)" python3 scripts/ab_trees.py --old "${OLD_TREE:?}" \
+          --new . --old-cache "$cache-old" ${AB_ARGS:-} > "$out/${tag}ab.log" 2>&1
+        tail -12 "$out/${tag}ab.log" ;;
+    tune) cp flashcore/tuned/sm_90.json "$out/sm_90.json"
+          timeout -s KILL "$(limit tune 240)" python3 -m flashcore.autotune run \
+            --out "$out/sm_90.json" ${TUNE_BUCKETS:+--buckets $TUNE_BUCKETS} \
+            > "$out/autotune.log" 2>&1
+          FLASHCORE_TUNED="$out" timeout -s KILL "$(limit bench 300)" python3 -m flashcore.bench \
+            --quick --out "$out" > "$out/bench-tuned.log" 2>&1
+          tail -16 "$out/bench-tuned.log" ;;
+  esac
+}
+
+phase=""
+for word in "$@"; do
+  case "$word" in
+    setup) setup; phase="" ;;
+    build|tests|sanitize) phase=$word ;;
+    bench|decode|hostprof|ab|tune) phase=""; run_phase "$word" ;;
+    *) if [ -z "$phase" ]; then echo "gpu.sh: '$word' follows no phase that takes an arch" >&2
+         exit 2; fi
+       "$phase" "$word" ;;
+  esac
+done
+exit "$status"
