@@ -18,11 +18,9 @@ warpgroup and 1-3 consumer warpgroups.
 * Three consumers of 128-key steps at head_dim 128 (16-bit or e4m3): P goes to the P·V wgmma
   through a shared tile of its own (``Consumer.store_p``, the SS form): 160 registers a thread
   hold S and O but not P beside them.
-* Masks as data (``common/block_info``, ``common/mask``): bottom-right alignment, a sliding
-  window (run-time sizes; the CTA's key range skips the blocks outside it, and the steps below
-  its lower edge mask again), soft-capped scores (run-time factors, before the mask). The
-  producer loads exactly the blocks the consumers walk; a tile that sees no key (bottom-right
-  rows before the first key, rows outside their window) walks none and stores 0 (LSE -inf).
+* Masks (``common/block_info``, ``common/mask``): bottom-right alignment, a sliding window
+  (blocks outside it skipped, those below its lower edge masked again), soft-capping. The
+  producer loads the blocks the consumers walk; a tile that sees no key walks none (O 0).
 * Epilogue: O / row sum, each consumer warpgroup through its own rows of Q's tile (a named
   barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q; natural-log LSE if
   asked.
@@ -46,7 +44,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common.block_info import UNBOUNDED, KeyBounds, key_range, masked_steps
+from ..common.block_info import key_range, masked_steps, spec_bounds
 from ..common.epilogue import store_lse
 from ..common.fp8 import (
     P_SCALE,
@@ -111,18 +109,6 @@ class WgmmaWsAttentionForward:
             grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
             block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
-    def key_bounds(self, seqlen_q, seqlen_k, q_group, window_left, window_right) -> KeyBounds:
-        """The keys each token sees (``block_info``): bottom-right alignment puts the last
-        query token (rows / q_group tokens: packed GQA rows, token-major) on the last key."""
-        spec = self.spec
-        if not spec.shifted_mask:
-            return KeyBounds(spec.causal)
-        offset = 0
-        if spec.mask_align == "bottom_right":
-            offset = seqlen_k - seqlen_q // q_group
-        left, right = (window_left, window_right) if spec.window else (UNBOUNDED, UNBOUNDED)
-        return KeyBounds(spec.causal, True, spec.window, offset, left, right)
-
     def v_tiling(self) -> tuple:
         """One V stage's tile of the TMA view and the coordinate that walks the key blocks:
         (keys, head_dim), or FP8 Vᵀ's (head_dim, keys)."""
@@ -166,7 +152,7 @@ class WgmmaWsAttentionForward:
         m_block, head, batch, _ = tile_coords(mO, spec)
         kv_head = head // (mO.shape[1] // tma_k.shape[2])
         seqlen_q, seqlen_k = mO.shape[2], tma_k.shape[0]
-        bounds = self.key_bounds(seqlen_q, seqlen_k, q_group, window_left, window_right)
+        bounds = spec_bounds(spec, seqlen_q, seqlen_k, q_group, window_left, window_right)
         # the producer loads blocks n_hi - 1 down to n_lo, every one the consumers walk
         n_lo, n_hi, n_lo_unmasked = key_range(m_block, c.tile_m, c.tile_n, seqlen_k, bounds,
                                               q_group, 0, 1, 0, 1, cutlass.min, cutlass.max)
