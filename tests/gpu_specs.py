@@ -160,7 +160,8 @@ def mask_specs(arch: str) -> list:
 
 
 # what a call adds to a tuned Hopper entry: the masks run on its winner (the warp-specialised
-# family builds them), split keys on its fallback
+# family builds them), split keys on its fallback; scripts/mask_bench.py times the masks on the
+# fallback too
 TUNED_FEATURES = [{"window": True}, {"mask_align": "bottom_right"}, {"softcap": True},
                   {"split_kv": True}]
 
@@ -175,7 +176,8 @@ def wgmma_specs(arch: str) -> list:
     for bucket, d, causal, feature in itertools.product(
             [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), TUNED_FEATURES):
         config = _tuned(arch, bucket, d, causal, features=tuple(feature.items()))
-        specs += _specs(arch, [config], head_dim=d, causal=causal, **feature)
+        fallback = _tuned(arch, bucket, d, causal, features=(("split_kv", True),))
+        specs += _specs(arch, [config, fallback], head_dim=d, causal=causal, **feature)
     return specs + wgmma_mask_specs(arch)
 
 
