@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from .kernels.common.block_info import KeyBounds, key_range
+from .kernels.common.block_info import UNBOUNDED, KeyBounds, key_range
 
 
 def attention(
@@ -201,6 +201,8 @@ def attention_fp8(
     num_splits: int = 1,
     k_scale: str = "token",
     sum_rounded_p: bool = False,
+    mask_align: str = "top_left",
+    window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Float64 attention of the FP8 kernel's quantised computation: q and k quantised per token
     (k per (batch, head) with ``k_scale="head"``) and v per head as the quantiser does (same
@@ -211,7 +213,8 @@ def attention_fp8(
     ``tile=(tile_m, tile_n)`` (and the kernel's ``kv_splits``) the kernel's block loop is replayed
     (``attention_fp8_online``) and the result is rounded to q's dtype, as the kernel's output is;
     either way float64 is returned. ``sum_rounded_p`` (with ``tile``): the row sums add P as
-    rounded for the P·V MMA, as a kernel whose tensor cores sum the rows does.
+    rounded for the P·V MMA, as a kernel whose tensor cores sum the rows does. ``mask_align``
+    and ``window`` as in ``attention``.
     """
     if sum_rounded_p and tile is None:
         raise ValueError("attention_fp8: sum_rounded_p replays a kernel's block loop; pass its "
@@ -225,7 +228,9 @@ def attention_fp8(
         out = attention_fp8_online(qc, qd, kc, kd, vc, vd, causal=causal,
                                    softmax_scale=softmax_scale, tile=tile, kv_splits=kv_splits,
                                    num_splits=num_splits, round_p=round_p,
-                                   sum_rounded_p=sum_rounded_p)
+                                   sum_rounded_p=sum_rounded_p,
+                                   bounds=key_bounds(q.shape[2], k.shape[2], causal, mask_align,
+                                                     window))
         return out.to(q.dtype).to(torch.float64)
     deq = [dequantize_e4m3(*c) for c in codes]
 
@@ -233,19 +238,33 @@ def attention_fp8(
         return e4m3_round(p * P_SCALE).to(p.device) / P_SCALE
 
     return attention(*deq, causal=causal, softmax_scale=softmax_scale, device=device,
-                     p_round=rp if round_p else None)
+                     p_round=rp if round_p else None, mask_align=mask_align, window=window)
+
+
+def key_bounds(seqlen_q: int, seqlen_k: int, causal: bool, mask_align: str = "top_left",
+               window: tuple[int, int] | None = None) -> KeyBounds:
+    """The kernels' ``KeyBounds`` of ``attention``'s mask arguments (a window side of -1, or
+    past ``UNBOUNDED``, limits nothing)."""
+    if mask_align != "bottom_right" and window is None:
+        return KeyBounds(causal)
+    offset = seqlen_k - seqlen_q if mask_align == "bottom_right" else 0
+    left = right = UNBOUNDED
+    if window is not None:
+        left, right = (UNBOUNDED if w < 0 or w >= UNBOUNDED else w for w in window)
+    return KeyBounds(causal, True, window is not None, offset, left, right)
 
 
 def kernel_key_blocks(
     seqlen_q: int, seqlen_k: int, tile: tuple[int, int], causal: bool, kv_splits: int = 1,
-    num_splits: int = 1,
+    num_splits: int = 1, bounds: KeyBounds | None = None,
 ) -> list[list[tuple[int, int]]]:
     """[share][m_block] -> (lo, hi): the key blocks [lo, hi) of tile_n keys that each share of
     each query tile of tile_m rows walks (hi - 1 down to lo) in the attention kernel, a share
     being one warp group (of ``kv_splits``) of one CTA (of ``num_splits`` split-KV CTAs): the
-    kernel's own ``key_range`` (``flashcore.kernels.common.block_info``)."""
+    kernel's own ``key_range`` (``flashcore.kernels.common.block_info``); ``bounds``: the masks'
+    (default: ``causal``'s)."""
     tile_m, tile_n = tile
-    bounds = KeyBounds(causal)
+    bounds = KeyBounds(causal) if bounds is None else bounds
     return [[key_range(mb, tile_m, tile_n, seqlen_k, bounds, 1, s, num_splits, g, kv_splits)[:2]
              for mb in range(-(-seqlen_q // tile_m))]
             for s in range(num_splits) for g in range(kv_splits)]
@@ -266,6 +285,7 @@ def attention_fp8_online(
     num_splits: int = 1,
     round_p: bool = True,
     sum_rounded_p: bool = False,
+    bounds: KeyBounds | None = None,
 ) -> torch.Tensor:
     """The FP8 kernel's online softmax replayed in float64 on e4m3 codes (as ``quantize_e4m3``
     returns them: qd (B, H, Sq), kd (B, H, Sk), vd (B, H)). Returns the float64 output, before
@@ -277,7 +297,7 @@ def attention_fp8_online(
     the MMA sees it: a kernel whose tensor cores sum the rows). Each query tile of ``tile_m`` rows
     walks only the blocks the kernel does (``kernel_key_blocks``: causal tiles skip those above
     their diagonal; ``kv_splits`` > 1 gives each split its own range and state, merged at the
-    end). Not replayed: the kernel's float32 arithmetic (scale, logits, exp2, sums), ~1e-7
+    end; ``bounds``: the masks' keys, default ``causal``'s). Not replayed: the kernel's float32 arithmetic (scale, logits, exp2, sums), ~1e-7
     relative. Like the kernel, P is exp2((s - max) * scale), so the row max gets exactly 1 at any
     logit magnitude; with logits of 1e7 and more, the float32 rounding of the scores themselves
     can still decide between two keys that (nearly) tie.
@@ -294,7 +314,9 @@ def attention_fp8_online(
     qc, kc, vc = (t.to(torch.float64) for t in (qc, kc, vc))
     rows = torch.arange(sq, device=qc.device).unsqueeze(1)
     splits = []
-    for ranges in kernel_key_blocks(sq, sk, tile, causal, kv_splits, num_splits):
+    bounds = KeyBounds(causal) if bounds is None else bounds
+    masked = bounds.bounded_above or bounds.windowed
+    for ranges in kernel_key_blocks(sq, sk, tile, causal, kv_splits, num_splits, bounds):
         m = qc.new_full((*qc.shape[:3], 1), -math.inf)
         l = qc.new_zeros((*qc.shape[:3], 1))
         acc = qc.new_zeros((*qc.shape[:3], vc.shape[-1]))
@@ -306,14 +328,15 @@ def attention_fp8_online(
             r = slice(tiles[0] * tile_m, min((tiles[-1] + 1) * tile_m, sq))
             k = slice(n * tile_n, min((n + 1) * tile_n, sk))  # keys past sk: P = 0, no effect
             s = (qc[:, :, r] @ kc[:, :, k].transpose(-1, -2)) * kd64[:, :, None, k]
-            if causal:
-                hidden = torch.arange(k.start, k.stop, device=qc.device) > rows[r]
+            if masked:
+                hidden = _hidden(torch.arange(k.start, k.stop, device=qc.device), rows[r],
+                                 bounds)
                 s = s.masked_fill(hidden, -math.inf)
             cur = torch.maximum(m[:, :, r], s.amax(dim=-1, keepdim=True))
             # a row with nothing visible yet keeps max -inf and exponentiates against 0
             safe = torch.where(cur == -math.inf, 0.0, cur)
             p = torch.exp2((s - safe) * rs[:, :, r])
-            if causal:  # P = 0 for hidden keys explicitly, not via exp2(-inf * scale)
+            if masked:  # P = 0 for hidden keys explicitly, not via exp2(-inf * scale)
                 p = p.masked_fill(hidden, 0.0)
             corr = _rescale(m[:, :, r], safe, rs[:, :, r])
             pv = e4m3_round(p * P_SCALE).to(p.device) if round_p else p * P_SCALE
@@ -329,6 +352,16 @@ def attention_fp8_online(
     acc = torch.stack([acc * _rescale(m, safe, rs) for m, _, acc in splits]).sum(dim=0)
     o_scale = vd.to(torch.float64)[:, :, None, None] / P_SCALE
     return torch.where(l > 0, acc / torch.where(l > 0, l, 1.0), 0.0) * o_scale
+
+
+def _hidden(keys: torch.Tensor, tokens: torch.Tensor, bounds: KeyBounds) -> torch.Tensor:
+    """(tokens, keys): whether each token may not see each key (``block_info.token_keys``)."""
+    hidden = torch.zeros(tokens.shape[0], keys.shape[0], dtype=torch.bool, device=keys.device)
+    if bounds.bounded_above:
+        hidden |= keys > tokens + bounds.offset + bounds.right_edge
+    if bounds.windowed:
+        hidden |= keys < tokens + bounds.offset - bounds.left
+    return hidden
 
 
 def _rescale(m: torch.Tensor, safe: torch.Tensor, rs: torch.Tensor) -> torch.Tensor:

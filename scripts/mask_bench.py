@@ -1,7 +1,9 @@
 """Masks as data against the peers that have them, in one run (kernel time in a CUDA graph,
 ``flashcore.tuning.timing``): a sliding window over a long sequence against full causal
 attention, chunked prefill with bottom-right causal masking against SDPA's
-``causal_lower_right``, and soft-capped logits against FlashAttention-4's ``softcap``.
+``causal_lower_right`` (cuDNN's among them), and soft-capped logits against FlashAttention-4's
+``softcap``. Each prefill also runs the tuned entry's ``mma_sync`` fallback (what such calls
+ran before the warp-specialised family built masks).
 
     python scripts/mask_bench.py
 """
@@ -14,6 +16,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from flashcore.ops import attention
+from flashcore.runtime.device import arch_of
+from flashcore.tuned import table
 from flashcore.tuning.peers import _fa4
 from flashcore.tuning.timing import n_sets, report
 
@@ -26,6 +30,15 @@ def inputs(b, hq, hkv, sq, sk, d):
              torch.randn(b, hkv, sk, d, device="cuda", dtype=torch.float16)) for _ in range(n)]
 
 
+def fallback(d: int, causal: bool, sq: int, **masks):
+    """A prefill timed on the tuned entry's fallback config (None where it has none)."""
+    arch = table.table_arch(arch_of(torch.cuda.current_device()))
+    tuned = table.entries(arch).get(table.key(d, causal, table.bucket_of(sq)))
+    if tuned is None or tuned.fallback is None:
+        return None
+    return lambda q, k, v: attention(q, k, v, causal=causal, config=tuned.fallback, **masks)
+
+
 def main() -> None:
     f4 = _fa4()
     print(torch.cuda.get_device_name(), "| ratio = time / first row's time (< 1: faster)\n")
@@ -35,6 +48,7 @@ def main() -> None:
     win_flops = 4 * 32 * 128 * sum(min(i + 1, w) for i in range(0, s, 64)) * 64
     report(f"window {w} over 1,32/8,{s},128 causal", {
         "flashcore window": lambda q, k, v: attention(q, k, v, causal=True, window=(w - 1, 0)),
+        "flashcore window, mma_sync": fallback(128, True, s, window=(w - 1, 0)),
         "flashcore full causal": lambda q, k, v: attention(q, k, v, causal=True),
         "flashcore full (no mask)": lambda q, k, v: attention(q, k, v),
         "FA4 window": None if f4 is None else
@@ -48,7 +62,9 @@ def main() -> None:
     flops = 4 * 2 * 32 * 128 * sum(sk - sq + i + 1 for i in range(sq))
     report(f"chunked prefill 2,32,{sq}x{sk},128 bottom-right", {
         "flashcore": lambda q, k, v: attention(q, k, v, causal=True, mask_align="bottom_right"),
+        "flashcore mma_sync": fallback(128, True, sq, mask_align="bottom_right"),
         "SDPA causal_lower_right": _lower_right(),
+        "SDPA cuDNN causal_lower_right": _lower_right([SDPBackend.CUDNN_ATTENTION]),
         "FA4 causal": None if f4 is None else (lambda q, k, v: f4(q, k, v, True)),
     }, sets, flops)
     del sets
@@ -57,6 +73,7 @@ def main() -> None:
     flops = 4 * 4 * 16 * 128 * 4096 * 4097 // 2
     report("softcap 50, 4,16,4096,128 causal", {
         "flashcore softcap": lambda q, k, v: attention(q, k, v, causal=True, softcap=50.0),
+        "flashcore softcap, mma_sync": fallback(128, True, 4096, softcap=50.0),
         "flashcore no cap": lambda q, k, v: attention(q, k, v, causal=True),
         "FA4 softcap": None if f4 is None else
         (lambda q, k, v: f4(q, k, v, True, softcap=50.0)),
@@ -81,11 +98,11 @@ def _forced(backend, causal):
     return run
 
 
-def _lower_right():
+def _lower_right(backends=(SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                            SDPBackend.CUDNN_ATTENTION)):
     def run(q, k, v):
         bias = causal_lower_right(q.shape[2], k.shape[2])
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                          SDPBackend.CUDNN_ATTENTION]):
+        with sdpa_kernel(list(backends)):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
     return run
 

@@ -3,8 +3,8 @@ scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks i
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
-                                      fp8-paged|wgmma|wgmma-fp8|fp8-khead|serving|hostile|
-                                      backward]
+                                      fp8-paged|wgmma|wgmma-fp8|wgmma-masks|fp8-khead|serving|
+                                      hostile|backward]
 
 ``hostile``: misaligned and strided views, and serving tables that lie with their checks off
 (offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
@@ -291,6 +291,67 @@ def wgmma_fp8_cases():
                         v, causal, tol=0.1)
 
 
+def launched_families(fn, *args, **kwargs) -> tuple:
+    """(what ``fn(*args, **kwargs)`` returns, the kernel families it launched)."""
+    from unittest import mock
+
+    from flashcore.ops import launcher
+
+    seen, real = [], launcher.launch
+
+    def record(kern, grid, args, device):
+        seen.append(kern.artifact.spec.family)
+        return real(kern, grid, args, device)
+
+    with mock.patch.object(launcher, "launch", side_effect=record):
+        result = fn(*args, **kwargs)
+    return result, seen
+
+
+def wgmma_masks_cases():
+    # masks on the warp-specialised family (sm_90): ragged S_q above and below S_k, bottom-right
+    # causal (rows that see no key), windows with both edges and unbounded sides, soft-caps,
+    # GQA, decode with packed heads, FP8; each must launch wgmma_ws, explicit or tuned
+    from flashcore.errors import SpecError
+    from tests.gpu_utils import WGMMA_FP8_MASK_CONFIGS, WGMMA_MASK_CONFIGS
+
+    cases = ((1, 4, 2, 77, 300, 64, True, {"mask_align": "bottom_right", "window": (50, 0),
+                                           "softcap": 20.0}),
+             (1, 4, 2, 300, 77, 128, True, {"mask_align": "bottom_right"}),
+             (1, 2, 1, 100, 130, 64, False, {"window": (20, 30)}),
+             (1, 2, 1, 200, 333, 64, False, {"window": (-1, 40), "mask_align": "bottom_right"}),
+             (1, 2, 2, 65, 65, 128, False, {"softcap": 5.0}),
+             (1, 2, 2, 500, 700, 128, True, {"window": (130, 0), "softcap": 30.0}),
+             (2, 8, 2, 1, 1000, 128, True, {"mask_align": "bottom_right", "window": (300, 0)}))
+    for config, (b, hq, hkv, sq, sk, d, causal, masks) in itertools.product(WGMMA_MASK_CONFIGS,
+                                                                            cases):
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, torch.bfloat16 if d == 64 else torch.float16,
+                      seed=sq + sk)
+        name = f"wgmma_ws masks {config} {(b, hq, hkv, sq, sk, d)} causal={causal} {masks}"
+        try:
+            (out, _), families = launched_families(attention, q, k, v, causal=causal,
+                                                   config=config, return_lse=True, **masks)
+        except SpecError:  # a soft-cap beside a mask on 192x128 at d128
+            print(f"skip {name}: not built", flush=True)
+            continue
+        yield families == ["wgmma_ws"] and check(name, out, q, k, v, causal, **masks)
+    for config, (b, hq, hkv, sq, sk, d, causal, masks) in itertools.product(
+            WGMMA_FP8_MASK_CONFIGS, [c for c in cases if "softcap" not in c[-1]]):
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, seed=sq + sk)
+        (out, _), families = launched_families(attention, q, k, v, causal=causal,
+                                               config=config, return_lse=True,
+                                               precision="fp8", **masks)
+        yield families == ["wgmma_ws"] and check(
+            f"wgmma_ws fp8 masks {config} {(b, hq, hkv, sq, sk, d)} causal={causal} {masks}",
+            out, q, k, v, causal, tol=0.1, **masks)
+    # tile=None on a mid-bucket prefill: the tuned wgmma_ws winner runs each mask
+    q, k, v = qkv(1, 2, 1, 1100, 1230, 128, seed=5)
+    for masks in ({"window": (300, 0)}, {"mask_align": "bottom_right"}, {"softcap": 30.0}):
+        out, families = launched_families(attention, q, k, v, causal=True, **masks)
+        yield families == ["wgmma_ws"] and check(f"wgmma_ws masks tuned causal {masks}", out, q,
+                                                 k, v, True, **masks)
+
+
 def fp8_khead_cases():
     # FP8 operands with K descaled per (batch, head) (folded into the rows' exp2 scales): the
     # warp-specialised family's tuned tiles on sm_90, the mma_sync family's prefill and split
@@ -487,7 +548,8 @@ def main() -> int:
                                                     (1, 32, 8, 1, 2049, 128))),
              "decode": decode_cases, "packed-tokens": packed_tokens_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases, "wgmma-16bit": wgmma_16bit_cases,
-             "wgmma-fp8": wgmma_fp8_cases, "fp8-khead": fp8_khead_cases,
+             "wgmma-fp8": wgmma_fp8_cases, "wgmma-masks": wgmma_masks_cases,
+             "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
              "hostile": hostile_cases, "backward": backward_cases,

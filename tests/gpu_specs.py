@@ -28,6 +28,8 @@ from tests.gpu_utils import (
     STAGE_CONFIGS,
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
+    WGMMA_FP8_MASK_CONFIGS,
+    WGMMA_MASK_CONFIGS,
 )
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
@@ -157,22 +159,41 @@ def mask_specs(arch: str) -> list:
     return specs
 
 
-# what a call adds that a Hopper winner's family does not build: the entry's fallback runs it
-FALLBACK_FEATURES = [{"window": True}, {"mask_align": "bottom_right"}, {"softcap": True},
-                     {"split_kv": True}]
+# what a call adds to a tuned Hopper entry: the masks run on its winner (the warp-specialised
+# family builds them), split keys on its fallback; scripts/mask_bench.py times the masks on the
+# fallback too
+TUNED_FEATURES = [{"window": True}, {"mask_align": "bottom_right"}, {"softcap": True},
+                  {"split_kv": True}]
 
 
 def wgmma_specs(arch: str) -> list:
-    """tests/test_gpu_wgmma.py's Hopper kernels (its explicit configs, fp16 and FP8) and the
-    fallbacks of the tuned Hopper entries, for the features their family lacks."""
+    """tests/test_gpu_wgmma.py's Hopper kernels (its explicit configs, fp16 and FP8), the tuned
+    Hopper entries' kernels for the features a call adds, and ``wgmma_mask_specs``."""
     both = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "causal": [False, True],
             "return_lse": [False, True]}
     specs = _specs(arch, WGMMA_CONFIGS, **both)
     specs += _specs(arch, WGMMA_FP8_CONFIGS, precision="fp8", k_scale=["token", "head"], **both)
     for bucket, d, causal, feature in itertools.product(
-            [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), FALLBACK_FEATURES):
+            [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), TUNED_FEATURES):
         config = _tuned(arch, bucket, d, causal, features=tuple(feature.items()))
-        specs += _specs(arch, [config], head_dim=d, causal=causal, **feature)
+        fallback = _tuned(arch, bucket, d, causal, features=(("split_kv", True),))
+        specs += _specs(arch, [config, fallback], head_dim=d, causal=causal, **feature)
+    return specs + wgmma_mask_specs(arch)
+
+
+def wgmma_mask_specs(arch: str) -> list:
+    """The warp-specialised kernels with masks of tests/test_gpu_wgmma.py (with LSE: every
+    16-bit mask variant, FP8's without a soft-cap) and of scripts/sanitize_cases.py's
+    ``wgmma-masks`` (the same configs and the tuned entries' kernels above); a config that
+    builds no such mask (a soft-cap beside one on 192x128 at d128) is left out."""
+    specs = []
+    for causal, align, window, softcap in MASK_VARIANTS:
+        masks = {"causal": causal, "mask_align": align, "window": window, "softcap": softcap}
+        specs += _specs(arch, WGMMA_MASK_CONFIGS, dtype=DTYPES, head_dim=HEAD_DIMS,
+                        return_lse=True, **masks)
+        if not softcap:
+            specs += _specs(arch, WGMMA_FP8_MASK_CONFIGS, dtype=DTYPES, head_dim=HEAD_DIMS,
+                            return_lse=True, precision="fp8", k_scale=["token", "head"], **masks)
     return specs
 
 
@@ -325,7 +346,7 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
 
 GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs,
-          "backward": backward_specs}
+          "wgmma-masks": wgmma_mask_specs, "backward": backward_specs}
 
 
 def main() -> None:

@@ -67,6 +67,16 @@ WGMMA_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma"),
                  TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
                  TileConfig((192, 64), warps=12, stages=2, family="wgmma_ws"),
                  TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+# the warp-specialised family's masks (bottom-right causal, windows, soft-caps): two consumers
+# (the d128 causal winner), three of 128-key steps (the d128 full winner; there P through
+# shared memory, which builds no soft-cap beside a mask), one consumer, three of 64-key steps
+WGMMA_MASK_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                      TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
+                      TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
+                      TileConfig((192, 64), warps=12, stages=2, family="wgmma_ws")]
+# FP8 operands with masks: the d128 causal winner, and three consumers taking turns
+WGMMA_FP8_MASK_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                          TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
 # FP8 operands (e4m3 wgmma): 128- and 64-key blocks (Vᵀ's 128- and 64-byte swizzles), three
 # consumers taking turns (the d64 long winners: 192x128 full, 192x64 causal)
 WGMMA_FP8_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),

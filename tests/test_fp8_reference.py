@@ -404,3 +404,34 @@ def test_sums_of_rounded_p_weigh_v_by_weights_that_sum_to_one():
     with pytest.raises(ValueError, match="sum_rounded_p"):
         reference.attention_fp8(*_qkv_fp8(5, 1, 1, 3, 3, 16, torch.float16)[0],
                                 sum_rounded_p=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    sq=st.integers(1, 150),
+    sk=st.integers(1, 300),
+    tile=st.sampled_from(TILES),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 200), st.integers(-1, 200))),
+)
+def test_online_replay_with_masks_without_p_rounding_is_exact_softmax(
+    seed, sq, sk, tile, causal, align, window
+):
+    """The replay walks the masks' key blocks (bottom-right alignment, windows) as the kernels
+    do: without P's rounding it is exact attention of the codes under the same masks, rows
+    that see no key 0."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    if align == "bottom_right" and not causal and window is None:
+        align = "top_left"
+    _, codes = _qkv_fp8(seed, 1, 2, sq, sk, 16, torch.float16)
+    (qc, qd), (kc, kd), (vc, vd) = codes
+    bounds = reference.key_bounds(sq, sk, causal, align, window)
+    got = reference.attention_fp8_online(qc, qd, kc, kd, vc, vd, causal=causal,
+                                         softmax_scale=None, tile=tile, round_p=False,
+                                         bounds=bounds)
+    want = reference.attention(*(reference.dequantize_e4m3(*c) for c in codes), causal=causal,
+                               mask_align=align, window=window)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12 * max(1.0, want.abs().max()))

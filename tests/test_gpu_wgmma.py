@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.errors import SpecError
 from flashcore.ops import attention
 from flashcore.ops.fp8 import attention_fp8, quantize_fp8
+from flashcore.ops.masks import masking
+from flashcore.specs import AttentionSpec
 from tests.gpu_utils import (
     ROUNDED_SUMS_LSE_SLACK,
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
+    WGMMA_FP8_MASK_CONFIGS,
+    WGMMA_MASK_CONFIGS,
     allowed_error,
     current_arch,
     fp8_sums_rounded_p,
@@ -124,24 +128,205 @@ def test_wgmma_decode_runs_unsplit():
         attention(q, q, q, config=CONFIGS[0], num_splits=2)
 
 
-def test_the_tuned_default_falls_back_where_the_family_lacks_a_feature():
-    """``tile=None`` runs the table's winner; a call the winner's family does not build (a
-    window, bottom-right causal, a soft-cap, explicit key splits) runs the entry's fallback:
-    the same kernel as naming that config, so the results are bitwise equal."""
+def launched(fn) -> tuple:
+    """(what ``fn()`` returns, the kernel families it launched: the launcher's kernels,
+    recorded on the way)."""
+    from unittest import mock
+
+    from flashcore.ops import launcher
+
+    seen, real = [], launcher.launch
+
+    def record(kern, grid, args, device):
+        seen.append(kern.artifact.spec.family)
+        return real(kern, grid, args, device)
+
+    with mock.patch.object(launcher, "launch", side_effect=record):
+        result = fn()
+    return result, seen
+
+
+def test_the_tuned_default_runs_masks_on_the_winner_and_falls_back_for_splits():
+    """``tile=None`` runs the table's winner, masks included (a window, bottom-right causal, a
+    soft-cap: the warp-specialised family builds them), the same kernel as naming that config,
+    so the results are bitwise equal; explicit key splits, which it does not build, run the
+    entry's fallback."""
     from flashcore.tuned import table
 
     tuned = table.entries("sm_90").get(table.key(128, True, "mid"))
-    if tuned is None or tuned.fallback is None:
-        pytest.skip("the shipped sm_90 table has no Hopper winner at d128 causal mid")
+    if tuned is None or tuned.fallback is None or tuned.config.family != "wgmma_ws":
+        pytest.skip("the shipped sm_90 table has no wgmma_ws winner at d128 causal mid")
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(1, 4, 1500, 128, device="cuda", generator=g).half() for _ in range(3))
     plain = attention(q, k, v, causal=True)
     assert torch.equal(plain, attention(q, k, v, causal=True, config=tuned.config))
-    for kwargs in ({"window": (300, 0)}, {"mask_align": "bottom_right"}, {"softcap": 30.0},
-                   {"num_splits": 2}):
-        got = attention(q, k, v, causal=True, **kwargs)
-        want = attention(q, k, v, causal=True, config=tuned.fallback, **kwargs)
+    for kwargs in ({"window": (300, 0)}, {"mask_align": "bottom_right"}, {"softcap": 30.0}):
+        got, families = launched(lambda kw=kwargs: attention(q, k, v, causal=True, **kw))
+        assert families == ["wgmma_ws"], kwargs
+        want = attention(q, k, v, causal=True, config=tuned.config, **kwargs)
         assert torch.isfinite(got).all() and torch.equal(got, want), kwargs
+    got = attention(q, k, v, causal=True, num_splits=2)
+    want = attention(q, k, v, causal=True, config=tuned.fallback, num_splits=2)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+def _ws_masks(causal, align, window, softcap, config, d, dtype="float16", precision="fp16",
+              k_scale="token"):
+    """The call's masks as ``attention`` normalises them, after skipping (Hypothesis
+    ``assume``) a combination the warp-specialised config does not build."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    mask = masking(causal, align, window, softcap)
+    align_, windowed, capped = mask.spec_fields
+    try:
+        AttentionSpec(arch="sm_90", dtype=dtype, head_dim=d, config=config, causal=causal,
+                      return_lse=True, mask_align=align_, window=windowed, softcap=capped,
+                      precision=precision, k_scale=k_scale)
+    except SpecError:
+        assume(False)
+    return {"mask_align": mask.align, "window": mask.window, "softcap": mask.softcap}
+
+
+WINDOWS = st.one_of(st.none(), st.tuples(st.integers(-1, 700), st.integers(-1, 700)),
+                    st.sampled_from([(0, 0), (-1, 0), (0, -1), (5000, 5000), (-1, 10)]))
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    sq=st.one_of(st.integers(1, 300), st.integers(1, 2000)),
+    sk=st.one_of(st.integers(1, 300), st.integers(1, 3000)),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=WINDOWS,
+    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    config=st.sampled_from(WGMMA_MASK_CONFIGS),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, group=2, sq=500, sk=130, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=None, softcap=None, config=WGMMA_MASK_CONFIGS[0],
+         seed=1)  # S_q > S_k: rows before the first key see none (0, LSE -inf)
+@example(b=2, hkv=1, group=1, sq=300, sk=1000, d=64, dtype="bfloat16", causal=True,
+         align="bottom_right", window=None, softcap=30.0, config=WGMMA_MASK_CONFIGS[1],
+         seed=2)  # chunked prefill, soft-capped
+@example(b=1, hkv=1, group=4, sq=700, sk=700, d=128, dtype="float16", causal=True,
+         align="top_left", window=(0, 0), softcap=None, config=WGMMA_MASK_CONFIGS[0],
+         seed=3)  # the diagonal alone
+@example(b=1, hkv=2, group=1, sq=200, sk=333, d=64, dtype="float16", causal=False,
+         align="bottom_right", window=(5000, 5000), softcap=None, config=WGMMA_MASK_CONFIGS[2],
+         seed=4)  # a window wider than the keys
+@example(b=1, hkv=1, group=4, sq=130, sk=257, d=128, dtype="bfloat16", causal=False,
+         align="top_left", window=(-1, 10), softcap=5.0, config=WGMMA_MASK_CONFIGS[2],
+         seed=5)  # unbounded left side, GQA
+@example(b=1, hkv=2, group=4, sq=1, sk=2999, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=(511, 0), softcap=None, config=WGMMA_MASK_CONFIGS[0],
+         seed=6)  # decode, query heads packed into rows, a window
+@example(b=1, hkv=2, group=2, sq=777, sk=1500, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=(128, 0), softcap=20.0, config=WGMMA_MASK_CONFIGS[3],
+         seed=7)  # three consumers of 64-key steps, every mask
+@example(b=2, hkv=2, group=1, sq=1000, sk=1000, d=64, dtype="bfloat16", causal=False,
+         align="top_left", window=(100, 300), softcap=None, config=WGMMA_MASK_CONFIGS[1],
+         seed=8)  # three consumers taking turns, both edges masked
+@example(b=1, hkv=1, group=1, sq=1, sk=1, d=64, dtype="float16", causal=True,
+         align="bottom_right", window=(0, 0), softcap=50.0, config=WGMMA_MASK_CONFIGS[2],
+         seed=9)
+@example(b=1, hkv=2, group=2, sq=450, sk=1000, d=128, dtype="float16", causal=False,
+         align="top_left", window=None, softcap=10.0, config=WGMMA_MASK_CONFIGS[1],
+         seed=10)  # soft-capped, P through shared memory
+def test_wgmma_ws_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, causal, align,
+                                            window, softcap, config, seed):
+    """The warp-specialised kernels with bottom-right causal (S_q above and below S_k), sliding
+    windows (sides -1, 0, wider than the keys) and soft-caps, GQA, LSE, fp16/bf16, d64/d128
+    against the float64 reference with the masks tests' bound; rows that see no key give 0
+    and LSE -inf. The kernel launched is the named wgmma_ws one."""
+    from tests.test_gpu_masks import check_masked_result
+
+    masks = _ws_masks(causal, align, window, softcap, config, d, dtype)
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dt)
+               for h, s in ((hkv * group, sq), (hkv, sk), (hkv, sk)))
+    if softcap is not None:  # logits of a few units, so the cap bites
+        q = (q.float() * 3).to(dt)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
+                                       **masks)
+    out = torch.full_like(q, float("nan"))
+    (res, lse), families = launched(lambda: attention(
+        q, k, v, causal=causal, return_lse=True, out=out, config=config, **masks))
+    assert families == ["wgmma_ws"]
+    check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, masks["mask_align"],
+                        masks["window"], masks["softcap"])
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2]),
+    sq=st.one_of(st.integers(1, 200), st.integers(1, 700)),
+    sk=st.one_of(st.integers(1, 200), st.integers(1, 1200)),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=WINDOWS,
+    config=st.sampled_from(WGMMA_FP8_MASK_CONFIGS),
+    k_scale=st.sampled_from(["token", "head"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, group=2, sq=300, sk=1000, d=128, dtype="float16", causal=True,
+         align="bottom_right", window=None, config=WGMMA_FP8_MASK_CONFIGS[0], k_scale="token",
+         seed=1)  # chunked prefill
+@example(b=1, hkv=1, group=2, sq=600, sk=150, d=64, dtype="bfloat16", causal=True,
+         align="bottom_right", window=(40, 0), config=WGMMA_FP8_MASK_CONFIGS[1],
+         k_scale="head", seed=2)  # rows with no key, a window
+@example(b=2, hkv=1, group=1, sq=500, sk=700, d=128, dtype="float16", causal=False,
+         align="top_left", window=(64, 100), config=WGMMA_FP8_MASK_CONFIGS[1], k_scale="token",
+         seed=3)  # both edges masked, P through shared memory
+def test_wgmma_ws_fp8_masks_match_their_simulation(b, hkv, group, sq, sk, d, dtype, causal,
+                                                   align, window, config, k_scale, seed):
+    """FP8 operands under bottom-right causal and windows: against the replay of the kernel's
+    tile walk under the same masks (``reference.attention_fp8``) within the QGMMA bound, as
+    close to exact attention as the replay, LSE -inf exactly where a row sees no key."""
+    masks = _ws_masks(causal, align, window, None, config, d, dtype, "fp8", k_scale)
+    masks.pop("softcap")
+    hq, dt = hkv * group, DTYPES[dtype]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g).to(dt)
+               for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
+    out = torch.full_like(q, float("nan"))
+    if k_scale == "token":
+        res = attention(q, k, v, causal=causal, precision="fp8", config=config,
+                        return_lse=True, out=out, **masks)
+    else:
+        from flashcore.ops.eager import run_fp8  # attention_fp8's eager path, with masks
+
+        (q8, qd), (k8, kd), (vt8, vd) = (quantize_fp8(q, granularity="token"), quantize_fp8(k),
+                                         quantize_fp8(v, transpose=True))
+        res = run_fp8(q8, k8, vt8, qd, kd, vd, causal=causal, return_lse=True, out_dtype=dt,
+                      config=config, out=out,
+                      mask=masking(causal, masks["mask_align"], masks["window"], None))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "NaN/Inf or unwritten elements in the FP8 output"
+    kx, vx = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    sim = reference.attention_fp8(q, kx, vx, causal=causal, tile=config.tile, device=q.device,
+                                  k_scale=k_scale,
+                                  sum_rounded_p=fp8_sums_rounded_p(config, d, causal), **masks)
+    tol = FP8_SIM_TOL * (2 if sk < 128 else 1)
+    if sim.abs().max() > 0:
+        assert _rel_l2(out, sim) <= tol
+    exact, exact_lse = reference.attention(q, kx, vx, causal=causal, return_lse=True,
+                                           device=q.device, **masks)
+    if exact.abs().max() > 0:
+        assert _rel_l2(out, exact) <= _rel_l2(sim, exact) + FP8_EXACT_MARGIN
+    finite = torch.isfinite(exact_lse)
+    assert torch.equal(torch.isfinite(res[1]), finite), "-inf LSE exactly where no key"
+    if finite.any():
+        assert max_abs(res[1][finite], exact_lse[finite]) < 0.25
 
 
 # FP8 operands (e4m3 wgmma, SASS QGMMA) in the warp-specialised family (tests.gpu_utils)

@@ -138,6 +138,52 @@ def test_packed_tokens_rows_walk_their_tokens_keys(sq, sk, q_group, causal, alig
         assert sorted(got[r]) == want[r // q_group], (r, got[r][:8], want[r // q_group][:8])
 
 
+def ws_walked_keys(sq, sk, tm, tn, bounds, q_group=1):
+    """{row: keys} that the warp-specialised kernel's walk (``wgmma_ws/attention_fwd.consume``)
+    leaves visible: one CTA's blocks n_hi - 1 down to n_lo in one loop, step 0 masked, step i
+    masked at run time where i < masked_steps or (a window) its block lies below n_lo_unmasked,
+    written as the kernel writes it."""
+    rows = sq * q_group if q_group > 1 else sq
+    seen = {r: [] for r in range(rows)}
+    top = masked_steps(tm, tn, bounds)
+    for mb in range(-(-rows // tm)):
+        lo, hi, lo_unmasked = key_range(mb, tm, tn, sk, bounds, q_group, 0, 1, 0, 1)
+        blocks = hi - lo
+        for i in range(blocks):
+            n = hi - 1 - i
+            if i == 0:
+                masked = True
+            elif top == 1:
+                masked = False
+            elif not bounds.windowed:
+                masked = i < min(top, blocks)
+            else:
+                masked = min(i + 1 - min(top, blocks), hi - lo_unmasked - i) <= 0
+            for r in range(mb * tm, min((mb + 1) * tm, rows)):
+                t_lo, t_hi = token_keys(bounds, r // q_group, sk)
+                seen[r] += [j for j in range(n * tn, min((n + 1) * tn, sk))
+                            if not masked or t_lo <= j < t_hi]
+    return seen
+
+
+@settings(max_examples=300, deadline=None)
+@given(sq=st.integers(1, 500), sk=st.integers(1, 700), causal=st.booleans(),
+       align=st.sampled_from(["top_left", "bottom_right"]), window=windows,
+       tile=st.sampled_from([(64, 64), (128, 64), (128, 128), (192, 64), (192, 128)]))
+def test_warp_specialised_walk_sees_exactly_the_reference_keys(sq, sk, causal, align, window,
+                                                               tile):
+    """The Hopper kernel's single loop, masking its top steps and (a window) the steps below
+    the window's lower edge by a run-time flag, against the reference's visibility: rows that
+    see no key (bottom-right rows before the first key, windows past the keys) walk none."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    b = bounds_of(sq, sk, causal, align, window)
+    got = ws_walked_keys(sq, sk, *tile, b)
+    want = visible(sq, sk, causal, align, window)
+    for r in range(sq):
+        assert sorted(got[r]) == want[r], (r, got[r][:8], want[r][:8])
+
+
 def test_a_window_skips_the_blocks_outside_it():
     b = KeyBounds(True, True, True, 0, 255, 0)  # causal, window of 256 keys
     lo, hi, lo_unmasked = key_range(60, 64, 64, 8192, b, 1, 0, 1, 0, 1)

@@ -286,3 +286,76 @@ def test_a_decode_calls_tile_is_a_spec_of_its_arch(arch):
             for split, packed in itertools.product((False, True), (False, sq > 1)):
                 AttentionSpec(arch=arch, head_dim=d, config=cfg, causal=causal,
                               kv_fp8=precision == "fp8kv", split_kv=split, packed_tokens=packed)
+
+
+def test_hopper_mask_calls_take_the_tuned_wgmma_ws_winner():
+    """On sm_90 a prefill call with bottom-right causal, a window or a soft-cap runs the tuned
+    table's winner (the warp-specialised family builds those masks); what it does not build
+    (split keys, soft-capping beside a mask where P goes through shared memory) runs the
+    entry's fallback."""
+    from flashcore.ops.masks import masking
+    from flashcore.tuned import table
+
+    calls = [(True, masking(True, "bottom_right", None, None)),
+             (True, masking(True, "top_left", (255, 0), None)),
+             (False, masking(False, "top_left", None, 30.0)),
+             (True, masking(True, "bottom_right", (100, 0), 50.0)),
+             (False, masking(False, "bottom_right", (64, 64), None)),
+             (False, masking(False, "top_left", (64, -1), 30.0))]
+    checked = 0
+    for d, sq, (causal, mask) in itertools.product((64, 128), (1500, 4096), calls):
+        tuned = table.entries("sm_90").get(table.key(d, causal, table.bucket_of(sq)))
+        if tuned is None or tuned.config.family != "wgmma_ws":
+            continue
+        kw = {"arch": "sm_90", "head_dim": d, "causal": causal, "seqlen_q": sq,
+              "precision": "fp16"}
+        got = resolve_config(None, None, None, None, None, features=mask.features, **kw)
+        shared = d == 128 and tuned.config.tile == (192, 128) and tuned.config.warps == 12
+        refused = shared and mask.softcap is not None and (causal or mask.window is not None)
+        assert got == (tuned.fallback if refused else tuned.config), (d, sq, mask)
+        split = resolve_config(None, None, None, None, None,
+                               features=mask.features + (("split_kv", True),), **kw)
+        assert split == tuned.fallback and split.family != "wgmma_ws"
+        checked += 1
+    assert checked >= 16
+    # FP8 operands: their masks on the warp-specialised winner too
+    fp8 = plan.tuned_config("sm_90", 128, True, 4096, "fp8",
+                            masking(True, "bottom_right", (300, 0), None).features)
+    assert fp8 == table.entries("sm_90")[table.key(128, True, "long", "fp8")].config
+    assert fp8.family == "wgmma_ws"
+
+
+def test_wgmma_ws_launches_pass_the_masks_sizes_in_abi_order():
+    """The launcher hands a warp-specialised kernel its descriptors, O, LSE, the softmax scale
+    and q_group, then the masks' sizes (no key shares): one value per ABI parameter."""
+    from unittest import mock
+
+    from flashcore.compiler.abi import LOG2_E, tma_attention_params
+    from flashcore.ops import launcher
+    from flashcore.ops.inputs import rows_arg, tensor_arg
+    from flashcore.ops.masks import masking
+    from flashcore.specs import AttentionSpec
+
+    config = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
+    q, k = torch.randn(2, 8, 300, 128).half(), torch.randn(2, 2, 500, 128).half()
+    out, lse = torch.empty_like(q), torch.empty(2, 8, 300)
+    mask = masking(True, "bottom_right", (100, 0), 20.0)
+    spec = AttentionSpec(arch="sm_90", head_dim=128, config=config, causal=True,
+                         return_lse=True, mask_align="bottom_right", window=True, softcap=True)
+    kern = mock.Mock()
+    kern.artifact.spec = spec
+    launched = []
+    with (mock.patch.object(launcher, "loaded_kernel", return_value=kern) as loaded,
+          mock.patch.object(launcher, "_tma_args",
+                            return_value=((b"q",), (300, 8, 2), (b"k",), (500, 2, 2), (b"v",),
+                                          (500, 2, 2))),
+          mock.patch.object(launcher, "launch",
+                            side_effect=lambda kern, grid, args, dev: launched.append(args)),
+          mock.patch.object(torch.Tensor, "get_device", return_value=0)):
+        launcher.launch_attention(q, k, out, lse, (tensor_arg(q), tensor_arg(k), tensor_arg(k)),
+                                  (), config, True, 0.125, None, mask=mask)
+    assert loaded.call_args.args[9] == ("bottom_right", True, True)  # the spec's mask fields
+    (args,) = launched
+    assert len(args) == len(tma_attention_params(spec))
+    assert args[6:8] == (tensor_arg(out), rows_arg(lse))
+    assert args[8:] == ((0.125 * LOG2_E,), (1,), (100,), (0,), (0.125 / 20.0,), (20.0 / 0.125,))

@@ -48,6 +48,38 @@ def test_the_spec_counts_the_producer_warpgroup():
     assert params[0] == TensorMapParam("q_tma", "q", 128) and params[1] == CoordParam("q_extents")
 
 
+def test_masks_are_built_and_serving_layouts_refused():
+    """Bottom-right alignment, windows and soft-capping are specs of the family (FP8 with its
+    masks), their run-time sizes after ``q_group`` in the ABI; soft-capping beside a mask
+    where P goes through shared memory, the serving layouts and split keys are refused, and
+    the wgmma family still builds no masks."""
+    spec = AttentionSpec(arch="sm_90", head_dim=128, causal=True, mask_align="bottom_right",
+                         window=True, softcap=True, return_lse=True, config=WS)
+    assert spec.name.endswith("_wgmma_ws_causal_lse_br_window_softcap")
+    names = [p.name for p in tma_attention_params(spec)]
+    assert names[-6:] == ["scale_log2", "q_group", "window_left", "window_right", "softcap_in",
+                          "softcap_out"]
+    fp8 = spec.replace(softcap=False, precision="fp8")
+    assert [p.name for p in tma_attention_params(fp8)][-4:] == ["scale_log2", "q_group",
+                                                               "window_left", "window_right"]
+    assert [p.name for p in tma_attention_params(spec.replace(window=False))][-3:] == [
+        "q_group", "softcap_in", "softcap_out"]
+    shared = WS.replace(tile=(192, 128), warps=12)
+    AttentionSpec(arch="sm_90", head_dim=128, softcap=True, config=shared)
+    AttentionSpec(arch="sm_90", head_dim=64, causal=True, softcap=True, config=shared)
+    for masks in ({"causal": True}, {"window": True}):
+        with pytest.raises(SpecError, match="softcap=True beside a causal mask or a window"):
+            AttentionSpec(arch="sm_90", head_dim=128, softcap=True, config=shared, **masks)
+    for extra in ({"split_kv": True}, {"varlen": True}, {"paged_kv": True}):
+        with pytest.raises(SpecError, match=next(iter(extra))):
+            spec.replace(**extra)
+    hopper = TileConfig((128, 128), warps=8, stages=2, family="wgmma")
+    for masks, what in (({"window": True}, "window"), ({"softcap": True}, "softcap"),
+                        ({"causal": True, "mask_align": "bottom_right"}, "mask_align")):
+        with pytest.raises(SpecError, match=what):
+            AttentionSpec(arch="sm_90", head_dim=128, config=hopper, **masks)
+
+
 def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
     """FP8 operands: e4m3 boxes as wide as a row's swizzle span (128 bytes, or 64 for rows of
     64 elements), Vᵀ walked as head_dim rows of keys, the descales after O; a separate 16-bit
@@ -73,6 +105,28 @@ def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
         AttentionSpec(arch="sm_90", head_dim=64, precision="fp8",
                       config=TileConfig((128, 64), warps=8, stages=2, family="wgmma"))
 
+
+# masks as data on the tuned Hopper tiles: bottom-right causal (chunked prefill), windows, and
+# soft-capping, alone and together; FP8 with its masks (it has no soft-cap)
+MASK_SPECS = [
+    AttentionSpec(arch="sm_90", head_dim=128, causal=True, mask_align="bottom_right",
+                  return_lse=True, config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, causal=True, window=True,
+                  mask_align="bottom_right", softcap=True, config=WS.replace(stages=4)),
+    AttentionSpec(arch="sm_90", head_dim=64, window=True, softcap=True,
+                  config=WS.replace(tile=(192, 128), warps=12, stages=3)),
+    # P through shared memory: soft-capping alone (with a mask it spills, and is refused)
+    AttentionSpec(arch="sm_90", head_dim=128, softcap=True,
+                  config=WS.replace(tile=(192, 128), warps=12)),
+    AttentionSpec(arch="sm_90", head_dim=128, causal=True, window=True, softcap=True,
+                  return_lse=True, config=WS.replace(tile=(192, 64), warps=12)),
+    AttentionSpec(arch="sm_90", head_dim=128, window=True, mask_align="bottom_right",
+                  return_lse=True, config=WS.replace(tile=(64, 64), warps=4)),
+    AttentionSpec(arch="sm_90", head_dim=128, causal=True, window=True, return_lse=True,
+                  mask_align="bottom_right", precision="fp8", config=WS),
+    AttentionSpec(arch="sm_90", head_dim=64, causal=True, window=True, precision="fp8",
+                  k_scale="head", config=WS.replace(tile=(192, 128), warps=12)),
+]
 
 WS_SPECS = [
     AttentionSpec(arch="sm_90", head_dim=128, config=WS),
@@ -107,6 +161,7 @@ WS_SPECS = [
                   config=WS.replace(tile=(192, 128), warps=12, stages=4)),
     AttentionSpec(arch="sm_90", head_dim=128, causal=True, precision="fp8", k_scale="head",
                   config=WS.replace(tile=(192, 64), warps=12, stages=3)),  # P in registers
+    *MASK_SPECS,
 ]
 
 
@@ -150,6 +205,32 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
         ops = [op.split(".")[0] for op in sass_opcodes(text)]
         assert "UTMALDG" in ops and "HMMA" not in ops
         assert ("QGMMA" in ops) == fp8 and ("HGMMA" in ops) != fp8
+
+
+@pytest.mark.parametrize("spec", MASK_SPECS, ids=lambda s: s.name)
+def test_mask_kernels_read_their_sizes_and_cap_in_full_precision(ws_artifacts, spec):
+    """Each mask's run-time parameters are read (a window's sizes by the producer's key range
+    and the consumers' masks alike; a causal window's right side is 0, never read),
+    soft-capping is the full-precision tanh (one more exp2 a score than the softmax's), and
+    the masked kernels stay within the register budget of their top-left twins (no spill in
+    any loop: ``test_ws_kernels_load_with_tma...``)."""
+    art = ws_artifacts[spec]
+    body = art.ptx[art.ptx.index(".entry"):]
+    params = tma_attention_params(spec)
+    read = {"window_left", "softcap_in", "softcap_out"}
+    if not spec.causal:
+        read.add("window_right")
+    for i, p in enumerate(params):
+        loaded = re.search(rf"ld\.param\.\w+\s+%\w+,\s*\[\w+_param_{i}\]", body)
+        if p.name in read:
+            assert loaded, p.name
+        elif p.name == "window_right":
+            assert not loaded
+    assert "tanh.approx" not in body
+    if spec.softcap:
+        scores = spec.config.tile_m * spec.config.tile_n // spec.config.threads
+        assert body.count("ex2.approx") >= 2 * 2 * scores  # step 0 and the loop's step
+    assert art.resources.registers <= 168
 
 
 @pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)

@@ -109,7 +109,8 @@ def fp8_descale_params(spec) -> list:
 def tma_attention_params(spec) -> tuple:
     """The warp-specialised Hopper kernel's parameters (``flashcore.kernels.wgmma_ws``): Q, K and
     V as TMA descriptors, each followed by its coordinate tensor's (seq, heads, batch); then O,
-    LSE if asked, FP8's descales, the exp2 softmax scale and ``q_group``.
+    LSE if asked, FP8's descales, the exp2 softmax scale and ``q_group``, and the masks'
+    run-time sizes as in ``attention_params`` (no ``num_splits``: the family splits no keys).
 
     Each box row fills the kernel's swizzle span, at most 128 bytes (e4m3 rows of 64 elements:
     64 bytes); FP8 Vᵀ's box is head_dim rows of tile_n keys."""
@@ -129,7 +130,19 @@ def tma_attention_params(spec) -> tuple:
         params.append(TensorParam("lse", 3, 2))
     if fp8:
         params += fp8_descale_params(spec)
-    return (*params, ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"))
+    params += [ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i")]
+    return (*params, *mask_params(spec))
+
+
+def mask_params(spec) -> list:
+    """A window's left and right sizes (``flashcore.kernels.common.block_info.UNBOUNDED`` for
+    a side without one), soft-capping's scale / cap and cap / scale."""
+    params = []
+    if getattr(spec, "window", False):  # keys a token sees: [t - left, t + right], block_info
+        params += [ScalarParam("window_left", "<i"), ScalarParam("window_right", "<i")]
+    if getattr(spec, "softcap", False):  # S -> out * tanh(S * in): in = scale / cap
+        params += [ScalarParam("softcap_in", "<f"), ScalarParam("softcap_out", "<f")]
+    return params
 
 
 def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
@@ -166,11 +179,7 @@ def attention_params(spec) -> tuple[TensorParam | ScalarParam, ...]:
     elif spec.kv_fp8:
         params += [TensorParam("k_descale", 3, 2), TensorParam("v_descale", 3, 2)]
     params += [ScalarParam("scale_log2", "<f"), ScalarParam("q_group", "<i"),
-               ScalarParam("num_splits", "<i")]
-    if getattr(spec, "window", False):  # keys a token sees: [t - left, t + right], block_info
-        params += [ScalarParam("window_left", "<i"), ScalarParam("window_right", "<i")]
-    if getattr(spec, "softcap", False):  # S -> out * tanh(S * in): in = scale / cap
-        params += [ScalarParam("softcap_in", "<f"), ScalarParam("softcap_out", "<f")]
+               ScalarParam("num_splits", "<i"), *mask_params(spec)]
     if getattr(spec, "varlen", False):  # int32 (batch + 1) offsets of each sequence's rows
         params.append(TensorParam("cu_seqlens_q", 1, 0))
         if not spec.paged_kv:

@@ -216,7 +216,7 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
                 if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
         if kern.artifact.spec.family == "wgmma_ws":  # TMA: descriptors, no key shares
             launch(kern, grid, (*_tma_args(kern, qkv_args, dtype, D), out_arg,
-                                *lse_args, *descale_args, *scalars[:2]), dev)
+                                *lse_args, *descale_args, *scalars[:2], *scalars[3:]), dev)
         else:
             launch(kern, grid, (*qkv_args, out_arg, *lse_args, *descale_args, *scalars), dev)
     else:

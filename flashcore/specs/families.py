@@ -30,6 +30,8 @@ class FamilySpec(Protocol):
     precision: str
     kv_fp8: bool
     mask_align: str
+    window: bool
+    softcap: bool
     page_size: int
 
     @property
@@ -187,6 +189,7 @@ class Wgmma:
     packs_tokens: bool = False
     rows_per_warpgroup: int = 64
     producer_threads: int = 0
+    builds_masks: bool = False  # bottom-right alignment, sliding windows, soft-capping
 
     def dsl_arch(self, arch: str) -> str:
         return "sm_90a"  # wgmma (and setmaxnreg) are sm_90a instructions
@@ -202,11 +205,12 @@ class Wgmma:
         def bad(what: str) -> SpecError:
             return SpecError(f"AttentionSpec ({self.name}): {what}")
 
-        unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", "window",
-                                   "softcap", "packed_tokens") if getattr(spec, f)]
+        masks = () if self.builds_masks else ("window", "softcap")
+        unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", *masks,
+                                   "packed_tokens") if getattr(spec, f)]
         if spec.precision not in self.precisions:
             unsupported.append(f"precision={spec.precision!r}")
-        if spec.mask_align != "top_left":
+        if spec.mask_align != "top_left" and not self.builds_masks:
             unsupported.append(f"mask_align={spec.mask_align!r}")
         if unsupported:
             raise bad(f"not built yet: {', '.join(unsupported)} (the mma_sync family has them)")
@@ -238,18 +242,30 @@ class WgmmaWs(Wgmma):
     """Hopper, warp-specialised: the wgmma family's MMAs and schedule fed by TMA
     (``cp.async.bulk.tensor``) from a producer warpgroup through mbarrier pipelines, consumers
     with 240 registers (``setmaxnreg``), no CTA barrier in the key loop
-    (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3 wgmma).
+    (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3 wgmma). Masks as
+    data: bottom-right alignment and sliding windows (key blocks outside skipped), and
+    soft-capping (16-bit only, as every family).
     ``warps`` counts the consumer warps; the CTA has ``producer_threads`` more. The runtime
     encodes the TMA descriptors (``flashcore.runtime.tensor_map``)."""
 
     name: str = "wgmma_ws"
     producer_threads: int = 128
+    builds_masks: bool = True
     precisions: tuple[str, ...] = ("fp16", "fp8")  # fp8: e4m3 wgmma (SASS QGMMA)
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
         return {"tile_m": (64, 128, 192), "tile_n": (64, 128), "warps": (4, 8, 12),
                 "stages": (2, 3, 4), "kv_splits": (1,)}
+
+    def validate(self, spec: FamilySpec) -> None:
+        super().validate(spec)
+        if spec.softcap and (spec.causal or spec.window) and self.p_in_shared(spec):
+            raise SpecError(
+                f"AttentionSpec ({self.name}): softcap=True beside a causal mask or a window is "
+                f"not built for tile {spec.config.tile} at head_dim=128 (P through shared "
+                "memory): its consumers' 160 registers a thread spill in the key loop; use "
+                "tile (128, 128) with warps=8 or (192, 64) with warps=12")
 
     @staticmethod
     def p_in_shared(spec: FamilySpec) -> bool:

@@ -41,6 +41,20 @@ class KeyBounds:
         return self.causal or self.windowed
 
 
+def spec_bounds(spec, seqlen_q, seqlen_k, q_group, window_left, window_right) -> KeyBounds:
+    """The bounds of a kernel spec's masks (``AttentionSpec``: ``causal``, ``mask_align``,
+    ``window``) at run time: bottom-right alignment puts the last query token (rows / q_group
+    tokens: packed GQA rows, token-major) on the last key; the window's sizes are kernel
+    arguments."""
+    if not spec.shifted_mask:
+        return KeyBounds(spec.causal)
+    offset = 0
+    if spec.mask_align == "bottom_right":
+        offset = seqlen_k - seqlen_q // q_group
+    left, right = (window_left, window_right) if spec.window else (UNBOUNDED, UNBOUNDED)
+    return KeyBounds(spec.causal, True, spec.window, offset, left, right)
+
+
 def token_keys(bounds: KeyBounds, token, seqlen_k, minimum=min, maximum=max):
     """[lo, hi): the keys token ``token`` sees (hi <= lo: none)."""
     hi = seqlen_k

@@ -18,6 +18,9 @@ warpgroup and 1-3 consumer warpgroups.
 * Three consumers of 128-key steps at head_dim 128 (16-bit or e4m3): P goes to the P·V wgmma
   through a shared tile of its own (``Consumer.store_p``, the SS form): 160 registers a thread
   hold S and O but not P beside them.
+* Masks (``common/block_info``, ``common/mask``): bottom-right alignment, a sliding window
+  (blocks outside it skipped, those below its lower edge masked again), soft-capping. The
+  producer loads the blocks the consumers walk; a tile that sees no key walks none (O 0).
 * Epilogue: O / row sum, each consumer warpgroup through its own rows of Q's tile (a named
   barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q; natural-log LSE if
   asked.
@@ -41,7 +44,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ..common.block_info import KeyBounds, key_range, masked_steps
+from ..common.block_info import key_range, masked_steps, spec_bounds
 from ..common.epilogue import store_lse
 from ..common.fp8 import (
     P_SCALE,
@@ -51,7 +54,7 @@ from ..common.fp8 import (
     scale_columns,
 )
 from ..common.grid import tile_coords, wait_for_previous_grid
-from ..common.mask import mask_scores
+from ..common.mask import mask_scores, soft_cap
 from ..common.softmax import OnlineSoftmax
 from ..wgmma.attention_fwd import refuse_extras, wgmma, wgmmas
 from ..wgmma.fragments import acc_mn_view
@@ -86,8 +89,7 @@ class WgmmaWsAttentionForward:
         """The launch; flashcore keeps only the cubin, and its runtime encodes the descriptors
         these atoms describe (``flashcore.compiler.abi.tma_attention_params``)."""
         lay = WsLayouts(self.spec)
-        refuse_extras("wgmma_ws", (window_left, window_right, softcap_in, softcap_out,
-                                   cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
+        refuse_extras("wgmma_ws", (cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
                       + (() if lay.fp8 else (mQd, mKd, mVd)))
         self.smem_size = lay.storage.size_in_bytes()
         c, d = self.spec.config, self.spec.head_dim
@@ -102,7 +104,8 @@ class WgmmaWsAttentionForward:
                                                     self.v_tiling()[0])
         m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
         self.kernel(atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, mO, mLSE, mQd, mKd, mVd,
-                    scale_log2, q_group).launch(
+                    scale_log2, q_group, window_left, window_right, softcap_in,
+                    softcap_out).launch(
             grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
             block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
@@ -118,7 +121,9 @@ class WgmmaWsAttentionForward:
     def kernel(self, atom_q: cute.CopyAtom, tma_q: cute.Tensor, atom_k: cute.CopyAtom,
                tma_k: cute.Tensor, atom_v: cute.CopyAtom, tma_v: cute.Tensor, mO: cute.Tensor,
                mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
-               mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32):
+               mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
+               window_left: cutlass.Int32 | None, window_right: cutlass.Int32 | None,
+               softcap_in: cutlass.Float32 | None, softcap_out: cutlass.Float32 | None):
         spec, c = self.spec, self.spec.config
         wait_for_previous_grid(spec)
         lay = WsLayouts(spec)
@@ -147,8 +152,10 @@ class WgmmaWsAttentionForward:
         m_block, head, batch, _ = tile_coords(mO, spec)
         kv_head = head // (mO.shape[1] // tma_k.shape[2])
         seqlen_q, seqlen_k = mO.shape[2], tma_k.shape[0]
-        n_lo, n_hi, _ = key_range(m_block, c.tile_m, c.tile_n, seqlen_k, KeyBounds(spec.causal),
-                                  q_group, 0, 1, 0, 1, cutlass.min, cutlass.max)
+        bounds = spec_bounds(spec, seqlen_q, seqlen_k, q_group, window_left, window_right)
+        # the producer loads blocks n_hi - 1 down to n_lo, every one the consumers walk
+        n_lo, n_hi, n_lo_unmasked = key_range(m_block, c.tile_m, c.tile_n, seqlen_k, bounds,
+                                              q_group, 0, 1, 0, 1, cutlass.min, cutlass.max)
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0 and n_hi > n_lo:  # (a tile with no key block reads nothing)
@@ -157,7 +164,9 @@ class WgmmaWsAttentionForward:
         else:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
             cons = Consumer(lay, sQ, sK, sV, sO, sP, sOnes, tidx - WARPGROUP, m_block,
-                            seqlen_q, seqlen_k, q_group)
+                            seqlen_q, seqlen_k, q_group, bounds)
+            cons.softcap = (softcap_in, softcap_out)
+            cons.n_lo_unmasked = n_lo_unmasked
             # FP8: p comes out times P_SCALE (one FMA), the row sums with it: O / sum needs
             # only V's descale
             softmax = OnlineSoftmax(cute.size(acc_mn_view(cons.acc_O), mode=[0]), scale_log2,
@@ -253,6 +262,7 @@ class WgmmaWsAttentionForward:
         S = acc_mn_view(acc_S)
         self.scale_keys(S, kd)
         self.load_key_descales(cons, kd, cutlass.max(n_hi - 2, n_lo), masked=True)
+        self.cap_scores(cons, S)
         mask_scores(S, cons.score_coords(n_hi - 1), cons.seqlen_k, cons.bounds, cons.q_group)
         cons.rescale(softmax, softmax.step(S))
         cons.set_probabilities(acc_S)
@@ -261,13 +271,21 @@ class WgmmaWsAttentionForward:
             for i in range(1, blocks):
                 ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i,
                                           n_lo, masked=False)
-        else:
+        elif cutlass.const_expr(not self.spec.window):
             # one loop that masks its first steps (a run-time branch): a loop of masked steps
             # and one of unmasked ones, two copies of the step, spilled 192-row tiles
             masked = cutlass.min(steps_masked, blocks)
             for i in range(1, blocks):
                 ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i,
                                           n_lo, masked=i < masked)
+        else:
+            # a window masks its first steps and, from step ``lower`` on, the blocks below
+            # n_lo_unmasked (its lower edge), in the same one loop: step i masks unless
+            # top <= i < lower
+            top, lower = cutlass.min(steps_masked, blocks), n_hi - cons.n_lo_unmasked
+            for i in range(1, blocks):
+                ks = self.overlapped_step(cons, softmax, pipes, turns, ks, kd, n_hi - 1 - i,
+                                          n_lo, masked=cutlass.min(i + 1 - top, lower - i) <= 0)
         pipe_v.consumer_wait(ks)
         turns.wait()
         self.pv(cons, ks.index, wait=None)
@@ -302,6 +320,7 @@ class WgmmaWsAttentionForward:
         pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)
         self.scale_keys(S, kd)
+        self.cap_scores(cons, S)
         # blocks go down: below an unmasked block every key lies inside (n_lo: a spare load)
         self.load_key_descales(cons, kd, cutlass.max(n_block - 1, n_lo),
                                masked=masked is not False)
@@ -324,6 +343,12 @@ class WgmmaWsAttentionForward:
         if cutlass.const_expr(kd is not None):
             load_key_descales(kd, cons.score_coords(n_block), cons.gKd, cons.seqlen_k,
                               inside=not masked)
+
+    @cute.jit
+    def cap_scores(self, cons: Consumer, S: cute.Tensor):
+        """Soft-capping (before the mask: a hidden score stays -inf)."""
+        if cutlass.const_expr(self.spec.softcap):
+            soft_cap(S, *cons.softcap)
 
     @cute.jit
     def scale_keys(self, S: cute.Tensor, k_descale):

@@ -27,13 +27,15 @@ class Consumer(ThreadCoords):
     the coordinates of its scores."""
 
     def __init__(self, lay: WsLayouts, sQ, sK, sV, sO, sP, sOnes, ctid, m_block, seqlen_q,
-                 seqlen_k, q_group):
+                 seqlen_k, q_group, bounds: KeyBounds):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
         self.m_block, self.seqlen_q, self.seqlen_k, self.q_group = (m_block, seqlen_q, seqlen_k,
                                                                     q_group)
-        self.bounds = KeyBounds(spec.causal)
+        self.bounds = bounds  # the keys each token sees (``block_info``)
+        self.softcap = (None, None)  # soft-capping's run-time factors (in, out)
+        self.n_lo_unmasked = None  # a window's lower edge: blocks below it mask again
         wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
         self.sQ, self.sO, self.ctid, self.wg = sQ, sO, ctid, wg
         sVt = sV  # FP8: Vᵀ tiles as stored; else V's tiles seen as (head_dim, keys)
