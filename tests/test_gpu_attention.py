@@ -65,6 +65,14 @@ def _check_against_sdpa(q, k, v, causal, scale, tile=(64, 64)):
 @example(b=1, h=2, sq=200, sk=77, d=64, dtype="float16", causal=True, scale=0.3, log_mag=1, seed=3)
 @example(b=2, h=4, sq=300, sk=300, d=128, dtype="float16", causal=False, scale=-0.5, log_mag=0,
          seed=4)  # a negative scale: runs as -q (p overflowed fp16 before)
+@example(b=1, h=3, sq=333, sk=701, d=96, dtype="bfloat16", causal=True, scale=None, log_mag=0,
+         seed=5)  # three 64-byte swizzle lines a row
+@example(b=2, h=2, sq=257, sk=190, d=256, dtype="float16", causal=False, scale=None, log_mag=1,
+         seed=6)  # 128 output registers a thread
+@example(b=1, h=4, sq=100, sk=1000, d=32, dtype="float16", causal=True, scale=None, log_mag=0,
+         seed=7)  # rows of 64 bytes
+@example(b=1, h=2, sq=130, sk=77, d=80, dtype="bfloat16", causal=False, scale=None, log_mag=0,
+         seed=8)  # five 32-byte lines
 def test_matches_reference_within_sdpa_error(b, h, sq, sk, d, dtype, causal, scale, log_mag, seed):
     # keep the float64 reference's score matrix within a few GB
     if b * h * sq * sk > 2**27:
