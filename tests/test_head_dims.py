@@ -151,6 +151,13 @@ def test_d256_gets_the_wide_defaults():
         assert table.lookup(arch, 256, False, "decode") == table.WIDE_DECODE_DEFAULT
 
 
+def test_the_catalog_ships_the_planners_default_of_each_new_dim():
+    from flashcore.compiler.catalog import CATALOG_CONFIGS
+
+    for d in NEW_DIMS:
+        assert CATALOG_CONFIGS[d] == [table.default_config(d, "long")]
+
+
 def test_tuned_dims_keep_their_entries():
     """d64 and d128 read their own entries or the old defaults, untouched by the stand-ins."""
     for arch, d, causal, bucket in itertools.product(ARCHS, (64, 128), (False, True), BUCKETS):
