@@ -270,8 +270,8 @@ def test_bad_gpu_inputs_rejected():
     q, k, v = _inputs(1, 2, 16, 16, 64, torch.float16, 1.0, seed=1)
     with pytest.raises(TypeError, match="dtypes differ"):
         attention(q, k.bfloat16(), v.bfloat16())
-    with pytest.raises(ValueError, match="head_dim 96"):
-        z = torch.randn(1, 2, 16, 96, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        z = torch.randn(1, 2, 16, 48, device="cuda", dtype=torch.float16)
         attention(z, z, z)
     with pytest.raises(ValueError, match="on cpu"):
         attention(q.cpu(), k, v)
@@ -287,3 +287,21 @@ def test_bad_gpu_inputs_rejected():
     with pytest.raises(ValueError, match="num_splits"):
         attention(q, k, v, num_splits=0)
     assert math.isfinite(attention(q, k, v).float().sum().item())
+
+
+def test_forward_only_head_dims_refuse_what_they_lack():
+    """d96 runs forward; inputs that require grad are refused naming the head dim (the backward
+    builds 64 and 128), unless allow_no_grad; FP8 operands and an FP8 KV cache are refused."""
+    q, k, v = _inputs(1, 2, 40, 40, 96, torch.float16, 1.0, seed=3)
+    want = reference.attention(q, k, v, causal=True, device=q.device)
+    g = [t.clone().requires_grad_() for t in (q, k, v)]
+    with pytest.raises(RuntimeError, match="head_dim=96"):
+        attention(*g, causal=True)
+    out = attention(*g, causal=True, allow_no_grad=True)
+    assert not out.requires_grad and max_abs(out, want) < 2e-2
+    with pytest.raises(ValueError, match="precision='fp8' is built for head_dim"):
+        attention(q, k, v, precision="fp8")
+    k8, v8 = (t.to(torch.float8_e4m3fn) for t in (k, v))
+    ones = torch.ones(1, 2, 40, device="cuda")
+    with pytest.raises(ValueError, match="FP8 KV cache is built for head_dim"):
+        attention(q, k8, v8, k_descale=ones, v_descale=ones)
