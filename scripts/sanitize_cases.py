@@ -4,12 +4,15 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
                                       fp8-paged|wgmma|wgmma-fp8|wgmma-masks|fp8-khead|serving|
-                                      hostile|backward]
+                                      hostile|backward|kv-splits|head-dims]
 
 ``hostile``: misaligned and strided views, and serving tables that lie with their checks off
 (offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
 table): memcheck must see no access outside the tensors, and each output stays finite.
 ``backward``: the backward kernels on ragged shapes, against float64 autograd.
+``head-dims``: the head dims only the 16-bit forward builds (32, 80, 96, 256) on ragged shapes:
+prefill (tuned and explicit tiles), GQA decode split over CTAs and its combine, masks, varlen
+and paged.
 """
 
 from __future__ import annotations
@@ -425,6 +428,72 @@ def causal_order_cases():
                         True, tol=0.1 if prec == "fp8" else 2e-2)
 
 
+WIDE_HEAD_DIMS = (32, 80, 96, 256)
+
+
+def head_dim_cases():
+    # swizzle lines of 64 (d32, d96) and 32 bytes (d80) a row, and d256's 128 output registers
+    # a thread: ragged prefill (tuned, and (64, 64) with stages=2), GQA decode split over CTAs
+    # (the combine with idle threads at d96), masks, varlen and a paged cache
+    for d in WIDE_HEAD_DIMS:
+        dtype = torch.bfloat16 if d in (96, 256) else torch.float16
+        for causal in (False, True):
+            q, k, v = qkv(2, 4, 2, 77, 145, d, dtype, seed=d)
+            yield check(f"prefill d{d} causal={causal}", attention(q, k, v, causal=causal),
+                        q, k, v, causal)
+            yield check(f"(64, 64) stages=2 d{d} causal={causal}",
+                        attention(q, k, v, causal=causal, tile=(64, 64), stages=2), q, k, v,
+                        causal)
+        q, k, v = qkv(1, 8, 2, 1, 64 * 40 - 3, d, dtype, seed=d + 1)
+        out, _ = attention(q, k, v, num_splits=7, return_lse=True)
+        yield check(f"decode d{d} split 7", out, q, k, v, False)
+        masks = {"mask_align": "bottom_right", "window": (60, 0), "softcap": 20.0}
+        q, k, v = qkv(1, 4, 2, 70, 333, d, dtype, seed=d + 2)
+        out, _ = attention(q, k, v, causal=True, return_lse=True, **masks)
+        yield check(f"masks d{d}", out, q, k, v, True, **masks)
+        yield from _varlen_case(d, dtype)
+        yield from _paged_case(d, dtype)
+
+
+def _varlen_case(d, dtype):
+    g = torch.Generator(device="cuda").manual_seed(d)
+    lq, lk = [0, 1, 77, 130], [3, 1, 200, 130]
+    cq, ck = ([0, *torch.tensor(x).cumsum(0).tolist()] for x in (lq, lk))
+    q = torch.randn(cq[-1], 4, d, device="cuda", generator=g, dtype=dtype)
+    k, v = (torch.randn(ck[-1], 2, d, device="cuda", generator=g, dtype=dtype) for _ in range(2))
+    cu = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cq, ck)]
+    out = attention_varlen(q, k, v, *cu, max(lq), max(lk), causal=True,
+                           mask_align="bottom_right")
+    ok = True
+    for b in range(len(lq)):
+        rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        ok &= check(f"varlen d{d} seq {b} ({lq[b]}x{lk[b]})",
+                    *(t[r].transpose(0, 1)[None] for t, r in ((out, rq), (q, rq), (k, rk),
+                                                              (v, rk))), True,
+                    mask_align="bottom_right")
+    yield ok
+
+
+def _paged_case(d, dtype):
+    g = torch.Generator(device="cuda").manual_seed(d + 3)
+    for page, sq, lens in ((16, 1, [300, 1, 0, 129]), (24, 5, [517, 40])):
+        n = max(1, -(-max(lens) // page))
+        pages = len(lens) * n + 1
+        table = torch.randperm(pages, device="cuda", generator=g)[:len(lens) * n]
+        table = table.view(len(lens), n).to(torch.int32)
+        kc, vc = (torch.randn(pages, page, 2, d, device="cuda", generator=g, dtype=dtype)
+                  for _ in range(2))
+        q = torch.randn(len(lens), 8, sq, d, device="cuda", generator=g, dtype=dtype)
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        out = attention_paged(q, kc, vc, table, seqlens, causal=True, mask_align="bottom_right")
+        ok = True
+        for b, length in enumerate(lens):
+            kb, vb = (reference.gather_pages(c, table, length, b) for c in (kc, vc))
+            ok &= check(f"paged d{d} page {page} sq={sq} len {length}", out[b:b + 1],
+                        q[b:b + 1], kb, vb, True, mask_align="bottom_right")
+        yield ok
+
+
 def all_cases():
     arch = arch_of(torch.cuda.current_device())
     for causal in (False, True):
@@ -553,7 +622,7 @@ def main() -> int:
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
              "hostile": hostile_cases, "backward": backward_cases,
-             "kv-splits": kv_split_cases}[mode]
+             "kv-splits": kv_split_cases, "head-dims": head_dim_cases}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)

@@ -18,6 +18,7 @@ from flashcore.compiler.catalog import catalog_specs
 from flashcore.errors import SpecError
 from flashcore.ops.plan import packed_rows_config
 from flashcore.specs import FP8_ARCHS, AttentionSpec, CombineSpec, QuantizeSpec, TileConfig
+from flashcore.specs import HEAD_DIMS as ALL_HEAD_DIMS
 from flashcore.specs.attention import MASK_ALIGNS
 from flashcore.tuned.table import BUCKETS, lookup, table_arch, winner_specs
 from flashcore.tuning.search import all_candidates
@@ -35,6 +36,9 @@ from tests.gpu_utils import (
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (64, 128)
+# the head dims only the 16-bit forward builds: their own group (``--only head_dims``), the
+# kernels tests/test_gpu_{attention,decode,masks,serving}.py draw for them
+WIDE_HEAD_DIMS = tuple(d for d in ALL_HEAD_DIMS if d not in HEAD_DIMS)
 
 
 def _specs(arch: str, configs, **fixed) -> list:
@@ -89,12 +93,12 @@ def prefill_specs(arch: str) -> list:
     return specs
 
 
-def decode_specs(arch: str) -> list:
+def decode_specs(arch: str, dims=HEAD_DIMS) -> list:
     """tile=None decode (and short-prefill) kernels, FP8 KV cache, and the combines."""
     specs = []
     kv8 = [False, True] if arch in FP8_ARCHS else [False]
     for bucket in ("decode", "short"):
-        for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+        for d, causal in itertools.product(dims, (False, True)):
             specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
                             causal=causal, return_lse=[False, True], split_kv=[False, True])
             if len(kv8) > 1:  # an FP8 KV cache has configs of its own
@@ -102,7 +106,7 @@ def decode_specs(arch: str) -> list:
                                 head_dim=d, causal=causal, return_lse=[False, True],
                                 split_kv=[False, True], kv_fp8=True)
     # the tiles one token's query heads grow to (groups past 16), under either causal alignment
-    for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+    for d, causal in itertools.product(dims, (False, True)):
         specs += _specs(arch, _packed_tiles(_tuned(arch, "decode", d, causal))[1:],
                         dtype=DTYPES, head_dim=d, causal=causal, return_lse=[False, True],
                         split_kv=[False, True], mask_align=list(MASK_ALIGNS))
@@ -111,11 +115,11 @@ def decode_specs(arch: str) -> list:
                             dtype=DTYPES, head_dim=d, causal=causal, return_lse=[False, True],
                             split_kv=[False, True], kv_fp8=True, mask_align=list(MASK_ALIGNS))
     if len(kv8) > 1:  # test_fp8_kv_cache_in_every_kind_of_config (GQA of 1-5 tokens)
-        specs += _specs(arch, FP8_KV_CONFIGS, dtype=DTYPES, head_dim=HEAD_DIMS,
+        specs += _specs(arch, FP8_KV_CONFIGS, dtype=DTYPES, head_dim=dims,
                         causal=[False, True], return_lse=True, split_kv=[False, True],
                         kv_fp8=True, packed_tokens=[False, True])
     # test_multi_token_gqa_decode_packs_tokens: packed tokens under every mask it draws
-    for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+    for d, causal in itertools.product(dims, (False, True)):
         specs += _specs(arch, _packed_tiles(_tuned(arch, "decode", d, causal)), dtype=DTYPES,
                         head_dim=d, causal=causal, return_lse=[False, True],
                         split_kv=[False, True], mask_align=list(MASK_ALIGNS),
@@ -126,7 +130,7 @@ def decode_specs(arch: str) -> list:
                             split_kv=[False, True], kv_fp8=True, packed_tokens=True,
                             mask_align=list(MASK_ALIGNS))
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)
-              for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
+              for dt, d, lse in itertools.product(DTYPES, dims, (False, True))]
     return specs
 
 
@@ -136,7 +140,7 @@ MASK_VARIANTS = [(c, a, w, sc) for c, a, w, sc in itertools.product(
     (False, True), MASK_ALIGNS, (False, True), (False, True)) if a != "top_left" or w or sc]
 
 
-def mask_specs(arch: str) -> list:
+def mask_specs(arch: str, dims=HEAD_DIMS) -> list:
     """tile=None kernels with masks: decode (split or not) and short prefill, with LSE (a split
     kernel writes its shares' LSE whatever the call asks: its spec has none); and the long
     causal window of ``test_window_kernel_walks_only_the_window``."""
@@ -144,7 +148,7 @@ def mask_specs(arch: str) -> list:
     for bucket, lse_split in (("decode", [(True, False), (False, True)]),
                               ("short", [(True, False)])):
         for d, (causal, align, window, softcap), (lse, split) in itertools.product(
-                HEAD_DIMS, MASK_VARIANTS, lse_split):
+                dims, MASK_VARIANTS, lse_split):
             specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
                             causal=causal, return_lse=lse, split_kv=split, mask_align=align,
                             window=window, softcap=softcap)
@@ -153,9 +157,10 @@ def mask_specs(arch: str) -> list:
                                 dtype=DTYPES, head_dim=d, causal=causal, return_lse=lse,
                                 split_kv=split, mask_align=align, window=window,
                                 softcap=softcap, packed_tokens=True)
-    window = (("window", True),)
-    specs += _specs(arch, [_tuned(arch, "long", 64, True, features=window)], head_dim=64,
-                    causal=True, window=True)
+    if 64 in dims:
+        window = (("window", True),)
+        specs += _specs(arch, [_tuned(arch, "long", 64, True, features=window)], head_dim=64,
+                        causal=True, window=True)
     return specs
 
 
@@ -200,22 +205,22 @@ def wgmma_mask_specs(arch: str) -> list:
 PAGE_SIZES = (16, 128)  # the whole-page sizes of tests/test_gpu_serving.py's Hypothesis tests
 
 
-def serving_specs(arch: str) -> list:
+def serving_specs(arch: str, dims=HEAD_DIMS) -> list:
     """The varlen and paged kernels of tests/test_gpu_serving.py (the explicit (64, 64) tile,
     tuned decode kernels for paged decode; masks bottom-right, LSE) and of
     scripts/serving_bench.py (tuned, fp16, d128, no LSE), each paged one for any page size
     (gathered) and for the page sizes the tests draw (copied whole)."""
     tile = [TileConfig((64, 64))]
     pages = [0, *PAGE_SIZES]
-    both = {"causal": [False, True], "head_dim": HEAD_DIMS, "dtype": DTYPES,
+    both = {"causal": [False, True], "head_dim": dims, "dtype": DTYPES,
             "mask_align": list(MASK_ALIGNS)}
     specs = _specs(arch, tile, varlen=True, return_lse=True, window=[False, True],
                    softcap=[False, True], **both)
     specs += _specs(arch, tile, paged_kv=True, return_lse=True, split_kv=[False, True],
                     page_size=[*pages, 256], **both)  # 256: an explicit chunked-prefill example
     specs += _specs(arch, tile, paged_kv=True, varlen=True, return_lse=True, causal=True,
-                    mask_align="bottom_right", head_dim=HEAD_DIMS, dtype=DTYPES, page_size=pages)
-    for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+                    mask_align="bottom_right", head_dim=dims, dtype=DTYPES, page_size=pages)
+    for d, causal in itertools.product(dims, (False, True)):
         specs += _specs(arch, [_tuned(arch, "decode", d, causal)], paged_kv=True,
                         return_lse=[False, True], split_kv=[False, True], causal=causal,
                         mask_align=list(MASK_ALIGNS), head_dim=d, dtype=DTYPES, page_size=pages)
@@ -226,21 +231,12 @@ def serving_specs(arch: str) -> list:
                         page_size=pages, packed_tokens=True)
     # the tests' diagonals are bottom-right: top-left only where there is none
     specs = [s for s in specs if s.mask_align == "bottom_right" or not (s.causal or s.window)]
-    # test_every_page_size_kind: fp16, d128, not causal, every page size it draws
-    decode128 = [_tuned(arch, "decode", 128, False)]
-    for config, split in ((tile, [False]), (decode128, [False, True])):
-        specs += _specs(arch, config, paged_kv=True, return_lse=True, split_kv=split,
-                        head_dim=128, page_size=[0, 4, 8, 32, 64, 192, 256])
-    # the benchmark: paged decode (pages 16 and 128), contiguous decode, varlen prefill
-    specs += _specs(arch, decode128, paged_kv=[False, True], split_kv=[False, True],
-                    head_dim=128, page_size=pages)
-    for bucket, _, _ in BUCKETS[1:]:
-        specs += _specs(arch, [_tuned(arch, bucket, 128, True)], varlen=True, causal=True,
-                        mask_align="bottom_right", head_dim=128)
+    if 128 in dims:
+        specs += _d128_serving_specs(arch, tile, pages)
     # an e4m3 paged cache (test_fp8_paged_cache_*: the FP8 KV config, no LSE), decode and
     # packed chunks; the benchmark's FP8 paged decode (d128, not causal) is among them
     if arch in FP8_ARCHS:
-        for d, causal in itertools.product(HEAD_DIMS, (False, True)):
+        for d, causal in itertools.product(dims, (False, True)):
             fp8kv = {"head_dim": d, "causal": causal, "dtype": DTYPES, "paged_kv": True,
                      "kv_fp8": True, "page_size": pages,
                      "mask_align": "bottom_right" if causal else "top_left"}
@@ -250,7 +246,39 @@ def serving_specs(arch: str) -> list:
                             packed_tokens=True, **fp8kv)
             specs += _specs(arch, [config], varlen=True, **fp8kv)
     specs += [CombineSpec(arch=arch, dtype=dt, head_dim=d, return_lse=lse)  # split decode
-              for dt, d, lse in itertools.product(DTYPES, HEAD_DIMS, (False, True))]
+              for dt, d, lse in itertools.product(DTYPES, dims, (False, True))]
+    return list(dict.fromkeys(specs))
+
+
+def _d128_serving_specs(arch: str, tile: list, pages: list) -> list:
+    """test_every_page_size_kind (fp16, d128, not causal, every page size it draws) and the
+    benchmark's paged decode (pages 16 and 128), contiguous decode and varlen prefill."""
+    decode128 = [_tuned(arch, "decode", 128, False)]
+    specs = []
+    for config, split in ((tile, [False]), (decode128, [False, True])):
+        specs += _specs(arch, config, paged_kv=True, return_lse=True, split_kv=split,
+                        head_dim=128, page_size=[0, 4, 8, 32, 64, 192, 256])
+    specs += _specs(arch, decode128, paged_kv=[False, True], split_kv=[False, True],
+                    head_dim=128, page_size=pages)
+    for bucket, _, _ in BUCKETS[1:]:
+        specs += _specs(arch, [_tuned(arch, bucket, 128, True)], varlen=True, causal=True,
+                        mask_align="bottom_right", head_dim=128)
+    return specs
+
+
+def head_dim_specs(arch: str) -> list:
+    """The kernels of the head dims only the 16-bit forward builds (``WIDE_HEAD_DIMS``): what
+    test_matches_reference_within_sdpa_error runs ((64, 64), split when S_q is short), the
+    tuned kernels of every bucket (tile=None), and the decode, mask and serving groups' kernels
+    at these dims."""
+    dims = WIDE_HEAD_DIMS
+    specs = _specs(arch, [TileConfig((64, 64))], dtype=DTYPES, head_dim=dims,
+                   causal=[False, True], split_kv=[False, True], return_lse=[False, True])
+    for bucket, _, _ in BUCKETS:
+        for d, causal in itertools.product(dims, (False, True)):
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
+                            causal=causal, return_lse=[False, True], split_kv=[False, True])
+    specs += decode_specs(arch, dims) + mask_specs(arch, dims) + serving_specs(arch, dims)
     return list(dict.fromkeys(specs))
 
 
@@ -327,7 +355,8 @@ def _as_launched(spec):
 
 def gpu_test_specs(arch: str, buckets=None) -> list:
     specs = (prefill_specs(arch) + decode_specs(arch) + mask_specs(arch) + fp8_specs(arch)
-             + serving_specs(arch) + wgmma_specs(arch) + backward_specs(arch))
+             + serving_specs(arch) + wgmma_specs(arch) + backward_specs(arch)
+             + head_dim_specs(arch))
     specs += [s for s in winner_specs(table_arch(arch), build_arch=arch).values()]
     if buckets != []:  # the autotuner's candidates
         precisions = ("fp16", "fp8") if arch in FP8_ARCHS else ("fp16",)
@@ -346,7 +375,8 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
 
 GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs,
-          "wgmma-masks": wgmma_mask_specs, "backward": backward_specs}
+          "wgmma-masks": wgmma_mask_specs, "backward": backward_specs,
+          "head_dims": head_dim_specs}
 
 
 def main() -> None:

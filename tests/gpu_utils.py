@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from flashcore.specs import AttentionSpec, TileConfig
+from flashcore.specs import HEAD_DIMS, AttentionSpec, TileConfig
 from flashcore.specs.families import WgmmaWs
 
 requires_cuda = None
@@ -27,9 +27,17 @@ def max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
 
-def attention_shapes(max_seq: int) -> dict:
+def head_dims(dims=HEAD_DIMS):
+    """A Hypothesis strategy of head dims (default: every one the forward builds)."""
+    from hypothesis import strategies as st
+
+    return st.sampled_from(list(dims))
+
+
+def attention_shapes(max_seq: int, dims=HEAD_DIMS) -> dict:
     """Hypothesis strategies for the shape, dtype and masking of one attention call: batch 1-4,
-    heads 1-16, sequence lengths up to ``max_seq`` (short ones drawn often), head dim 64 or 128."""
+    heads 1-16, sequence lengths up to ``max_seq`` (short ones drawn often), a head dim of
+    ``dims``."""
     from hypothesis import strategies as st
 
     return {
@@ -37,7 +45,7 @@ def attention_shapes(max_seq: int) -> dict:
         "h": st.integers(1, 16),
         "sq": st.one_of(st.integers(1, 300), st.integers(1, max_seq)),
         "sk": st.one_of(st.integers(1, 300), st.integers(1, max_seq)),
-        "d": st.sampled_from([64, 128]),
+        "d": head_dims(dims),
         "dtype": st.sampled_from(["bfloat16", "float16"]),
         "causal": st.booleans(),
     }

@@ -184,12 +184,12 @@ def assert_no_spills_in_loops(art, what: str = "") -> None:
         assert local_memory_in_loops(text) == 0, f"{what}: local memory inside a loop"
 
 
-def compiled_in_fresh_cache(specs: list, tmp_path_factory) -> dict:
-    """{spec: artifact} of ``specs`` compiled (2 workers) into a fresh cache of this test
+def compiled_in_fresh_cache(specs: list, tmp_path_factory, jobs: int = 2) -> dict:
+    """{spec: artifact} of ``specs`` compiled (``jobs`` workers) into a fresh cache of this test
     module's (FLASHCORE_CACHE_DIR points there from now on)."""
     import os
 
     os.environ["FLASHCORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     from flashcore.compiler.compiler import compile_many
 
-    return dict(zip(specs, compile_many(specs, jobs=2)))
+    return dict(zip(specs, compile_many(specs, jobs=jobs)))

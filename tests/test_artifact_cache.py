@@ -147,11 +147,11 @@ def test_rehashed_but_invalid_meta_detected(tmp_path):
 
     _art().save(tmp_path)
     meta = json.loads((tmp_path / META).read_text())
-    meta["spec"]["head_dim"] = 96
+    meta["spec"]["head_dim"] = 48
     meta["meta_sha256"] = artifact_mod._sha256(artifact_mod._canonical(meta).encode())
     (tmp_path / META).write_text(artifact_mod._meta_text(meta))
     with pytest.raises(
-        CacheCorruptionError, match="does not describe a valid artifact.*head_dim=96"
+        CacheCorruptionError, match="does not describe a valid artifact.*head_dim=48"
     ):
         KernelArtifact.load(tmp_path)
 

@@ -31,7 +31,7 @@ def test_every_verb_has_help(verb, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "args", [["frobnicate"], ["compile", "--tile", "64"], ["dump", "--head-dim", "96"],
+    "args", [["frobnicate"], ["compile", "--tile", "64"], ["dump", "--head-dim", "48"],
              ["cache", "explode"], ["compile", "--arch", "sm_75"]]
 )
 def test_bad_flags_are_usage_errors(args, tmp_path):

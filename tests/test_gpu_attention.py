@@ -65,6 +65,14 @@ def _check_against_sdpa(q, k, v, causal, scale, tile=(64, 64)):
 @example(b=1, h=2, sq=200, sk=77, d=64, dtype="float16", causal=True, scale=0.3, log_mag=1, seed=3)
 @example(b=2, h=4, sq=300, sk=300, d=128, dtype="float16", causal=False, scale=-0.5, log_mag=0,
          seed=4)  # a negative scale: runs as -q (p overflowed fp16 before)
+@example(b=1, h=3, sq=333, sk=701, d=96, dtype="bfloat16", causal=True, scale=None, log_mag=0,
+         seed=5)  # three 64-byte swizzle lines a row
+@example(b=2, h=2, sq=257, sk=190, d=256, dtype="float16", causal=False, scale=None, log_mag=1,
+         seed=6)  # 128 output registers a thread
+@example(b=1, h=4, sq=100, sk=1000, d=32, dtype="float16", causal=True, scale=None, log_mag=0,
+         seed=7)  # rows of 64 bytes
+@example(b=1, h=2, sq=130, sk=77, d=80, dtype="bfloat16", causal=False, scale=None, log_mag=0,
+         seed=8)  # five 32-byte lines
 def test_matches_reference_within_sdpa_error(b, h, sq, sk, d, dtype, causal, scale, log_mag, seed):
     # keep the float64 reference's score matrix within a few GB
     if b * h * sq * sk > 2**27:
@@ -262,8 +270,8 @@ def test_bad_gpu_inputs_rejected():
     q, k, v = _inputs(1, 2, 16, 16, 64, torch.float16, 1.0, seed=1)
     with pytest.raises(TypeError, match="dtypes differ"):
         attention(q, k.bfloat16(), v.bfloat16())
-    with pytest.raises(ValueError, match="head_dim 96"):
-        z = torch.randn(1, 2, 16, 96, device="cuda", dtype=torch.float16)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        z = torch.randn(1, 2, 16, 48, device="cuda", dtype=torch.float16)
         attention(z, z, z)
     with pytest.raises(ValueError, match="on cpu"):
         attention(q.cpu(), k, v)
@@ -279,3 +287,21 @@ def test_bad_gpu_inputs_rejected():
     with pytest.raises(ValueError, match="num_splits"):
         attention(q, k, v, num_splits=0)
     assert math.isfinite(attention(q, k, v).float().sum().item())
+
+
+def test_forward_only_head_dims_refuse_what_they_lack():
+    """d96 runs forward; inputs that require grad are refused naming the head dim (the backward
+    builds 64 and 128), unless allow_no_grad; FP8 operands and an FP8 KV cache are refused."""
+    q, k, v = _inputs(1, 2, 40, 40, 96, torch.float16, 1.0, seed=3)
+    want = reference.attention(q, k, v, causal=True, device=q.device)
+    g = [t.clone().requires_grad_() for t in (q, k, v)]
+    with pytest.raises(RuntimeError, match="head_dim=96"):
+        attention(*g, causal=True)
+    out = attention(*g, causal=True, allow_no_grad=True)
+    assert not out.requires_grad and max_abs(out, want) < 2e-2
+    with pytest.raises(ValueError, match="precision='fp8' is built for head_dim"):
+        attention(q, k, v, precision="fp8")
+    k8, v8 = (t.to(torch.float8_e4m3fn) for t in (k, v))
+    ones = torch.ones(1, 2, 40, device="cuda")
+    with pytest.raises(ValueError, match="FP8 KV cache is built for head_dim"):
+        attention(q, k8, v8, k_descale=ones, v_descale=ones)

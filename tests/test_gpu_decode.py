@@ -19,8 +19,8 @@ from flashcore import reference
 from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
 from flashcore.specs import MAX_SPLITS
-from flashcore.tuned.table import DECODE_DEFAULT
-from tests.gpu_utils import FP8_KV_CONFIGS, allowed_error, max_abs, requires_cuda
+from flashcore.tuned.table import default_config
+from tests.gpu_utils import FP8_KV_CONFIGS, allowed_error, head_dims, max_abs, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -65,7 +65,7 @@ def _check(q, k, v, causal, **knobs):
     group=st.sampled_from([1, 2, 4, 8, 32]),
     sq=st.one_of(st.just(1), st.integers(1, 16), st.integers(17, 200)),
     sk=st.one_of(st.integers(1, 300), st.integers(1, 65536)),
-    d=st.sampled_from([64, 128]),
+    d=head_dims(),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     num_splits=st.one_of(st.none(), st.integers(1, 48)),
@@ -77,6 +77,10 @@ def _check(q, k, v, causal, **knobs):
          num_splits=None, seed=2)
 @example(b=1, hkv=2, group=4, sq=3, sk=40, d=64, dtype="float16", causal=True, num_splits=9,
          seed=3)
+@example(b=1, hkv=2, group=8, sq=1, sk=9000, d=256, dtype="bfloat16", causal=False,
+         num_splits=None, seed=4)  # the wide decode tile, split and combined
+@example(b=2, hkv=1, group=4, sq=1, sk=3000, d=96, dtype="float16", causal=True,
+         num_splits=None, seed=5)  # a combine with idle threads (24 of a share's row)
 def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal, num_splits,
                                         seed):
     # keep the float64 reference's score matrix within a few hundred MB
@@ -95,7 +99,7 @@ def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal,
     group=st.sampled_from([2, 3, 4, 8]),
     sq=st.integers(2, 15),
     sk=st.one_of(st.integers(1, 300), st.integers(1, 20000)),
-    d=st.sampled_from([64, 128]),
+    d=head_dims(),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     align=st.sampled_from(["top_left", "bottom_right"]),
@@ -116,6 +120,8 @@ def test_gqa_and_decode_match_reference(b, hkv, group, sq, sk, d, dtype, causal,
          align="bottom_right", window=None, bshd=False, num_splits=None, seed=5)  # 96 rows: 3 of 32
 @example(b=3, hkv=2, group=3, sq=15, sk=40, d=128, dtype="float16", causal=False,
          align="top_left", window=None, bshd=False, num_splits=1, seed=6)  # 45 rows, one 64-row tile, unsplit
+@example(b=1, hkv=2, group=4, sq=6, sk=3000, d=256, dtype="bfloat16", causal=True,
+         align="bottom_right", window=(500, 0), bshd=True, num_splits=None, seed=7)  # 24 wide rows
 def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, causal, align,
                                              window, bshd, num_splits, seed):
     """A few query tokens per K/V head's query heads, packed token-major into rows that the
@@ -130,7 +136,7 @@ def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, ca
     shifted = align == "bottom_right" or window is not None
     # the tuned tile grows to hold a K/V head's rows (16, 32 or 64; 32-row tiles past 64),
     # and they always pack
-    cfg = plan.packed_rows_config(DECODE_DEFAULT, sq, group)
+    cfg = plan.packed_rows_config(default_config(d, "decode"), sq, group)
     assert cfg.tile_m >= min(group * sq, 32)
     assert plan.packs_tokens(sq, hkv * group, hkv, cfg.tile_m, cfg.tile_n, causal and not shifted)
     dt = DTYPES[dtype]
@@ -157,13 +163,14 @@ def test_split_shares_may_be_empty(group, splits):
         _check(q, k, v, causal, num_splits=splits)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("splits", [129, 250, MAX_SPLITS])
 def test_many_shares_each_with_keys(d, splits):
     """The combine's threads take several shares each (more shares than its 128 threads), in
     passes of four per slot that run past the last share (a head_dim of 64 has 8 slots, 128 has
-    4): every share sees keys, so each weight and partial row counts."""
-    config = DECODE_DEFAULT
+    4, 256 two; at 96, five slots of 24 threads leave 8 idle): every share sees keys, so each
+    weight and partial row counts."""
+    config = default_config(d, "decode")
     for dtype in (torch.float16, torch.bfloat16):
         # one key block a share (the last one ragged)
         q, k, v = _qkv(1, 8, 2, 1, config.tile_n * splits - 17, d, dtype, seed=splits + d)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops import attention
-from tests.gpu_utils import allowed_error, max_abs, requires_cuda, torch_baseline
+from tests.gpu_utils import allowed_error, head_dims, max_abs, requires_cuda, torch_baseline
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -29,7 +29,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
     group=st.sampled_from([1, 4]),
     sq=st.one_of(st.just(1), st.integers(1, 16), st.integers(1, 600)),
     sk=st.one_of(st.integers(1, 300), st.integers(1, 3000)),
-    d=st.sampled_from([64, 128]),
+    d=head_dims(),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     align=st.sampled_from(["top_left", "bottom_right"]),
@@ -43,6 +43,10 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
          align="bottom_right", window=None, softcap=30.0, seed=2)  # chunked prefill, softcap
 @example(b=1, hkv=1, group=1, sq=500, sk=100, d=64, dtype="float16", causal=True,
          align="bottom_right", window=(10, 0), softcap=None, seed=3)  # rows that see no key
+@example(b=1, hkv=2, group=4, sq=1, sk=2500, d=256, dtype="bfloat16", causal=True,
+         align="bottom_right", window=(300, 0), softcap=20.0, seed=4)  # wide: every mask
+@example(b=1, hkv=1, group=1, sq=400, sk=900, d=96, dtype="float16", causal=True,
+         align="bottom_right", window=(100, 0), softcap=30.0, seed=5)
 def test_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, causal, align, window,
                                    softcap, seed):
     if causal and window is not None and window[1] > 0:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.specs import TileConfig
-from tests.gpu_utils import allowed_error, max_abs, requires_cuda, torch_baseline
+from tests.gpu_utils import allowed_error, head_dims, max_abs, requires_cuda, torch_baseline
 from tests.test_gpu_decode import FP8_KV_TOL, _rel_l2
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -68,7 +68,7 @@ def _cu(lens, device="cuda"):
     self_attention=st.booleans(),
     hkv=st.integers(1, 3),
     group=st.sampled_from([1, 4]),
-    d=st.sampled_from([64, 128]),
+    d=head_dims(),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
@@ -79,6 +79,10 @@ def _cu(lens, device="cuda"):
          group=4, d=128, dtype="float16", causal=True, window=None, softcap=None, seed=1)
 @example(lens=[(129, 129)], self_attention=True, hkv=1, group=1, d=64, dtype="bfloat16",
          causal=True, window=(40, 0), softcap=30.0, seed=2)
+@example(lens=[(0, 5), (300, 900), (65, 65)], self_attention=False, hkv=2, group=4, d=256,
+         dtype="bfloat16", causal=True, window=(200, 0), softcap=30.0, seed=3)
+@example(lens=[(100, 400), (33, 33)], self_attention=False, hkv=1, group=4, d=96,
+         dtype="float16", causal=False, window=None, softcap=None, seed=4)
 def test_varlen_matches_the_reference(lens, self_attention, hkv, group, d, dtype, causal, window,
                                       softcap, seed):
     lq = [a for a, _ in lens]
@@ -137,7 +141,7 @@ CACHE_LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600),
     page_size=PAGE_SIZES,
     hkv=st.integers(1, 3),
     group=st.sampled_from([1, 4]),
-    d=st.sampled_from([64, 128]),
+    d=head_dims(),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     causal=st.booleans(),
     num_splits=st.sampled_from([None, 1, 3]),
@@ -149,6 +153,10 @@ CACHE_LENS = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, 600),
          causal=True, num_splits=None, seed=2)  # chunked prefill against the cache
 @example(lens=[333], sq=1, page_size=24, hkv=1, group=1, d=64, dtype="float16", causal=True,
          num_splits=3, seed=3)  # a page size that divides no tile
+@example(lens=[2999, 17], sq=1, page_size=16, hkv=2, group=4, d=256, dtype="bfloat16",
+         causal=True, num_splits=None, seed=4)  # wide decode: pages copied whole, split
+@example(lens=[700, 1], sq=40, page_size=24, hkv=1, group=4, d=96, dtype="float16",
+         causal=True, num_splits=None, seed=5)  # chunked prefill, three 64-byte lines a row
 def test_paged_matches_the_reference(lens, sq, page_size, hkv, group, d, dtype, causal,
                                      num_splits, seed):
     _check_paged_call(lens, sq, page_size, hkv, group, d, dtype, causal, num_splits, seed)
@@ -178,7 +186,7 @@ def _check_paged_call(lens, sq, page_size, hkv, group, d, dtype, causal, num_spl
 @given(
     lens=st.lists(st.tuples(st.integers(0, 200), st.integers(0, 1500)), min_size=1, max_size=4),
     page_size=PAGE_SIZES,
-    d=st.sampled_from([64, 128]),
+    d=head_dims(),
     dtype=st.sampled_from(["float16", "bfloat16"]),
     seed=st.integers(0, 2**31 - 1),
 )

@@ -8,7 +8,7 @@ import itertools
 import json
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from flashcore.errors import SpecError
@@ -113,7 +113,7 @@ def test_default_is_valid():
         ("arch", "sm90", "arch='sm90'"),
         ("dtype", "float32", "dtype='float32'"),
         ("precision", "int8", "precision='int8'"),
-        ("head_dim", 96, "head_dim=96"),
+        ("head_dim", 48, "head_dim=48"),
         ("head_dim", 64.0, "head_dim must be an int"),
         ("head_dim", True, "head_dim must be an int"),
         ("config", (64, 64), "config must be a TileConfig"),
@@ -216,6 +216,9 @@ def test_hash_pinned():
     assert AttentionSpec().content_hash == "ceb607a7ec8b362e"
 
 
+# most drawn combinations are invalid (a tile too large for its arch, FP8 at a dim it lacks):
+# they are assumed away
+@settings(suppress_health_check=[HealthCheck.filter_too_much])
 @given(st.fixed_dictionaries({k: st.sampled_from(v) for k, v in CHOICES.items()}))
 def test_json_round_trip_any_valid(fields):
     s = _valid(fields)
@@ -246,8 +249,8 @@ def test_from_json_errors():
         AttentionSpec.from_dict({**AttentionSpec().to_dict(), "colour": "red"})
     with pytest.raises(SpecError, match="spec_version 99"):
         AttentionSpec.from_dict({**AttentionSpec().to_dict(), "spec_version": 99})
-    with pytest.raises(SpecError, match="head_dim=96"):
-        AttentionSpec.from_json(json.dumps({**AttentionSpec().to_dict(), "head_dim": 96}))
+    with pytest.raises(SpecError, match="head_dim=48"):
+        AttentionSpec.from_json(json.dumps({**AttentionSpec().to_dict(), "head_dim": 48}))
     with pytest.raises(SpecError, match="TileConfig: unknown fields"):
         AttentionSpec.from_dict({**AttentionSpec().to_dict(), "config": {"tiles": [64, 64]}})
 

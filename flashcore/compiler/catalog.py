@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from ..errors import CacheCorruptionError, CatalogError
-from ..specs import AttentionSpec, TileConfig
+from ..specs import HEAD_DIMS, AttentionSpec, TileConfig
 from ..version import __version__
 from .artifact import META, KernelArtifact
 from .cache import KernelCache
@@ -38,15 +38,19 @@ from .catalog_index import (  # noqa: F401 - re-exported: the catalog API in one
 from .layout import FAILED_SUFFIX, LAYOUT, LOCK_SUFFIX, entry_name, spec_dir_name
 from .safe_read import JSON_MAX, read_regular
 
-# Configs shipped per head dim: the default tile and a larger-tile option.
+# Configs shipped per head dim: the default tile and a larger-tile option; the untuned dims
+# (after them) the planner's default only (``tuned.table.default_config``, a layer above).
 CATALOG_CONFIGS = {d: [TileConfig((64, 64), warps=4), TileConfig((128, 64), warps=8)]
                    for d in (64, 128)}
+CATALOG_CONFIGS.update({d: [TileConfig((64, 32), warps=4, stages=2) if d > 128
+                            else TileConfig((64, 64), warps=4)]
+                        for d in HEAD_DIMS if d not in CATALOG_CONFIGS})
 
 
 def catalog_specs(archs: tuple[str, ...] = ("sm_80", "sm_89", "sm_90")) -> list[AttentionSpec]:
     specs = []
     for arch, dtype, d, causal, lse in itertools.product(
-        archs, ("float16", "bfloat16"), (64, 128), (False, True), (False, True)
+        archs, ("float16", "bfloat16"), CATALOG_CONFIGS, (False, True), (False, True)
     ):
         for config in CATALOG_CONFIGS[d]:
             specs.append(AttentionSpec(arch=arch, dtype=dtype, head_dim=d, config=config,

@@ -13,7 +13,8 @@ causal), ``softcap=0.0`` means none.
 What differs:
 
 * ``dropout_p > 0`` and ``alibi_slopes`` raise ``NotImplementedError``; so does
-  ``cache_leftpad``. Head dims other than 64 and 128 raise flashcore's ``ValueError``.
+  ``cache_leftpad``. Head dims flashcore does not build (``flashcore.specs.HEAD_DIMS``: 32,
+  64, 80, 96, 128, 256) raise flashcore's ``ValueError``.
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the LSE as FlashAttention
   lays it out ((batch, heads, seqlen_q) dense, (heads, total_q) varlen); FlashAttention's third
   value carries probabilities only with dropout, which flashcore does not do.

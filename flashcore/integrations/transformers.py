@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..specs import HEAD_DIMS
+from ..specs import BACKWARD_HEAD_DIMS, HEAD_DIMS
 from . import sdpa_fallback
 
 DEFAULT_NAME = "fcore_attention"
@@ -163,7 +163,8 @@ def _why_torch(query, key, value, mask, dropout: float, call: _Call, packed,
         # flashcore differentiates dense calls without a mask, or causal with S_q == S_k
         masked = call.window is not None or call.softcap is not None
         shifted = call.causal and query.shape[2] != key.shape[2]
-        if packed is not None or mask is not None or masked or shifted:
+        wide = query.shape[-1] not in BACKWARD_HEAD_DIMS
+        if packed is not None or mask is not None or masked or shifted or wide:
             return "backward"
     if packed is not None:
         return None

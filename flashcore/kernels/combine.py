@@ -91,14 +91,13 @@ class CombineSplits:
 
         acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
         acc.fill(0.0)
-        step = self.slots * IN_FLIGHT
-        for s0 in range(slot, num_splits, step):
-            for u in cutlass.range_constexpr(IN_FLIGHT):
-                acc.store(acc.load() + parts[None, u].load() * weight[s0 + u * self.slots])
-            if s0 + step < num_splits:
-                self.load_pass(mOp, parts, s0 + step, num_splits, batch_size, batch, p_head,
-                               p_row, chunk)
-        cute.autovec_copy(acc, cute.local_tile(sums[None, slot], (VEC,), (chunk,)))
+        if cutlass.const_expr(self.spec.idle_threads):
+            if slot < self.slots:  # a thread past the last slot has no row of sums
+                self.add_shares(mOp, parts, acc, weight, sums, slot, chunk, num_splits,
+                                batch_size, batch, p_head, p_row)
+        else:
+            self.add_shares(mOp, parts, acc, weight, sums, slot, chunk, num_splits, batch_size,
+                            batch, p_head, p_row)
         cute.arch.sync_threads()
         if slot == 0:
             for j in cutlass.range_constexpr(1, self.slots):
@@ -112,6 +111,20 @@ class CombineSplits:
         if cutlass.const_expr(mLSE is not None):  # noqa: SIM102 - compile time, then run time
             if tidx == 0:
                 mLSE[batch, head, row] = lse
+
+    @cute.jit
+    def add_shares(self, mOp, parts, acc, weight, sums, slot, chunk, num_splits, batch_size,
+                   batch, head, row):
+        """This thread's ``chunk`` of its slot's shares (slot, slot + slots, ...), weighted,
+        into ``acc`` and its slot's row of ``sums``; ``parts`` holds the first pass."""
+        step = self.slots * IN_FLIGHT
+        for s0 in range(slot, num_splits, step):
+            for u in cutlass.range_constexpr(IN_FLIGHT):
+                acc.store(acc.load() + parts[None, u].load() * weight[s0 + u * self.slots])
+            if s0 + step < num_splits:
+                self.load_pass(mOp, parts, s0 + step, num_splits, batch_size, batch, head,
+                               row, chunk)
+        cute.autovec_copy(acc, cute.local_tile(sums[None, slot], (VEC,), (chunk,)))
 
     @cute.jit
     def load_pass(self, mOp, parts, s0, num_splits, batch_size, batch, head, row, chunk):

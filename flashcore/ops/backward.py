@@ -22,7 +22,7 @@ from torch import Tensor
 from ..compiler.abi import LOG2_E, backward_grid, backward_rows_grid
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
-from ..specs import BackwardSpec, TileConfig
+from ..specs import BACKWARD_HEAD_DIMS, BackwardSpec, TileConfig
 from ..specs.backward import ROW_PAD, default_backward_config
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking, call_masking, folded
@@ -187,6 +187,8 @@ def why_no_backward(q: Tensor, k: Tensor, *, causal: bool = False, precision: st
         return f"precision={precision!r}"
     if k_descale is not None or k.dtype != q.dtype:
         return "an FP8 KV cache"
+    if q.shape[-1] not in BACKWARD_HEAD_DIMS:
+        return f"head_dim={q.shape[-1]} (the backward is built for {BACKWARD_HEAD_DIMS})"
     return None
 
 

@@ -10,7 +10,7 @@ import warnings
 import torch
 
 from ..runtime.device import arch_of
-from ..specs import HEAD_DIMS, TileConfig
+from ..specs import FP8_HEAD_DIMS, TileConfig
 from . import plan
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 from .launcher import launch_attention
@@ -78,6 +78,9 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     if precision == "fp8" and mask.softcap is not None:
         raise ValueError("attention: softcap needs precision='fp16' (the FP8 kernel never forms "
                          "the true logits: its query descales fold into the exp2 scale)")
+    if precision == "fp8" and q.shape[3] not in FP8_HEAD_DIMS:
+        raise ValueError(f"attention: precision='fp8' is built for head_dim in {FP8_HEAD_DIMS}, "
+                         f"not {q.shape[3]}; use precision='fp16'")
     if precision == "fp8" and k.dtype == E4M3:
         raise ValueError("attention: precision='fp8' quantises 16-bit k and v itself; an FP8 KV "
                          "cache runs with precision='fp16' (16-bit arithmetic)")
@@ -159,7 +162,7 @@ def run_fp8(
     vt8 = check_fp8_operand("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
     if not (q8.device == k8.device == vt8.device) or q8.device.type != "cuda":
         raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
-    if D not in HEAD_DIMS or min(B, H, Sq, Sk) == 0:
+    if D not in FP8_HEAD_DIMS or min(B, H, Sq, Sk) == 0:
         raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
     if out_dtype not in DTYPE_NAMES:
         raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")

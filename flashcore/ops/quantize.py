@@ -8,7 +8,7 @@ import torch
 from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
-from ..specs import HEAD_DIMS, QuantizeSpec
+from ..specs import FP8_HEAD_DIMS, QuantizeSpec
 from ..specs.quantize import AMAX_SHARES
 from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
 
@@ -43,8 +43,9 @@ def run_quantize(
     if x.device.type != "cuda":
         raise ValueError(f"quantize_fp8: x is on {x.device}; expected a CUDA tensor")
     B, H, S, D = x.shape
-    if D not in HEAD_DIMS:
-        raise ValueError(f"quantize_fp8: head_dim {D} is not supported; supported are {HEAD_DIMS}")
+    if D not in FP8_HEAD_DIMS:
+        raise ValueError(f"quantize_fp8: head_dim {D} is not supported; e4m3 kernels are built "
+                         f"for {FP8_HEAD_DIMS}")
     if x.numel() == 0:
         raise ValueError(f"quantize_fp8: x is empty (shape {tuple(x.shape)})")
     if H > MAX_GRID_Z:

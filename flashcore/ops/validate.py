@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from ..specs import HEAD_DIMS
+from ..specs import FP8_HEAD_DIMS, HEAD_DIMS
 from .inputs import DTYPE_NAMES, E4M3, readable, readable_copy
 from .plan import MAX_SPLITS
 
@@ -85,6 +85,9 @@ def check_kv_descales(k, k_descale, v_descale, op: str = "attention",
         if k_descale is not None or v_descale is not None:
             raise ValueError(f"{op}: k_descale/v_descale are for float8_e4m3fn k and v")
         return None, None
+    if k.shape[-1] not in FP8_HEAD_DIMS:
+        raise ValueError(f"{op}: an FP8 KV cache is built for head_dim in {FP8_HEAD_DIMS}, "
+                         f"not {k.shape[-1]}; keep k and v in q's dtype")
     want = tuple(k.shape[:3])
     how = ("flashcore.ops.fp8.quantize_paged_cache(cache)" if paged else
            "flashcore.ops.fp8.quantize_fp8(x, granularity='token')")

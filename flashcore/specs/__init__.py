@@ -10,8 +10,10 @@ from typing import Any
 from ..errors import SpecError
 from .arch import (
     ARCHS,
+    BACKWARD_HEAD_DIMS,
     DTYPES,
     FP8_ARCHS,
+    FP8_HEAD_DIMS,
     HEAD_DIMS,
     PDL_ARCHS,
     SMEM_PER_BLOCK,
@@ -44,11 +46,13 @@ def spec_from_dict(d: Any) -> KernelSpec:
 
 __all__ = [
     "ARCHS",
+    "BACKWARD_HEAD_DIMS",
     "BACKWARD_OPS",
     "DEFAULT_FAMILY",
     "DTYPES",
     "FAMILIES",
     "FP8_ARCHS",
+    "FP8_HEAD_DIMS",
     "HEAD_DIMS",
     "MAX_SPLITS",
     "PDL_ARCHS",

@@ -19,6 +19,7 @@ from .arch import (
     DTYPES,
     E4M3_BYTES,
     FP8_ARCHS,
+    FP8_HEAD_DIMS,
     HEAD_DIMS,
     PDL_ARCHS,
     arch_tag,
@@ -141,6 +142,11 @@ class AttentionSpec(SpecData, TiledKernel):
                      "varlen", "paged_kv", "packed_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if (self.precision == "fp8" or self.kv_fp8) and self.head_dim not in FP8_HEAD_DIMS:
+            what = "precision='fp8'" if self.precision == "fp8" else "kv_fp8=True"
+            raise bad(f"{what} is built for head_dim in {FP8_HEAD_DIMS}, not head_dim="
+                      f"{self.head_dim} (its e4m3 tiles and permutations assume 64-byte "
+                      "multiples); use 16-bit operands")
         if (self.precision == "fp8" or self.kv_fp8) and self.arch not in FP8_ARCHS:
             what = "precision='fp8'" if self.precision == "fp8" else "kv_fp8=True"
             raise bad(

@@ -24,10 +24,10 @@ from typing import Any
 from ..errors import SpecError
 from .arch import (
     ARCHS,
+    BACKWARD_HEAD_DIMS,
     DTYPE_BYTES,
     DTYPE_TAGS,
     DTYPES,
-    HEAD_DIMS,
     PDL_ARCHS,
     SMEM_PER_BLOCK,
     arch_tag,
@@ -84,8 +84,9 @@ class BackwardSpec(SpecData, TiledKernel):
             raise bad(f"arch={self.arch!r} is not supported; choose one of {ARCHS}")
         if self.dtype not in DTYPES:
             raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
-        if isinstance(self.head_dim, bool) or self.head_dim not in HEAD_DIMS:
-            raise bad(f"head_dim={self.head_dim!r} is not supported; choose one of {HEAD_DIMS}")
+        if isinstance(self.head_dim, bool) or self.head_dim not in BACKWARD_HEAD_DIMS:
+            raise bad(f"head_dim={self.head_dim!r} is not supported by the backward; choose one "
+                      f"of {BACKWARD_HEAD_DIMS} (the forward builds more)")
         for name in ("causal", "window", "softcap"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")

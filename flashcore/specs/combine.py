@@ -41,6 +41,9 @@ class CombineSpec(SpecData):
             raise bad(f"return_lse must be a bool, got {self.return_lse!r}")
         if self.warps not in (1, 2, 4, 8):
             raise bad(f"warps={self.warps} is not one of (1, 2, 4, 8)")
+        if self.threads < self.head_dim // 4:
+            raise bad(f"warps={self.warps} is {self.threads} threads, fewer than the "
+                      f"{self.head_dim // 4} 16-byte loads of one head_dim={self.head_dim} row")
 
     @property
     def threads(self) -> int:
@@ -50,6 +53,12 @@ class CombineSpec(SpecData):
     def slots(self) -> int:
         """Shares read at once: a share's row is ``head_dim / 4`` threads' 16-byte loads."""
         return self.threads // (self.head_dim // 4)
+
+    @property
+    def idle_threads(self) -> bool:
+        """Whether some threads hold no slot (``head_dim / 4`` does not divide the threads, as
+        at head_dim 96): they help reduce the LSEs but add no share."""
+        return self.threads % (self.head_dim // 4) != 0
 
     @property
     def smem_bytes(self) -> int:

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import SpecError
-from .arch import DTYPE_BYTES, E4M3_BYTES, SMEM_PER_BLOCK
+from .arch import (
+    DTYPE_BYTES,
+    E4M3_BYTES,
+    SMEM_PER_BLOCK,
+    WGMMA_HEAD_DIMS,
+    swizzle_line_bytes,
+)
 from .tile import TileConfig
 
 
@@ -42,6 +48,12 @@ _SMEM_ALIGN = 1024  # every shared buffer is 1024-byte aligned (swizzle atoms re
 
 def _align(n: int, a: int = _SMEM_ALIGN) -> int:
     return (n + a - 1) // a * a
+
+
+def _copy_pass_rows(threads: int, row_bytes: int) -> int:
+    """Rows one pass of ``threads`` threads' 16-byte copies covers, a thread per 16 bytes of
+    a swizzle line (``kernels/common/copies.g2s_copy``)."""
+    return threads * 16 // swizzle_line_bytes(row_bytes)
 
 
 class KernelFamily(Protocol):
@@ -117,6 +129,14 @@ class MmaSync:
                     f"a {what} tile of {c.tile} at head_dim={spec.head_dim} is {n} 16-byte "
                     f"copies, which {c.group_threads} threads cannot share evenly"
                 )
+        q_passes = _copy_pass_rows(c.group_threads, spec.head_dim * spec.elem_bytes)
+        for what, rows, passes in (("Q", c.tile_m, q_passes),
+                                   ("K/V", c.tile_n, self.copy_rows(spec))):
+            if rows % passes:
+                raise bad(
+                    f"a {what} tile of {rows} rows at head_dim={spec.head_dim} is not whole "
+                    f"copy passes of {passes} rows ({c.group_threads} threads, 16 bytes each)"
+                )
         if spec.page_size and not self.copies_whole_pages(spec, spec.page_size):
             raise bad(
                 f"page_size={spec.page_size} cannot be copied a page at a time with tile_n="
@@ -139,8 +159,7 @@ class MmaSync:
         swizzle atom (at most 128 bytes) takes a thread per 16 bytes
         (``kernels/common/copies.g2s_copy``). An FP8 KV cache is copied as e4m3 bytes."""
         ring_bytes = E4M3_BYTES if spec.kv_fp8 else spec.elem_bytes
-        line = min(spec.head_dim * ring_bytes, 128)
-        return spec.config.group_threads * 16 // line
+        return _copy_pass_rows(spec.config.group_threads, spec.head_dim * ring_bytes)
 
     def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool:
         """Whether a paged cache of ``page_size`` keys a page can be copied a page at a time:
@@ -214,6 +233,9 @@ class Wgmma:
             unsupported.append(f"mask_align={spec.mask_align!r}")
         if unsupported:
             raise bad(f"not built yet: {', '.join(unsupported)} (the mma_sync family has them)")
+        if spec.head_dim not in WGMMA_HEAD_DIMS:
+            raise bad(f"head_dim={spec.head_dim} is not built (only {WGMMA_HEAD_DIMS}); the "
+                      "mma_sync family builds it")
         for knob, allowed in self.knobs.items():
             v = getattr(c, knob)
             if v not in allowed:

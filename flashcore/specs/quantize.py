@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SpecError
-from .arch import DTYPE_TAGS, DTYPES, FP8_ARCHS, HEAD_DIMS, arch_tag
+from .arch import DTYPE_TAGS, DTYPES, FP8_ARCHS, FP8_HEAD_DIMS, arch_tag
 from .serial import SpecData
 
 AMAX_SHARES = 32  # partial maxima per (batch, head): the amax pass's CTAs for each
@@ -40,8 +40,9 @@ class QuantizeSpec(SpecData):
             raise bad(f"arch={self.arch!r}: e4m3 needs one of {FP8_ARCHS}")
         if self.dtype not in DTYPES:
             raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
-        if self.head_dim not in HEAD_DIMS:
-            raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
+        if self.head_dim not in FP8_HEAD_DIMS:
+            raise bad(f"head_dim={self.head_dim} is not supported; e4m3 kernels are built for "
+                      f"{FP8_HEAD_DIMS}")
         if not isinstance(self.transpose, bool):
             raise bad(f"transpose must be a bool, got {self.transpose!r}")
         if self.threads not in (128, 256, 512):

@@ -32,6 +32,15 @@ DECODE_DEFAULT = TileConfig((16, 64), warps=1, stages=2)
 # as across CTAs (flashcore.ops.plan); 81 KB at d128, within an L4's 99 KB. Two stages of
 # 64-key blocks beat one stage of 32 keys at every decode shape timed, each at its best share count
 FP8KV_DEFAULT = TileConfig((16, 64), warps=1, stages=2, kv_splits=2)
+# Head dims with no entries of their own run the entries of a tuned dim above them (d32 those
+# of d64; d80 and d96 those of d128: the same tiles hold fewer columns, in fewer registers and
+# less shared memory) where the config is a valid spec at their dim, else the defaults.
+STAND_IN_DIMS = {32: 64, 80: 128, 96: 128}
+# Past 128, keys 32 a step: at d256 one warp's 16 rows of output are 128 fp32 registers, and
+# 64-key steps with masks and softcap reach 254 of 255; 32 keys leave ~30 spare. Two stages of
+# (64, 32) tiles are 96 KB and decode's (16, 32) 72 KB, within an L4's 99 KB.
+WIDE_DEFAULT = TileConfig((64, 32), warps=4, stages=2)
+WIDE_DECODE_DEFAULT = TileConfig((16, 32), warps=1, stages=2)
 # (name, upper bound of seq_q, the shape timed for it: batch, query heads, key/value heads,
 # query tokens, keys)
 BUCKETS = [
@@ -112,8 +121,10 @@ def table_arch(arch: str) -> str:
 
 def lookup(arch: str, head_dim: int, causal: bool, bucket: str,
            precision: str = "fp16", features: tuple = ()) -> TileConfig:
-    """The tuned config for ``tile=None`` (from a borrowed table where ``arch`` has none), else
-    ``DEFAULT`` (``DECODE_DEFAULT`` for decode, ``FP8KV_DEFAULT`` for an FP8 KV cache).
+    """The tuned config for ``tile=None`` (from a borrowed table where ``arch`` has none; for
+    an untuned head dim, a tuned dim's that fits: ``STAND_IN_DIMS``), else ``default_config``
+    (``DEFAULT``, ``DECODE_DEFAULT`` for decode, ``FP8KV_DEFAULT`` for an FP8 KV cache; the
+    ``WIDE_`` ones past head_dim 128).
 
     ``features``: the call's other spec fields as (name, value) pairs (masks, serving layouts,
     ``split_kv``): where the winner's family does not build them on ``arch`` (its spec is
@@ -128,13 +139,36 @@ def lookup(arch: str, head_dim: int, causal: bool, bucket: str,
 
 @cache
 def _entry(arch: str, head_dim: int, causal: bool, bucket: str, precision: str) -> Tuned:
-    default = (FP8KV_DEFAULT if precision == "fp8kv" else
-               DECODE_DEFAULT if bucket == "decode" else DEFAULT)
+    default = default_config(head_dim, bucket, precision)
     table = entries(table_arch(arch))
+    tuned = _table_entry(table, head_dim, causal, bucket, precision)
+    if tuned is not None:
+        return tuned
+    stand_in = STAND_IN_DIMS.get(head_dim)
+    tuned = stand_in and _table_entry(table, stand_in, causal, bucket, precision)
+    if not tuned:
+        return Tuned(default)
+    for config in (tuned.config, tuned.fallback):  # the winner, or the default family's best
+        if config is not None and _builds(arch, head_dim, causal, precision, config, ()):
+            return Tuned(config)
+    return Tuned(default)
+
+
+def default_config(head_dim: int, bucket: str, precision: str = "fp16") -> TileConfig:
+    """The config of a call the table has no entry for."""
+    if precision == "fp8kv":
+        return FP8KV_DEFAULT
+    if head_dim > 128:
+        return WIDE_DECODE_DEFAULT if bucket == "decode" else WIDE_DEFAULT
+    return DECODE_DEFAULT if bucket == "decode" else DEFAULT
+
+
+def _table_entry(table: dict[str, Tuned], head_dim: int, causal: bool, bucket: str,
+                 precision: str) -> Tuned | None:
     borrowed = BORROWED_PRECISIONS.get(precision)
     if borrowed and key(head_dim, causal, bucket, precision) not in table:
         precision = borrowed
-    return table.get(key(head_dim, causal, bucket, precision), Tuned(default))
+    return table.get(key(head_dim, causal, bucket, precision))
 
 
 @cache

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from ..errors import KernelNotAvailableError, SpecError
-from ..specs import DEFAULT_FAMILY, FAMILIES, FP8_ARCHS, AttentionSpec, TileConfig
+from ..specs import DEFAULT_FAMILY, FAMILIES, FP8_ARCHS, HEAD_DIMS, AttentionSpec, TileConfig
 from ..tuned.table import BUCKETS, DECODE_DEFAULT, DEFAULT, TUNED_DIR, clear, entries, key
 
 TILES = [(64, 64), (64, 128), (128, 64), (128, 128), (128, 32), (32, 64), (32, 128), (16, 64)]
@@ -35,6 +35,8 @@ STAGES = [1, 2]  # K/V blocks in flight
 # decode: 16-32 rows (one query token, or the query heads of one K/V head), keys streamed
 DECODE_TILES = [(16, 32), (16, 64), (16, 128), (32, 64)]
 DECODE_STAGES = [1, 2, 3]
+# the head dims tuned unless asked for others (the rest run stand-ins: ``tuned.table``)
+TUNED_HEAD_DIMS = (64, 128)
 
 
 def candidate_configs(bucket: str | None = None) -> list[TileConfig]:
@@ -103,11 +105,12 @@ def decode_specs(spec: AttentionSpec) -> list:
             CombineSpec(arch=spec.arch, dtype=spec.dtype, head_dim=spec.head_dim)]
 
 
-def all_candidates(arch: str, precisions=("fp16",), buckets=None, families=None) -> list:
+def all_candidates(arch: str, precisions=("fp16",), buckets=None, families=None,
+                   head_dims=TUNED_HEAD_DIMS) -> list:
     """Every spec the tuner may time (decode candidates with their companion kernels), the
     table's incumbents included."""
     out = []
-    for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
+    for d, causal, prec in itertools.product(head_dims, (False, True), precisions):
         for b in buckets or [name for name, _, _ in BUCKETS]:
             for spec in [*candidates(arch, d, causal, prec, b, families),
                          *incumbents(arch, d, causal, prec, b)]:
@@ -130,13 +133,14 @@ def _check_families(arch: str, families) -> None:
 
 
 def build(arch: str, out: Path, jobs: int | None, buckets=None,
-          precisions: tuple[str, ...] = ("fp16", "fp8"), families=None) -> int:
+          precisions: tuple[str, ...] = ("fp16", "fp8"), families=None,
+          head_dims=TUNED_HEAD_DIMS) -> int:
     from ..compiler.cache import KernelCache
     from ..compiler.compiler import compile_many
 
     _check_families(arch, families)
     precisions = tuple(p for p in precisions if p == "fp16" or arch in FP8_ARCHS)
-    specs = all_candidates(arch, precisions, buckets, families)
+    specs = all_candidates(arch, precisions, buckets, families, head_dims)
     if not specs:
         raise SystemExit(f"autotune: no candidate compiles for {arch}")
     compile_many(specs, jobs=jobs, cache=KernelCache(out))
@@ -177,7 +181,7 @@ def table_entry(timed: list, shape: list) -> dict:
 
 
 def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None,
-        families: tuple[str, ...] | None = None) -> Path:
+        families: tuple[str, ...] | None = None, head_dims=TUNED_HEAD_DIMS) -> Path:
     """Time the candidates of ``buckets`` (default: all) from ``families`` (default: every one
     on this GPU's arch) with the table's incumbents, and merge the winners into the table: the
     entries of buckets not run are kept."""
@@ -194,7 +198,7 @@ def run(out: Path | None, precisions=("fp16", "fp8"), buckets=None,
     arch = arch_of(torch.cuda.current_device())
     _check_families(arch, families)
     winners, timings = {}, {}
-    for d, causal, prec in itertools.product((64, 128), (False, True), precisions):
+    for d, causal, prec in itertools.product(head_dims, (False, True), precisions):
         if prec == "fp8" and arch not in FP8_ARCHS:
             continue
         for bname, _, (b, h, hkv, sq, sk) in BUCKETS:
@@ -270,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--only-fp8", action="store_true", help="FP8 (e4m3 operand) candidates only")
         p.add_argument("--families", nargs="*", default=None, choices=sorted(FAMILIES),
                        help="kernel families to draw candidates from (default: every one)")
+        p.add_argument("--head-dims", nargs="+", type=int, default=list(TUNED_HEAD_DIMS),
+                       choices=HEAD_DIMS, help=f"default: {TUNED_HEAD_DIMS}")
     a = ap.parse_args(argv)
     import sys
 
@@ -282,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--no-fp8 and --only-fp8 leave nothing to tune")
         precisions = ("fp16",) if a.no_fp8 else ("fp8",) if a.only_fp8 else ("fp16", "fp8")
         if a.verb == "build":
-            build(a.arch, Path(a.out), a.jobs, a.buckets, precisions, families=a.families)
+            build(a.arch, Path(a.out), a.jobs, a.buckets, precisions, families=a.families,
+                  head_dims=tuple(a.head_dims))
         else:
             try:
                 import torch
@@ -293,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             if not has_gpu:
                 raise SystemExit("needs a CUDA GPU (torch sees none); `build` needs none")
             print(run(Path(a.out) if a.out else None, precisions, a.buckets,
-                      tuple(a.families) if a.families else None))
+                      tuple(a.families) if a.families else None, tuple(a.head_dims)))
     except (FlashcoreError, OSError) as e:
         print(f"autotune {a.verb}: {e}", file=sys.stderr)
         return 2

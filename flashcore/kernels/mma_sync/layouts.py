@@ -8,6 +8,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ...specs import AttentionSpec
+from ...specs.arch import swizzle_line_bytes
 from ..common.copies import g2s_copy, swizzled_row_atom
 from ..common.dtypes import DTYPES, E4M3
 
@@ -34,8 +35,8 @@ class KernelLayouts:
         self.ring_dtype = E4M3 if (self.fp8 or self.kv_fp8) else self.out_dtype  # K/V as loaded
         gt = c.group_threads
 
-        def atom(dtype):
-            return swizzled_row_atom(dtype.width, 64 if (dtype.width == 16 or d < 128) else 128)
+        def atom(dtype):  # lines of up to 128 bytes that tile a row (96 wide: three of 64)
+            return swizzled_row_atom(dtype.width, line_elems(d, dtype.width))
 
         staged = (c.stages, c.kv_splits)
         self.sQ = cute.tile_to_shape(atom(self.q_dtype), (tm, d), (0, 1))
@@ -51,7 +52,7 @@ class KernelLayouts:
         self.sK_codes = (cute.tile_to_shape(
             swizzled_row_atom(16, cute.size(ring_atom.outer.shape[1]) // 2),
             (tn, d // 2, *staged), (0, 1, 2, 3)) if self.kv_fp8 else None)
-        self.sO = cute.tile_to_shape(swizzled_row_atom(16, 64), (tm, d), (0, 1))
+        self.sO = cute.tile_to_shape(atom(self.out_dtype), (tm, d), (0, 1))
         self.g2s_q = g2s_copy(self.q_dtype, cute.size(atom(self.q_dtype).outer.shape[1]), gt)
         self.g2s_k = g2s_copy(self.ring_dtype, cute.size(ring_atom.outer.shape[1]), gt)
         self.g2s_v = (g2s_copy(E4M3, cute.size(self.sV_ring.outer.shape[1]), gt) if self.fp8
@@ -60,10 +61,11 @@ class KernelLayouts:
         self.scale_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Float32,
             num_bits_per_copy=32) if self.kv_fp8 else None
+        o_tpr = line_elems(d, self.out_dtype.width) * self.out_dtype.width // 128  # 16 B each
         self.r2g_o = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
                                 num_bits_per_copy=128),
-            cute.make_layout((gt // 8, 8), stride=(8, 1)),
+            cute.make_layout((gt // o_tpr, o_tpr), stride=(o_tpr, 1)),
             cute.make_layout((1, 128 // self.out_dtype.width)),
         )
         if self.fp8:
@@ -108,3 +110,8 @@ class KernelLayouts:
                 sAcc: Align[Mem[cutlass.Float32, n_acc], 1024]
 
         return SharedStorage
+
+
+def line_elems(head_dim: int, elem_bits: int) -> int:
+    """Elements of one swizzle line of a ``head_dim``-wide row (``arch.swizzle_line_bytes``)."""
+    return swizzle_line_bytes(head_dim * elem_bits // 8) * 8 // elem_bits
