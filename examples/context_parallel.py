@@ -4,7 +4,8 @@
 
 Prints, per method, the time of one forward step on N GPUs (each with 1/N of the sequence)
 next to flashcore's time for the whole sequence on one GPU, and the sharded result's largest
-difference from the one-GPU output.
+difference from the one-GPU output; and the ring's local work alone (its attention calls and
+merges without the exchange), which the ring's step time should hide its communication behind.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from flashcore.distributed import (
     shard_zigzag,
     unshard_zigzag,
 )
+from flashcore.distributed.layout import plan_blocks
+from flashcore.distributed.merge import Partial
 from flashcore.ops import attention
 
 
@@ -37,6 +40,19 @@ def timed(fn, iters: int) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def ring_compute_only(q, k, v, causal: bool, rank: int, world: int) -> torch.Tensor:
+    """The ring's local work on this rank (every step's attention calls and LSE merges) on
+    its own K/V shard, without the exchange: what communication would add to is this."""
+    acc = Partial.empty(q, v.shape[-1], torch.float32)
+    for step in range(world):
+        for blk in plan_blocks("zigzag", causal, rank, (rank - step) % world, q.shape[2],
+                               k.shape[2]):
+            out, lse = attention(q[:, :, blk.q], k[:, :, blk.k], v[:, :, blk.k],
+                                 causal=blk.causal, return_lse=True)
+            acc.add(blk.q, out, lse)
+    return acc.out
 
 
 def main() -> None:
@@ -63,6 +79,10 @@ def main() -> None:
 
     single_ms = timed(lambda: attention(q, k, v, causal=args.causal), args.iters)
     single = attention(q, k, v, causal=args.causal)
+    compute_ms = timed(lambda: ring_compute_only(ql, kl, vl, args.causal, rank, world),
+                       args.iters)
+    if rank == 0:
+        print(f"ring compute alone (no exchange): {compute_ms:8.3f} ms/step", flush=True)
     methods = {"ring": ring_attention, "all_gather": all_gather_attention,
                "auto": context_parallel_attention}
     for name, fn in methods.items():
