@@ -32,7 +32,6 @@ import torch
 
 from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
-from ..specs import HEAD_DIMS
 from .eager import resolve_config
 from .inputs import DTYPE_NAMES, E4M3, prepared, readable
 from .launcher import Serving, launch_attention
@@ -41,6 +40,7 @@ from .validate import (
     check_kv_descales,
     check_num_splits,
     check_out,
+    head_dim_problem,
     signed_query,
     softmax_scale_of,
 )
@@ -66,8 +66,9 @@ def _check_tensor(op: str, name: str, t, dims: int, dtypes, device=None) -> None
 
 
 def _check_heads(op: str, q_heads: int, kv_heads: int, head_dim: int, kv_dim: int) -> None:
-    if head_dim not in HEAD_DIMS:
-        raise _fail(op, f"head_dim {head_dim} is not supported; supported are {HEAD_DIMS}")
+    problem = head_dim_problem(head_dim)
+    if problem is not None:
+        raise _fail(op, problem)
     if kv_dim != head_dim:
         raise _fail(op, f"q has head_dim {head_dim}, k/v {kv_dim}")
     if kv_heads == 0 or q_heads % kv_heads:
