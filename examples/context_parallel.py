@@ -66,8 +66,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
 
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before NCCL binds a device
-    dist.init_process_group("nccl")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(device)  # before NCCL binds a device
+    dist.init_process_group("nccl", device_id=device)
     rank, world = dist.get_rank(), dist.get_world_size()
     g = torch.Generator(device="cuda").manual_seed(0)  # the same full inputs on every rank
     def make(h: int) -> torch.Tensor:
