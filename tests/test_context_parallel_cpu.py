@@ -36,6 +36,28 @@ def ref_fn(q, k, v, *, causal, softmax_scale, return_lse, mask_align):
                                return_lse=True, mask_align=mask_align)
 
 
+def ref_bwd(dout, q, k, v, out, lse, *, causal, softmax_scale, dlse=None):
+    """One block's gradients from the whole attention's ``out`` and ``lse`` (float64, top-left
+    causal or full): P = exp(S - lse) is then the global softmax, and the blocks' sums are
+    the whole gradient. dK and dV summed over each K/V head's query heads."""
+    group = q.shape[1] // k.shape[1]
+    kx, vx = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    s = q @ kx.transpose(-1, -2) * softmax_scale
+    if causal:
+        hidden = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+        s = s.masked_fill(hidden, -math.inf)
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # rows without a key: lse -inf, p 0
+    dp = dout @ vx.transpose(-1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdim=True))
+    if dlse is not None:
+        ds = ds + p * dlse.unsqueeze(-1)
+    dq = ds @ kx * softmax_scale
+    b, hkv, sk, d = k.shape
+    dk = (ds.transpose(-1, -2) @ q * softmax_scale).view(b, hkv, group, sk, d).sum(2)
+    dv = (p.transpose(-1, -2) @ dout).view(b, hkv, group, sk, d).sum(2)
+    return dq, dk, dv
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -125,6 +147,36 @@ def _run(case: Case, rank: int, world: int) -> float:
     return err
 
 
+def _run_backward(case: Case, rank: int, world: int) -> float:
+    """The largest error of this case's gradients (dq, dk, dv of a loss on out and, with
+    ``return_lse``, on the LSE too) against autograd of the float64 reference."""
+    q, k, v = _inputs(case)
+    g = torch.Generator().manual_seed(zlib.crc32(case.name.encode()) + 1)
+    dout = torch.randn(q.shape, generator=g, dtype=torch.float64)
+    dlse = torch.randn(q.shape[:3], generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, lse = reference.attention(*full, causal=case.causal, softmax_scale=case.scale,
+                                   return_lse=True)
+    loss = (out * dout).sum() + ((lse * dlse).sum() if case.return_lse else 0.0)
+    loss.backward()
+    shards = [_shard(t, case, case.q_lengths, rank, world) for t in (q, dout, dlse)]
+    shards += [_shard(t, case, case.k_lengths or case.q_lengths, rank, world) for t in (k, v)]
+    ql, dol, dll, kl, vl = shards
+    local = [t.clone().requires_grad_() for t in (ql, kl, vl)]
+    op = {"ring": ring_attention, "all_gather": all_gather_attention,
+          "auto": context_parallel_attention}[case.op]
+    out_l, lse_l = op(*local, causal=case.causal, softmax_scale=case.scale, layout=case.layout,
+                      return_lse=True, attention_fn=ref_fn, backward_fn=ref_bwd)
+    loss_l = (out_l * dol).sum() + ((lse_l * dll).sum() if case.return_lse else 0.0)
+    loss_l.backward()
+    errs = []
+    for mine, whole, lengths in zip(local, full, (case.q_lengths, case.k_lengths or case.q_lengths,
+                                                  case.k_lengths or case.q_lengths)):
+        want = _shard(whole.grad, case, lengths, rank, world)
+        errs.append((mine.grad - want).abs().max().item() if want.numel() else 0.0)
+    return max(errs)
+
+
 def _worker(rank: int, world: int, rdv: str, result: str) -> None:
     import torch.distributed as dist
 
@@ -135,6 +187,7 @@ def _worker(rank: int, world: int, rdv: str, result: str) -> None:
     try:
         for case in cases(world):
             errors[case.name] = _run(case, rank, world)
+            errors[f"{case.name}-backward"] = _run_backward(case, rank, world)
         # causal with q and k sharded differently is refused on every rank (none left hanging)
         q = torch.zeros(1, 1, 2 + rank, D, dtype=torch.float64)
         with pytest.raises(ValueError, match="causal: q and k must be sharded alike"):
@@ -161,7 +214,8 @@ def world_errors(request, tmp_path_factory) -> tuple[int, dict[str, float]]:
 
 def test_every_case_matches_the_reference(world_errors):
     world, errors = world_errors
-    assert set(errors) == {c.name for c in cases(world)} | {"mismatch-refused"}
+    names = {c.name for c in cases(world)}
+    assert set(errors) == names | {f"{n}-backward" for n in names} | {"mismatch-refused"}
     bad = {name: err for name, err in errors.items() if not err <= TOL}
     assert bad == {}, f"world {world}: errors over {TOL}: {bad}"
 

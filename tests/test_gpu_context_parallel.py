@@ -1,5 +1,6 @@
 """Context-parallel attention on two GPUs (NCCL, bf16) against one GPU's flashcore and the
-float64 reference, within the error bound of the single-GPU tests (2x SDPA's own error).
+float64 reference, within the error bound of the single-GPU tests (2x SDPA's own error); for
+the GQA cases also the gradients (the ring backward) against the reference's autograd.
 
 Skipped without two CUDA GPUs and NCCL. One spawn runs every case; each case is a test below.
 """
@@ -73,9 +74,33 @@ def _case(case: tuple, rank: int) -> dict[str, float]:
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device="cuda")
     single = attention(q, k, v, causal=causal)
     err_sdpa = max_abs(sdpa(q, k, v, causal, None), ref)
-    return {"err": max_abs(full, ref), "err_vs_single": max_abs(full, single),
-            "allowed": allowed_error(err_sdpa, ref, torch.bfloat16, q, k, v),
-            "lse_err": max_abs(full_lse, ref_lse), "lse_dtype": str(lse.dtype)}
+    found = {"err": max_abs(full, ref), "err_vs_single": max_abs(full, single),
+             "allowed": allowed_error(err_sdpa, ref, torch.bfloat16, q, k, v),
+             "lse_err": max_abs(full_lse, ref_lse), "lse_dtype": str(lse.dtype)}
+    if lengths is None and hkv == 2:  # the backward: every layout, op and mask, GQA
+        found.update(_gradient_errors(q, k, v, causal, fn, shard, lens, layout, g))
+    return found
+
+
+def _gradient_errors(q, k, v, causal, fn, shard, lens, layout, g) -> dict[str, float]:
+    """The sharded gradients (gathered) against autograd of the float64 reference, beside the
+    one-GPU flashcore backward's error: each within twice that, plus a rounding term."""
+    from flashcore.ops import attention
+
+    dout = torch.randn(q.shape, device="cuda", generator=g).to(torch.bfloat16)
+    full = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference.attention(*full, causal=causal, device="cuda").backward(dout.double())
+    one = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    attention(*one, causal=causal).backward(dout)
+    local = [shard(t).detach().clone().requires_grad_() for t in (q, k, v)]
+    fn(*local, causal=causal, layout=layout).backward(shard(dout))
+    errs = {}
+    for name, mine, single, ref in zip(("dq", "dk", "dv"), local, one, full):
+        got = _gather(mine.grad.contiguous(), lens, layout)
+        scale = ref.grad.abs().max().item()
+        errs[f"{name}_err"] = max_abs(got, ref.grad)
+        errs[f"{name}_allowed"] = 2 * max_abs(single.grad, ref.grad) + 1e-2 * scale
+    return errs
 
 
 def _worker(rank: int, rdv: str, result: str) -> None:
@@ -107,3 +132,6 @@ def test_context_parallel_matches_one_gpu(results, name):
     assert r["err"] <= r["allowed"], r
     assert r["err_vs_single"] <= r["allowed"], r
     assert r["lse_dtype"] == "torch.float32" and r["lse_err"] <= 1e-3, r
+    for grad in ("dq", "dk", "dv"):  # the cases that run the backward
+        if f"{grad}_err" in r:
+            assert r[f"{grad}_err"] <= r[f"{grad}_allowed"], (grad, r)

@@ -1,10 +1,10 @@
 """Context parallelism: attention over a ``torch.distributed`` group for q, k, v sharded along
-the sequence (forward only)."""
+the sequence, forward and backward."""
 
-from .gather import all_gather_attention, context_parallel_attention, prefers_all_gather
+from .attention import all_gather_attention, context_parallel_attention, ring_attention
+from .gather import prefers_all_gather
 from .layout import shard_contiguous, shard_zigzag, unshard_zigzag
 from .merge import merge_partials
-from .ring import ring_attention
 
 __all__ = [
     "all_gather_attention",

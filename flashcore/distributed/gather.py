@@ -1,17 +1,14 @@
-"""All-gather attention (gather every rank's K/V, then one local call per query chunk) and the
-choice between it and the ring."""
+"""All-gather attention's forward (gather every rank's K/V, then local calls per query chunk)
+and the choice between it and the ring."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from .common import AttentionFn, Shards, start
+from .common import AttentionFn, Shards
 from .layout import unshard_zigzag
 from .merge import accumulation_dtype, merge_partials
-from .ring import ring_attention
-
-METHODS = ("auto", "ring", "all_gather")
 
 
 def _gather_sequence(x: torch.Tensor, lengths: list[int], group: dist.ProcessGroup | None,
@@ -53,28 +50,15 @@ def _causal_chunk(fn: AttentionFn, q: torch.Tensor, k_all: torch.Tensor, v_all: 
     return merge_partials(out.to(acc), lse.to(acc), before.to(acc), lse_before.to(acc))
 
 
-def all_gather_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-    attention_fn: AttentionFn | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``ring_attention``'s result by all-gathering K and V, then attending locally: cheap when
-    K/V are small (GQA with few K/V heads), at the memory of the whole sequence's K/V per rank.
-
-    Causal: each contiguous query chunk (one for "contiguous", two for "zigzag") attends to
-    the keys at its own positions with a top-left diagonal (S_q = S_k) and to every key before
-    them in full, the two merged by their LSE: the masks the fastest kernels build, where one
-    bottom-right call over the prefix would not run on them everywhere.
-    """
-    fn, scale, shards = start(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
-                              layout=layout, attention_fn=attention_fn)
+def all_gather_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: AttentionFn,
+                       scale: float, shards: Shards, causal: bool,
+                       group: dist.ProcessGroup | None, layout: str
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ring_forward``'s result by all-gathering K and V, then attending locally. Causal: each
+    contiguous query chunk (one for "contiguous", two for "zigzag") attends to the keys at its
+    own positions with a top-left diagonal (S_q = S_k) and to every key before them in full,
+    the two merged by their LSE: the masks the fastest kernels build, where one bottom-right
+    call over the prefix would not run on them everywhere."""
     rank = dist.get_rank(group)
     k_all, v_all = (_gather_sequence(t, shards.k, group, layout) for t in (k, v))
 
@@ -88,8 +72,7 @@ def all_gather_attention(
             outs.append(o)
             lses.append(s)
         out, lse = torch.cat(outs, dim=2), torch.cat(lses, dim=2)
-    out = out.to(q.dtype)
-    return (out, lse.to(accumulation_dtype(q.dtype))) if return_lse else out
+    return out.to(q.dtype), lse.to(accumulation_dtype(q.dtype))
 
 
 def prefers_all_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -102,20 +85,3 @@ def prefers_all_gather(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     """
     kv = k.shape[1] * k.shape[3] * k.element_size() + v.shape[1] * v.shape[3] * v.element_size()
     return kv <= q.shape[1] * q.shape[3] * q.element_size()
-
-
-def context_parallel_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    method: str = "auto",
-    **kwargs,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``ring_attention`` or ``all_gather_attention`` (same keyword arguments): ``method="auto"``
-    picks by ``prefers_all_gather``; "ring" and "all_gather" force one."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if method == "all_gather" or (method == "auto" and prefers_all_gather(q, k, v)):
-        return all_gather_attention(q, k, v, **kwargs)
-    return ring_attention(q, k, v, **kwargs)

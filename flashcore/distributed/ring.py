@@ -1,5 +1,5 @@
-"""Ring attention: K/V shards travel around the ring while each rank attends its own queries to
-the shard in hand, merging the partial results by their LSE."""
+"""Ring attention's forward: K/V shards travel around the ring while each rank attends its own
+queries to the shard in hand, merging the partial results by their LSE."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .common import AttentionFn, peer, start
+from .common import AttentionFn, Shards, peer
 from .layout import plan_blocks
 from .merge import Partial, accumulation_dtype
 
@@ -27,7 +27,7 @@ class _Exchange:
         return self.k, self.v
 
 
-def _post_exchange(k: torch.Tensor, v: torch.Tensor, incoming: int, send_to: int, recv_from: int,
+def post_exchange(k: torch.Tensor, v: torch.Tensor, incoming: int, send_to: int, recv_from: int,
                    group: dist.ProcessGroup | None) -> _Exchange:
     """Send this K/V to the next rank and receive the previous rank's (``incoming`` keys)."""
     rk = k.new_empty((*k.shape[:2], incoming, k.shape[3]))
@@ -38,34 +38,13 @@ def _post_exchange(k: torch.Tensor, v: torch.Tensor, incoming: int, send_to: int
     return _Exchange(dist.batch_isend_irecv(ops), rk, rv)
 
 
-def ring_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    group: dist.ProcessGroup | None = None,
-    layout: str = "contiguous",
-    return_lse: bool = False,
-    attention_fn: AttentionFn | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of sequence-sharded q, k, v (batch, heads, seq_shard, head_dim) over ``group``.
-
-    Every rank calls this with its shard; it returns the output rows of its own queries. In N
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, fn: AttentionFn,
+                 scale: float, shards: Shards, causal: bool, group: dist.ProcessGroup | None,
+                 layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, merged LSE in the accumulation dtype) of this rank's queries: in N
     steps each rank attends to every rank's K/V, passed on to the next rank with
-    ``batch_isend_irecv`` (the next transfer is posted before computing on the shard in hand).
-    Partial results merge by their LSE in float32 (float64 for float64 inputs); ``return_lse``
-    also returns the merged natural-log LSE (batch, heads, seq_shard) in that dtype.
-
-    ``layout``: "contiguous" (rank r holds positions after rank r-1's; lengths may differ
-    between ranks) or "zigzag" (``shard_zigzag``: equal causal work on every rank). Causal needs
-    q and k sharded alike; each block is then full, causal on the diagonal (top-left, equal
-    lengths) or skipped, all expressible by ``attention_fn``. K/V may have fewer heads (GQA).
-    ``attention_fn`` defaults to ``flashcore.ops.attention``.
-    """
-    fn, scale, shards = start(q, k, v, causal=causal, softmax_scale=softmax_scale, group=group,
-                              layout=layout, attention_fn=attention_fn)
+    ``batch_isend_irecv`` (the next transfer is posted before computing on the shard in hand),
+    merging the partial results by their LSE."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     send_to, recv_from = peer(group, (rank + 1) % world), peer(group, (rank - 1) % world)
 
@@ -76,7 +55,7 @@ def ring_attention(
         pending = None
         if step + 1 < world:
             incoming = shards.k[(src - 1) % world]
-            pending = _post_exchange(k_cur, v_cur, incoming, send_to, recv_from, group)
+            pending = post_exchange(k_cur, v_cur, incoming, send_to, recv_from, group)
         for blk in plan_blocks(layout, causal, rank, src, q.shape[2], k_cur.shape[2]):
             out, lse = fn(q[:, :, blk.q], k_cur[:, :, blk.k], v_cur[:, :, blk.k],
                           causal=blk.causal, softmax_scale=scale, return_lse=True,
@@ -84,5 +63,4 @@ def ring_attention(
             acc.add(blk.q, out, lse)
         if pending is not None:
             k_cur, v_cur = pending.wait()
-    out = acc.out.to(q.dtype)
-    return (out, acc.lse) if return_lse else out
+    return acc.out.to(q.dtype), acc.lse
