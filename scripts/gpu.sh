@@ -67,7 +67,7 @@ tests() {
   local log="$out/${tag}gpu-tests-$1.log"
   use_arch "$1"
   timeout -s KILL "$(limit tests 300)" python3 -m pytest -m gpu --hypothesis-show-statistics \
-    -p no:cacheprovider -q -rs ${PYTEST_ARGS:-tests} > "$log" 2>&1
+    -p no:cacheprovider -q -rfEs ${PYTEST_ARGS:-tests} > "$log" 2>&1
   local rc=$?
   echo "tests $1 exit $rc" | tee -a "$log"
   [ $rc -ne 0 ] && status=1
