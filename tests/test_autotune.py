@@ -130,14 +130,14 @@ def test_candidates_fit_an_l4_and_split_only_short_problems(bucket):
 def test_cli_refuses_unknown_buckets_and_archs_with_no_candidates(capsys):
     assert search.main(["build", "--arch", "sm_90", "--out", "x", "--buckets", "bogus"]) == 2
     assert "unknown bucket 'bogus'" in capsys.readouterr().err
-    assert search.main(["build", "--arch", "sm_89", "--out", "x", "--families", "wgmma"]) == 2
-    assert "'wgmma' does not run on sm_89" in capsys.readouterr().err
+    assert search.main(["build", "--arch", "sm_89", "--out", "x", "--families", "wgmma_ws"]) == 2
+    assert "'wgmma_ws' does not run on sm_89" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         search.main(["build", "--arch", "sm_75", "--out", "x"])
     assert e.value.code == 2
 
 
-HOPPER = {"tile": [128, 128], "warps": 8, "stages": 2, "family": "wgmma"}
+HOPPER = {"tile": [128, 128], "warps": 8, "stages": 2, "family": "wgmma_ws"}
 MMA = {"tile": [64, 128], "warps": 4, "stages": 1, "kv_splits": 1}
 
 
@@ -145,15 +145,15 @@ def test_a_hopper_winner_gives_way_to_its_fallback_where_its_family_cannot_run(t
     tables("sm_90", {"d128-full-long-fp16": {"config": HOPPER, "fallback": {"config": MMA}}})
     hopper, mma = TileConfig.from_dict(HOPPER), TileConfig.from_dict(MMA)
     assert table.lookup("sm_90", 128, False, "long") == hopper
-    # features the Hopper family does not build: masks, serving layouts, split keys
-    for features in [(("window", True),), (("mask_align", "bottom_right"),),
-                     (("softcap", True),), (("varlen", True),), (("paged_kv", True),),
-                     (("split_kv", True),)]:
+    # features the Hopper family does not build: serving layouts, split keys
+    for features in [(("varlen", True),), (("paged_kv", True),), (("split_kv", True),)]:
         assert table.lookup("sm_90", 128, False, "long", "fp16", features) == mma, features
-    assert table.lookup("sm_90", 128, False, "long", "fp16", (("window", False),)) == hopper
+    # its masks it builds
+    for features in [(("window", True),), (("softcap", True),), (("window", False),)]:
+        assert table.lookup("sm_90", 128, False, "long", "fp16", features) == hopper, features
     assert table.lookup("sm_89", 128, False, "long") == mma  # borrowed: no wgmma on an L4
     specs = table.winner_specs("sm_90", precisions=("fp16",))
-    assert specs["d128-full-long-fp16"].family == "wgmma"
+    assert specs["d128-full-long-fp16"].family == "wgmma_ws"
     assert specs["d128-full-long-fp16:fallback"].config == mma
     ada = table.winner_specs("sm_90", build_arch="sm_89", precisions=("fp16",))
     assert list(ada) == ["d128-full-long-fp16:fallback"]
@@ -161,16 +161,19 @@ def test_a_hopper_winner_gives_way_to_its_fallback_where_its_family_cannot_run(t
 
 def test_the_tuner_draws_from_every_family_of_the_arch_and_keeps_a_fallback():
     hopper = [s for s in search.candidates("sm_90", 128, False, "fp16", "long")
-              if s.family == "wgmma"]
-    # the knob grid, where each warpgroup owns 64 rows and both rings fit 227 KB
+              if s.family == "wgmma_ws"]
+    # the knob grid, where each consumer warpgroup owns 64 rows and the rings fit 227 KB
+    tiles = {(64, 64): (2, 3, 4), (64, 128): (2, 3), (128, 64): (2, 3, 4), (128, 128): (2, 3),
+             (192, 64): (2, 3, 4), (192, 128): (2,)}
     assert {s.config.tag for s in hopper} == {
-        f"m{m}n{n}_w{m // 16}_s{st}_wgmma" for m in (64, 128) for n in (64, 128) for st in (2, 3)}
-    assert not any(s.family == "wgmma" for s in search.candidates("sm_89", 128, False, "fp16",
-                                                                   "long"))
-    assert not any(s.family == "wgmma" for s in search.candidates("sm_90", 128, False, "fp16",
-                                                                   "decode"))
+        f"m{m}n{n}_w{m // 16}_s{st}_wgmma_ws" for (m, n), stages in tiles.items()
+        for st in stages}
+    assert not any(s.family == "wgmma_ws" for s in search.candidates(
+        "sm_89", 128, False, "fp16", "long"))
+    assert not any(s.family == "wgmma_ws" for s in search.candidates(
+        "sm_90", 128, False, "fp16", "decode"))
     specs = {s.config.tag: s for s in search.candidates("sm_90", 128, False, "fp16", "long")}
-    fast, slow = specs["m128n128_w8_s2_wgmma"], specs["m64n128_w4_s1"]
+    fast, slow = specs["m128n128_w8_s2_wgmma_ws"], specs["m64n128_w4_s1"]
     entry = search.table_entry([(900.0, slow), (700.0, fast), (950.0, specs["m64n64_w4_s1"])],
                                [4, 16, 16, 4096, 4096, 128])
     assert entry["config"] == fast.config.to_dict() and entry["us"] == 700.0
@@ -182,11 +185,14 @@ def test_the_tuner_draws_from_every_family_of_the_arch_and_keeps_a_fallback():
 
 def test_eager_calls_pass_their_features_to_the_table(tables):
     """``resolve_config`` (what every eager call runs with ``tile=None``): masks and explicit or
-    decode key splits reach the lookup, so those calls run the fallback."""
+    decode key splits reach the lookup, so the calls the winner does not build run the
+    fallback (a window beside a soft-cap, where a 192x128 tile at d128 passes P through shared
+    memory; key splits)."""
     from flashcore.ops.eager import resolve_config
     from flashcore.ops.masks import Masking, call_masking
 
-    tables("sm_90", {"d128-full-long-fp16": {"config": HOPPER, "fallback": {"config": MMA}},
+    wide = {**HOPPER, "tile": [192, 128], "warps": 12}
+    tables("sm_90", {"d128-full-long-fp16": {"config": wide, "fallback": {"config": MMA}},
                      "d128-full-decode-fp16": {"config": HOPPER, "fallback": {"config": MMA}}})
 
     def tuned(seqlen_q, features=()):
@@ -194,9 +200,10 @@ def test_eager_calls_pass_their_features_to_the_table(tables):
                               causal=False, seqlen_q=seqlen_q, precision="fp16",
                               features=features)
 
-    hopper, mma = TileConfig.from_dict(HOPPER), TileConfig.from_dict(MMA)
+    hopper, mma = TileConfig.from_dict(wide), TileConfig.from_dict(MMA)
     assert tuned(4096, call_masking(False, "top_left", None, None).features) == hopper
-    assert tuned(4096, Masking(window=(128, 128)).features) == mma
-    assert tuned(4096, Masking(softcap=30.0).features) == mma
+    assert tuned(4096, Masking(window=(128, 128)).features) == hopper
+    assert tuned(4096, Masking(softcap=30.0).features) == hopper
+    assert tuned(4096, Masking(window=(128, 128), softcap=30.0).features) == mma
     assert tuned(4096, (("split_kv", True),)) == mma
     assert tuned(1) == mma  # decode asks for a family that splits keys

@@ -92,7 +92,7 @@ def test_default_configs_fit_an_l4(d):
     ({"config": TileConfig((128, 128), warps=8), "head_dim": 128}, "shared memory"),
     ({"config": TileConfig((64, 64), warps=2)}, "warps=2"),
     ({"config": TileConfig((64, 64), stages=2)}, "stages=2"),
-    ({"config": TileConfig((64, 64), warps=4, family="wgmma")}, "mma_sync"),
+    ({"config": TileConfig((64, 64), warps=4, family="wgmma_ws")}, "mma_sync"),
     ({"head_dim": 96}, "head_dim"),
     ({"mask_align": "bottom_right"}, "mask_align"),  # neither causal nor a window to align
     ({"mask_align": "sideways", "causal": True}, "mask_align"),

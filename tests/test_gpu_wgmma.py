@@ -1,4 +1,4 @@
-"""GPU tests of the Hopper family (``wgmma``: warpgroup MMA, sm_90a) against the float64
+"""GPU tests of the Hopper family (``wgmma_ws``: warpgroup MMA, sm_90a) against the float64
 reference, held to the mma_sync family's bound (``test_gpu_attention._allowed``: twice SDPA's
 own error plus rounding terms). Ragged lengths (S_q != S_k, not multiples of the tile, 1), GQA,
 causal (top-left), LSE; outputs poisoned first, NaN never passes. Skipped on GPUs other than
@@ -34,15 +34,15 @@ from tests.gpu_utils import (
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
-# two warpgroups with 2- and 3-block rings, one warpgroup; warp-specialised (TMA), three
-# consumers, three taking turns (tests.gpu_utils)
+# two consumer warpgroups with 2- and 3-block rings, one consumer, three consumers, three
+# taking turns (tests.gpu_utils)
 CONFIGS = WGMMA_CONFIGS
 
 
 @pytest.fixture(autouse=True)
 def _hopper_only():
     if current_arch() != "sm_90":
-        pytest.skip("the wgmma family runs on sm_90 only")
+        pytest.skip("the wgmma_ws family runs on sm_90 only")
 
 
 def _check(b, hq, hkv, sq, sk, d, dt, causal, config, return_lse, seed, mag=1.0):
@@ -91,19 +91,19 @@ def _check(b, hq, hkv, sq, sk, d, dt, causal, config, return_lse, seed, mag=1.0)
 @example(b=1, hkv=1, group=2, sq=1000, sk=1500, d=128, dtype="bfloat16", causal=False,
          config=CONFIGS[1], return_lse=False, log_mag=0.0, seed=4)
 @example(b=2, hkv=2, group=2, sq=300, sk=1000, d=128, dtype="float16", causal=True,
-         config=CONFIGS[3], return_lse=True, log_mag=0.0, seed=5)  # TMA, ragged keys
+         config=CONFIGS[0], return_lse=True, log_mag=0.0, seed=5)  # TMA, ragged keys
 @example(b=1, hkv=1, group=1, sq=1, sk=1, d=64, dtype="bfloat16", causal=False,
-         config=CONFIGS[5], return_lse=True, log_mag=0.0, seed=6)
+         config=CONFIGS[2], return_lse=True, log_mag=0.0, seed=6)
 @example(b=1, hkv=2, group=2, sq=500, sk=333, d=128, dtype="float16", causal=True,
-         config=CONFIGS[6], return_lse=True, log_mag=0.0, seed=7)  # three consumers, ragged
+         config=CONFIGS[3], return_lse=True, log_mag=0.0, seed=7)  # three consumers, ragged
 @example(b=2, hkv=2, group=1, sq=700, sk=900, d=64, dtype="bfloat16", causal=False,
-         config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=8)  # three taking turns
+         config=CONFIGS[4], return_lse=True, log_mag=0.0, seed=8)  # three taking turns
 @example(b=1, hkv=2, group=2, sq=777, sk=777, d=64, dtype="float16", causal=True,
-         config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=9)  # masked, then unmasked steps
+         config=CONFIGS[4], return_lse=True, log_mag=0.0, seed=9)  # masked, then unmasked steps
 @example(b=2, hkv=2, group=2, sq=500, sk=1000, d=128, dtype="bfloat16", causal=False,
-         config=CONFIGS[7], return_lse=True, log_mag=0.0, seed=10)  # d128: P through shared
+         config=CONFIGS[4], return_lse=True, log_mag=0.0, seed=10)  # d128: P through shared
 @example(b=1, hkv=3, group=1, sq=700, sk=555, d=128, dtype="float16", causal=True,
-         config=CONFIGS[7], return_lse=True, log_mag=1.0, seed=11)
+         config=CONFIGS[4], return_lse=True, log_mag=1.0, seed=11)
 def test_wgmma_matches_the_reference(b, hkv, group, sq, sk, d, dtype, causal, config,
                                      return_lse, log_mag, seed):
     _check(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], causal, config, return_lse, seed,

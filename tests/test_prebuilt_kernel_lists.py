@@ -63,11 +63,9 @@ def test_the_kernels_the_sm90_catalog_run_missed_are_listed():
     entry hands a sliding window."""
     names = {s.name for s in gpu_test_specs("sm_90", [])}
     missing = sorted({
-        "fc_attn_fwd_sm90_bf16_d128_m128n128_w8_s2_wgmma_causal_lse",
+        "fc_attn_fwd_sm90_bf16_d128_m128n128_w8_s2_wgmma_ws_causal_lse",
         "fc_attn_fwd_sm90_bf16_d64_m128n64_w8_s3_wgmma_ws_lse_fp8",
-        "fc_attn_fwd_sm90_f16_d128_m128n128_w8_s2_wgmma_lse",
         "fc_attn_fwd_sm90_f16_d128_m64n128_w4_s1_causal_window",
-        "fc_attn_fwd_sm90_f16_d64_m128n128_w8_s2_wgmma_causal_lse",
         "fc_attn_fwd_sm90_f16_d64_m192n128_w12_s2_wgmma_ws_causal_lse",
         "fc_attn_fwd_sm90_f16_d64_m64n64_w2_s1_causal_window",
     } - names)

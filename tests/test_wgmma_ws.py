@@ -14,7 +14,7 @@ import pytest
 from flashcore.compiler.abi import CoordParam, TensorMapParam, tma_attention_params
 from flashcore.compiler.inspect import sass, sass_opcodes
 from flashcore.errors import LaunchError, SpecError
-from flashcore.specs import AttentionSpec, TileConfig
+from flashcore.specs import AttentionSpec, TileConfig, dsl_arch
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 WS = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
@@ -28,6 +28,55 @@ def test_consumers_share_what_the_producer_gives_back():
     from flashcore.kernels.wgmma_ws.layouts import consumer_regs
 
     assert [consumer_regs(n) for n in (1, 2, 3)] == [240, 240, 160]
+
+
+def test_the_config_or_the_spec_names_the_family():
+    by_config = AttentionSpec(arch="sm_90", head_dim=128, config=WS)
+    by_spec = AttentionSpec(arch="sm_90", head_dim=128, family="wgmma_ws",
+                            config=WS.replace(family=""))
+    assert by_config == by_spec and by_config.family == "wgmma_ws"
+    assert dsl_arch(by_config) == "sm_90a"
+    assert AttentionSpec.from_json(by_config.to_json()) == by_config
+    default = AttentionSpec(arch="sm_90", head_dim=128, config=TileConfig((128, 128), warps=8))
+    # the default family leaves no trace in the config: names and keys as before
+    assert default.family == "mma_sync" and "family" not in default.to_dict()["config"]
+    assert dsl_arch(default) == "sm_90" and not default.name.endswith("mma_sync")
+    explicit = AttentionSpec(arch="sm_90", head_dim=128, config=TileConfig(
+        (128, 128), warps=8, family="mma_sync"))
+    assert explicit == default
+    with pytest.raises(SpecError, match="disagree"):
+        AttentionSpec(arch="sm_90", family="mma_sync", config=WS)
+
+
+def test_the_retired_wgmma_family_is_refused_naming_its_successor():
+    """The non-warp-specialised ``wgmma`` family is no longer built: a config, a spec, a saved
+    spec or a family lookup naming it gets a ``SpecError`` that points at ``wgmma_ws``."""
+    from flashcore.specs import FAMILIES, family
+
+    assert "wgmma" not in FAMILIES
+    what = r"'wgmma' is no longer built; use family='wgmma_ws'"
+    with pytest.raises(SpecError, match=what):
+        TileConfig((128, 128), warps=8, stages=2, family="wgmma")
+    with pytest.raises(SpecError, match=what):
+        AttentionSpec(arch="sm_90", head_dim=128, family="wgmma")
+    saved = AttentionSpec(arch="sm_90", head_dim=128, config=WS).to_json()
+    with pytest.raises(SpecError, match=what):
+        AttentionSpec.from_json(saved.replace('"wgmma_ws"', '"wgmma"'))
+    with pytest.raises(SpecError, match=what):
+        family("wgmma")
+
+
+@pytest.mark.parametrize("bad, what", [
+    ({"arch": "sm_89"}, "does not run on sm_89"),
+    ({"split_kv": True}, "split_kv"),
+    ({"kv_fp8": True}, "kv_fp8"),
+    ({"config": WS.replace(tile=(64, 128))}, "64 rows per warpgroup"),
+    ({"config": WS.replace(tile=(128, 32))}, "tile_n=32"),
+    ({"config": WS.replace(stages=1)}, "stages=1"),
+])
+def test_what_the_family_does_not_build_is_refused(bad, what):
+    with pytest.raises(SpecError, match=what):
+        AttentionSpec(**{"arch": "sm_90", "head_dim": 128, "config": WS, **bad})
 
 
 def test_the_spec_counts_the_producer_warpgroup():
@@ -51,8 +100,7 @@ def test_the_spec_counts_the_producer_warpgroup():
 def test_masks_are_built_and_serving_layouts_refused():
     """Bottom-right alignment, windows and soft-capping are specs of the family (FP8 with its
     masks), their run-time sizes after ``q_group`` in the ABI; soft-capping beside a mask
-    where P goes through shared memory, the serving layouts and split keys are refused, and
-    the wgmma family still builds no masks."""
+    where P goes through shared memory, the serving layouts and split keys are refused."""
     spec = AttentionSpec(arch="sm_90", head_dim=128, causal=True, mask_align="bottom_right",
                          window=True, softcap=True, return_lse=True, config=WS)
     assert spec.name.endswith("_wgmma_ws_causal_lse_br_window_softcap")
@@ -73,17 +121,12 @@ def test_masks_are_built_and_serving_layouts_refused():
     for extra in ({"split_kv": True}, {"varlen": True}, {"paged_kv": True}):
         with pytest.raises(SpecError, match=next(iter(extra))):
             spec.replace(**extra)
-    hopper = TileConfig((128, 128), warps=8, stages=2, family="wgmma")
-    for masks, what in (({"window": True}, "window"), ({"softcap": True}, "softcap"),
-                        ({"causal": True, "mask_align": "bottom_right"}, "mask_align")):
-        with pytest.raises(SpecError, match=what):
-            AttentionSpec(arch="sm_90", head_dim=128, config=hopper, **masks)
 
 
 def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
     """FP8 operands: e4m3 boxes as wide as a row's swizzle span (128 bytes, or 64 for rows of
     64 elements), Vᵀ walked as head_dim rows of keys, the descales after O; a separate 16-bit
-    output tile in the shared-memory budget; the fp8 precision only in this Hopper family."""
+    output tile in the shared-memory budget."""
     spec = AttentionSpec(arch="sm_90", head_dim=64, precision="fp8",
                          config=WS.replace(tile=(128, 64)))
     params = tma_attention_params(spec)
@@ -101,9 +144,6 @@ def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
     assert spec.smem_bytes == 1024 + 8 * 1024 + 2 * 2 * 4 * 1024 + 16 * 1024
     # causal: the row sums' ones too (8 x 64 e4m3, aligned to 1 KB)
     assert spec.replace(causal=True).smem_bytes == spec.smem_bytes + 1024
-    with pytest.raises(SpecError, match="precision='fp8'"):
-        AttentionSpec(arch="sm_90", head_dim=64, precision="fp8",
-                      config=TileConfig((128, 64), warps=8, stages=2, family="wgmma"))
 
 
 # masks as data on the tuned Hopper tiles: bottom-right causal (chunked prefill), windows, and

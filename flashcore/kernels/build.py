@@ -186,9 +186,7 @@ def _traced(spec: KernelSpec):
         from .combine import CombineSplits
 
         return CombineSplits(spec), CombineSplits.kernel, _combine_args(spec)
-    if spec.family == "wgmma":
-        from .wgmma.attention_fwd import WgmmaAttentionForward as Forward
-    elif spec.family == "wgmma_ws":
+    if spec.family == "wgmma_ws":
         from .wgmma_ws.attention_fwd import WgmmaWsAttentionForward as Forward
     else:
         from .mma_sync.attention_fwd import AttentionForward as Forward

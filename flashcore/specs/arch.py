@@ -8,7 +8,7 @@ ARCHS = ("sm_80", "sm_89", "sm_90")
 DTYPES = ("float16", "bfloat16")
 HEAD_DIMS = (32, 64, 80, 96, 128, 256)  # the forward's (mma_sync family)
 # what the other kernels build: FP8 operands, an FP8 KV cache and their quantiser; the backward;
-# the Hopper families (their 128-byte swizzles and tuned schedules assume these)
+# the Hopper family (its 128-byte swizzles and tuned schedules assume these)
 FP8_HEAD_DIMS = (64, 128)
 BACKWARD_HEAD_DIMS = (64, 128)
 WGMMA_HEAD_DIMS = (64, 128)

@@ -4,7 +4,8 @@ A family names one kernel design (its source under ``flashcore/kernels/<family>/
 which archs it runs, which values of each ``TileConfig`` knob it accepts, and how much shared
 memory a spec needs, so an invalid spec is refused when it is made, naming the knob. The spec
 names its family or takes its arch's default. ``mma_sync`` (FlashAttention-2 style, warp-level
-``mma.sync`` on sm_80/sm_89/sm_90) is the first, ``wgmma`` (Hopper warpgroup MMA) the second.
+``mma.sync`` on sm_80/sm_89/sm_90) is the default, ``wgmma_ws`` (Hopper warpgroup MMA, warp
+specialised) the other.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .arch import (
     WGMMA_HEAD_DIMS,
     swizzle_line_bytes,
 )
-from .tile import TileConfig
+from .tile import TileConfig, refuse_retired_family
 
 
 class FamilySpec(Protocol):
@@ -193,30 +194,33 @@ class MmaSync:
 
 
 @dataclass(frozen=True)
-class Wgmma:
-    """Hopper: warpgroup MMA (``wgmma.mma_async``, sm_90a), S = Q·Kᵀ from shared memory, P·V
-    with P in registers, softmax overlapped with the previous block's P·V; cp.async loads into
-    128-byte-swizzled tiles, rings of ``stages`` K and ``stages`` V blocks (V one step behind
-    K: at least 2); 64 query rows per warpgroup (``flashcore/kernels/wgmma``). fp16/bf16,
-    top-left causal or none, LSE, GQA, dense tensors; no split-KV, FP8, masks or serving
-    layouts yet."""
+class WgmmaWs:
+    """Hopper, warp-specialised: warpgroup MMA (``wgmma.mma_async``, sm_90a) fed by TMA
+    (``cp.async.bulk.tensor``) from a producer warpgroup through mbarrier pipelines into
+    128-byte-swizzled tiles; consumers of 64 query rows each with 240 registers
+    (``setmaxnreg``), no CTA barrier in the key loop, softmax overlapped with the previous
+    block's P·V (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3
+    wgmma). Masks as data: bottom-right alignment and sliding windows (key blocks outside
+    skipped), and soft-capping (16-bit only, as every family); LSE, GQA, dense tensors; no
+    split-KV or serving layouts.
+    ``warps`` counts the consumer warps; the CTA has ``producer_threads`` more. The runtime
+    encodes the TMA descriptors (``flashcore.runtime.tensor_map``)."""
 
-    name: str = "wgmma"
+    name: str = "wgmma_ws"
     archs: tuple[str, ...] = ("sm_90",)
-    precisions: tuple[str, ...] = ("fp16",)
+    precisions: tuple[str, ...] = ("fp16", "fp8")  # fp8: e4m3 wgmma (SASS QGMMA)
     splits_keys: bool = False
     packs_tokens: bool = False
     rows_per_warpgroup: int = 64
-    producer_threads: int = 0
-    builds_masks: bool = False  # bottom-right alignment, sliding windows, soft-capping
+    producer_threads: int = 128
 
     def dsl_arch(self, arch: str) -> str:
-        return "sm_90a"  # wgmma (and setmaxnreg) are sm_90a instructions
+        return "sm_90a"  # wgmma and setmaxnreg are sm_90a instructions
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
-        return {"tile_m": (64, 128), "tile_n": (64, 128), "warps": (4, 8), "stages": (2, 3),
-                "kv_splits": (1,)}
+        return {"tile_m": (64, 128, 192), "tile_n": (64, 128), "warps": (4, 8, 12),
+                "stages": (2, 3, 4), "kv_splits": (1,)}
 
     def validate(self, spec: FamilySpec) -> None:
         c = spec.config
@@ -224,13 +228,10 @@ class Wgmma:
         def bad(what: str) -> SpecError:
             return SpecError(f"AttentionSpec ({self.name}): {what}")
 
-        masks = () if self.builds_masks else ("window", "softcap")
-        unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", *masks,
-                                   "packed_tokens") if getattr(spec, f)]
+        unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", "packed_tokens")
+                       if getattr(spec, f)]
         if spec.precision not in self.precisions:
             unsupported.append(f"precision={spec.precision!r}")
-        if spec.mask_align != "top_left" and not self.builds_masks:
-            unsupported.append(f"mask_align={spec.mask_align!r}")
         if unsupported:
             raise bad(f"not built yet: {', '.join(unsupported)} (the mma_sync family has them)")
         if spec.head_dim not in WGMMA_HEAD_DIMS:
@@ -247,47 +248,14 @@ class Wgmma:
         need = self.smem_bytes(spec)
         if need > budget:
             raise bad(f"needs {need} bytes of shared memory, over {spec.arch}'s {budget}")
+        if spec.softcap and (spec.causal or spec.window) and self.p_in_shared(spec):
+            raise bad(f"softcap=True beside a causal mask or a window is not built for tile "
+                      f"{c.tile} at head_dim=128 (P through shared memory): its consumers' 160 "
+                      "registers a thread spill in the key loop; use tile (128, 128) with "
+                      "warps=8 or (192, 64) with warps=12")
 
     def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool:
         return False
-
-    def smem_bytes(self, spec: FamilySpec) -> int:
-        """Q (reused for the output tile) and ``stages`` K and V tiles, 1 KB aligned
-        (``flashcore/kernels/wgmma/layouts.py``)."""
-        c, d = spec.config, spec.head_dim
-        return (_align(c.tile_m * d * spec.elem_bytes)
-                + 2 * _align(c.tile_n * d * c.stages * spec.elem_bytes))
-
-
-@dataclass(frozen=True)
-class WgmmaWs(Wgmma):
-    """Hopper, warp-specialised: the wgmma family's MMAs and schedule fed by TMA
-    (``cp.async.bulk.tensor``) from a producer warpgroup through mbarrier pipelines, consumers
-    with 240 registers (``setmaxnreg``), no CTA barrier in the key loop
-    (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3 wgmma). Masks as
-    data: bottom-right alignment and sliding windows (key blocks outside skipped), and
-    soft-capping (16-bit only, as every family).
-    ``warps`` counts the consumer warps; the CTA has ``producer_threads`` more. The runtime
-    encodes the TMA descriptors (``flashcore.runtime.tensor_map``)."""
-
-    name: str = "wgmma_ws"
-    producer_threads: int = 128
-    builds_masks: bool = True
-    precisions: tuple[str, ...] = ("fp16", "fp8")  # fp8: e4m3 wgmma (SASS QGMMA)
-
-    @property
-    def knobs(self) -> Mapping[str, tuple[int, ...]]:
-        return {"tile_m": (64, 128, 192), "tile_n": (64, 128), "warps": (4, 8, 12),
-                "stages": (2, 3, 4), "kv_splits": (1,)}
-
-    def validate(self, spec: FamilySpec) -> None:
-        super().validate(spec)
-        if spec.softcap and (spec.causal or spec.window) and self.p_in_shared(spec):
-            raise SpecError(
-                f"AttentionSpec ({self.name}): softcap=True beside a causal mask or a window is "
-                f"not built for tile {spec.config.tile} at head_dim=128 (P through shared "
-                "memory): its consumers' 160 registers a thread spill in the key loop; use "
-                "tile (128, 128) with warps=8 or (192, 64) with warps=12")
 
     @staticmethod
     def p_in_shared(spec: FamilySpec) -> bool:
@@ -320,11 +288,13 @@ class WgmmaWs(Wgmma):
             out += _align(c.tile_m * c.tile_n * spec.elem_bytes)
         if self.sums_by_mma(spec):  # 8 columns of ones (the narrowest wgmma N) a key
             out += _align(8 * c.tile_n * spec.elem_bytes)
-        return _SMEM_ALIGN + super().smem_bytes(spec) + out
+        # Q (reused for the 16-bit output tile) and ``stages`` K and V tiles, 1 KB aligned
+        tiles = (_align(c.tile_m * spec.head_dim * spec.elem_bytes)
+                 + 2 * _align(c.tile_n * spec.head_dim * c.stages * spec.elem_bytes))
+        return _SMEM_ALIGN + tiles + out
 
 
-FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync(), "wgmma": Wgmma(),
-                                     "wgmma_ws": WgmmaWs()}
+FAMILIES: dict[str, KernelFamily] = {"mma_sync": MmaSync(), "wgmma_ws": WgmmaWs()}
 # The family a spec gets when it names none.
 DEFAULT_FAMILY = {"sm_80": "mma_sync", "sm_89": "mma_sync", "sm_90": "mma_sync"}
 
@@ -337,6 +307,7 @@ def dsl_arch(spec) -> str:
 
 
 def family(name: str) -> KernelFamily:
+    refuse_retired_family(name)
     try:
         return FAMILIES[name]
     except KeyError:

@@ -15,11 +15,21 @@ from typing import Any
 from ..errors import SpecError
 
 DEFAULT_TILE = (64, 64)
+# Family names no longer built, and the family to name instead: refused with that advice rather
+# than as unknown names, since saved specs, tables and scripts may still carry them.
+RETIRED_FAMILIES: dict[str, str] = {"wgmma": "wgmma_ws"}
 
 
 def default_warps(tile_m: int) -> int:
     """One warp per 16 query rows, at most 8: the warps an unspecified config gets."""
     return max(1, min(8, tile_m // 16))
+
+
+def refuse_retired_family(name: str) -> None:
+    """Raise ``SpecError`` if ``name`` is a retired family (``RETIRED_FAMILIES``)."""
+    if name in RETIRED_FAMILIES:
+        raise SpecError(f"kernel family {name!r} is no longer built; use "
+                        f"family={RETIRED_FAMILIES[name]!r}")
 
 
 def _is_int(v: Any) -> bool:
@@ -68,6 +78,7 @@ class TileConfig:
             raise SpecError(f"TileConfig: tile {tile} must be positive")
         if not isinstance(self.family, str):
             raise SpecError(f"TileConfig: family must be a str, got {self.family!r}")
+        refuse_retired_family(self.family)
 
     @property
     def tile_m(self) -> int:

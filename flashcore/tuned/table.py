@@ -6,7 +6,7 @@ of its own borrows one (``BORROWED_TABLES``): there is no Ada GPU to tune on, an
 candidate of the default kernel family is required to fit an L4. Imports no torch and no DSL.
 
 An entry's winner may be of another kernel family than the arch's default (the Hopper family,
-``wgmma``, on sm_90); such an entry also names the default family's best (``fallback``), which
+``wgmma_ws``, on sm_90); such an entry also names the default family's best (``fallback``), which
 runs the calls the winner's family does not build (masks, serving layouts, split keys, another
 arch borrowing the table): ``lookup`` takes the call's spec features and checks.
 """

@@ -283,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also our FP8 path (with and without quantising; the kernel alone with K "
                          "descaled per token and per head)")
     ap.add_argument("--wgmma", action="store_true",
-                    help="also the Hopper families (sm_90): wgmma tiles 128x128 and 128x64, 2 "
-                         "and 3 stages; wgmma_ws 128 and 192 query rows")
+                    help="also the Hopper family (sm_90): wgmma_ws tiles of 128 and 192 query "
+                         "rows")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each shape's implementations this many times in turn, keep the "
                          "median (close comparisons: 3)")
@@ -304,9 +304,6 @@ def main(argv: list[str] | None = None) -> int:
     ours["read-floor"] = read_floor()  # decode shapes: not attention, the cost of one read
     ours["read-floor-fp8kv"] = read_floor(0.5)
     if a.wgmma:
-        for tn, stages in ((128, 2), (128, 3), (64, 2), (64, 3)):
-            ours[f"flashcore-wgmma-n{tn}-s{stages}"] = _flashcore(
-                config=TileConfig((128, tn), warps=8, stages=stages, family="wgmma"))
         for tm, tn, stages in ((128, 128, 2), (128, 64, 3), (192, 64, 2), (192, 128, 2)):
             name = f"flashcore-ws-n{tn}-s{stages}" if tm == 128 else f"flashcore-ws-m{tm}-n{tn}"
             ours[name] = _flashcore(config=TileConfig((tm, tn), warps=tm // 16, stages=stages,

@@ -56,9 +56,9 @@ from ..common.fp8 import (
 from ..common.grid import tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores, soft_cap
 from ..common.softmax import OnlineSoftmax
-from ..wgmma.attention_fwd import refuse_extras, wgmma, wgmmas
-from ..wgmma.fragments import acc_mn_view
-from ..wgmma.layouts import ROWS_PER_WARPGROUP, WARPGROUP
+from ..hopper.fragments import acc_mn_view
+from ..hopper.layouts import ROWS_PER_WARPGROUP, WARPGROUP
+from ..hopper.mma import refuse_extras, wgmma, wgmmas
 from .consumer import Consumer
 from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
 from .row_sums import fill_ones, totals

@@ -9,8 +9,8 @@ import cutlass.cute as cute
 from ..common.block_info import KeyBounds
 from ..common.dtypes import E4M3
 from ..common.sync import st_shared_b32
-from ..wgmma.fragments import ThreadCoords, acc_as_fp8_operand_a, acc_as_operand_a, acc_mn_view
-from ..wgmma.layouts import WARPGROUP
+from ..hopper.fragments import ThreadCoords, acc_as_fp8_operand_a, acc_as_operand_a, acc_mn_view
+from ..hopper.layouts import WARPGROUP
 from . import row_sums
 from .layouts import WsLayouts
 

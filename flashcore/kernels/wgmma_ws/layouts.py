@@ -1,7 +1,7 @@
 """The warp-specialised Hopper kernel's trace-time data: shared-memory layouts and struct (the
-wgmma family's 128-byte-swizzled tiles, plus the pipelines' mbarriers), the two tiled warpgroup
-MMAs over the consumer warpgroups, and the TMA pipelines (``flashcore.specs.families.WgmmaWs``
-validates and budgets the spec)."""
+128-byte-swizzled tiles of ``hopper/layouts.py``, plus the pipelines' mbarriers), the two tiled
+warpgroup MMAs over the consumer warpgroups, and the TMA pipelines
+(``flashcore.specs.families.WgmmaWs`` validates and budgets the spec)."""
 
 import cutlass
 import cutlass.cute as cute
@@ -10,7 +10,7 @@ from cutlass.cute.nvgpu import OperandMajorMode
 
 from ...specs.families import WgmmaWs
 from ..common.dtypes import DTYPES, E4M3
-from ..wgmma.layouts import WARPGROUP, k_major, smem_tiles, tiled_mmas
+from ..hopper.layouts import WARPGROUP, k_major, smem_tiles, tiled_mmas
 from . import row_sums
 
 EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's

@@ -14,8 +14,8 @@ from cutlass.cute.nvgpu import OperandMajorMode
 
 from ..common.dtypes import E4M3
 from ..common.sync import st_shared_b32
-from ..wgmma.fragments import acc_mn_view
-from ..wgmma.layouts import ROWS_PER_WARPGROUP, k_major
+from ..hopper.fragments import acc_mn_view
+from ..hopper.layouts import ROWS_PER_WARPGROUP, k_major
 
 COLUMNS = 8  # the narrowest wgmma N
 

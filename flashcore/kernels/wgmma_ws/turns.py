@@ -12,7 +12,7 @@ hand-over.
 import cutlass
 import cutlass.cute as cute
 
-from ..wgmma.layouts import WARPGROUP
+from ..hopper.layouts import WARPGROUP
 
 TURN_BARRIER = 4  # named barriers 4..6 (the epilogue's are 1..3, the CTA's 0)
 

@@ -1,6 +1,5 @@
-"""The wgmma family's trace-time data: which specs it builds, its shared-memory layouts and
-struct, the global<->shared copies and the two tiled warpgroup MMAs of one spec (which specs
-the family builds, and their shared-memory budget: ``flashcore.specs.families.Wgmma``).
+"""The Hopper kernels' shared layouts and tiled warpgroup MMAs (what ``wgmma_ws`` builds its
+trace-time data from; its budget: ``flashcore.specs.families.WgmmaWs``).
 
 Shared tiles are the canonical 128-byte-swizzled K-major wgmma layout (rows of head_dim
 elements, 8-row x 64-element atoms). Q and K are K-major operands of S = Q·Kᵀ as stored; V,
@@ -17,12 +16,8 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from ..common.copies import g2s_copy
-from ..common.dtypes import DTYPES
-
 WARPGROUP = 128  # threads of one warpgroup: one wgmma M tile of 64 rows
 ROWS_PER_WARPGROUP = 64
-_ALIGN = 1024  # every shared buffer starts on a swizzle-atom repeat (1 KB)
 
 
 def swizzle_bytes(dtype, row: int) -> int:
@@ -60,41 +55,3 @@ def tiled_mmas(dtype, warpgroups: int, tile_n: int, head_dim: int,
         dtype, dtype, OperandMajorMode.K, v_major, cutlass.Float32,
         (warpgroups, 1, 1), (ROWS_PER_WARPGROUP, head_dim), p_source)
     return qk, pv
-
-
-class WgmmaLayouts:
-    """Everything shaped by the spec (Python data at trace time; built the same way by the host
-    function, for the launch's shared-memory size, and by the kernel)."""
-
-    def __init__(self, spec):
-        c = spec.config
-        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
-        self.spec = spec
-        self.dtype = DTYPES[spec.dtype]
-        self.threads = 32 * c.warps
-        self.warpgroups = c.warps // 4
-        self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
-        self.qk_mma, self.pv_mma = tiled_mmas(self.dtype, self.warpgroups, tn, d)
-        # global->shared: 16-byte cp.async, 8 threads per 64-element (128-byte) line
-        self.g2s = g2s_copy(self.dtype, 64, self.threads)
-        # shared->global output: 16-byte vectors, 8 threads per 64 columns
-        self.r2g_o = cute.make_tiled_copy_tv(
-            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype,
-                                num_bits_per_copy=128),
-            cute.make_layout((self.threads // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 128 // self.dtype.width)),
-        )
-        self.storage = self._shared_storage()
-
-    def _shared_storage(self):
-        dtype = self.dtype
-        n_q, n_kv = cute.cosize(self.sQ), cute.cosize(self.sKV)
-        Align, Mem = cute.struct.Align, cute.struct.MemRange
-
-        @cute.struct
-        class SharedStorage:
-            sQ: Align[Mem[dtype, n_q], _ALIGN]  # reused for the output tile
-            sK: Align[Mem[dtype, n_kv], _ALIGN]
-            sV: Align[Mem[dtype, n_kv], _ALIGN]
-
-        return SharedStorage

@@ -63,7 +63,7 @@ def acc_as_fp8_operand_a(layout: cute.Layout) -> cute.Layout:
 class ThreadCoords:
     """Coordinates of what one thread holds, for a CTA view with ``thr_qk`` and ``thr_pv`` (its
     slices of the two tiled MMAs), ``config``, ``spec``, ``m_block``, ``seqlen_q``, ``seqlen_k``
-    (both Hopper kernels' views derive from it)."""
+    (the warp-specialised consumers derive from it)."""
 
     def score_coords(self, n_block):
         """(query row, key) of each score this thread holds in key block ``n_block``, as an
