@@ -47,7 +47,7 @@ class _ContextParallel(torch.autograd.Function):
             dout = torch.zeros_like(out)
         dlse = None if dlse is None else dlse.to(lse.dtype)
         # the block backward takes the forward's LSE in float32 (float64 for float64 inputs)
-        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, dlse, causal=causal,
+        dq, dk, dv = ring_backward(dout, q, k, v, out, lse, dlse, causal=causal,
                                    scale=scale, group=group, layout=layout, shards=shards,
                                    backward_fn=backward_fn)
         return dq, dk, dv, None, None, None, None, None, None, None, None

@@ -56,12 +56,12 @@ def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         dk = torch.zeros(k_cur.shape, dtype=acc, device=q.device)
         dv = torch.zeros(v_cur.shape, dtype=acc, device=q.device)
         for blk in plan_blocks(layout, causal, rank, src, q.shape[2], k_cur.shape[2]):
-            rows = (t[:, :, blk.q].contiguous() for t in (dout, q, out, lse))
-            g_out, q_blk, out_blk, lse_blk = rows
-            dlse_blk = None if dlse is None else dlse[:, :, blk.q].contiguous()
-            bq, bk, bv = backward_fn(g_out, q_blk, k_cur[:, :, blk.k].contiguous(),
-                                     v_cur[:, :, blk.k].contiguous(), out_blk, lse_blk,
-                                     causal=blk.causal, softmax_scale=scale, dlse=dlse_blk)
+            # views: the backward copies only what its kernels cannot read as it is
+            g_out, q_blk, out_blk, lse_blk = (t[:, :, blk.q] for t in (dout, q, out, lse))
+            dlse_blk = None if dlse is None else dlse[:, :, blk.q]
+            bq, bk, bv = backward_fn(g_out, q_blk, k_cur[:, :, blk.k], v_cur[:, :, blk.k],
+                                     out_blk, lse_blk, causal=blk.causal, softmax_scale=scale,
+                                     dlse=dlse_blk)
             dq[:, :, blk.q] += bq
             dk[:, :, blk.k] += bk
             dv[:, :, blk.k] += bv

@@ -137,5 +137,8 @@ def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int) -> tuple[
         align = "top_left"
     if (align, window) == (masks.align, masks.window):
         return causal, masks
-    return causal, Masking(align, window, masks.softcap)
+    if (align, window, masks.softcap) == ("top_left", None, None):
+        return causal, NO_MASK
+    # the memoised instance: its spec fields and features are worked out once, not per call
+    return causal, masking(causal, align, window, masks.softcap)
 
