@@ -20,7 +20,14 @@ from flashcore.ops import attention
 from flashcore.ops.fp8 import quantize_fp8
 from flashcore.specs import MAX_SPLITS
 from flashcore.tuned.table import default_config
-from tests.gpu_utils import FP8_KV_CONFIGS, allowed_error, head_dims, max_abs, requires_cuda
+from tests.gpu_utils import (
+    FP8_KV_CONFIGS,
+    allowed_error,
+    check_masked_result,
+    head_dims,
+    max_abs,
+    requires_cuda,
+)
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -129,7 +136,6 @@ def test_multi_token_gqa_decode_packs_tokens(b, hkv, group, sq, sk, d, dtype, ca
     output and LSE, in (B, H, S, D) or (B, S, H, D) memory, against the float64 reference and
     torch's own error with the same mask."""
     from flashcore.ops import plan
-    from tests.test_gpu_masks import check_masked_result
 
     if causal and window is not None and window[1] > 0:
         window = (window[0], 0)

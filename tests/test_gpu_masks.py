@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.ops import attention
-from tests.gpu_utils import allowed_error, head_dims, max_abs, requires_cuda, torch_baseline
+from tests.gpu_utils import check_masked_result, head_dims, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
@@ -63,22 +63,6 @@ def test_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, causal, alig
     out = torch.full_like(q, float("nan"))
     res, lse = attention(q, k, v, causal=causal, return_lse=True, out=out, **masks)
     check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, align, window, softcap)
-
-
-def check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, align, window, softcap):
-    """A call's poisoned ``out`` (returned as ``res``) and LSE against the float64 reference
-    (``ref``, ``ref_lse``) within the prefill tests' bound around torch's own error with the
-    same masks."""
-    torch.cuda.synchronize()
-    assert res is out and torch.isfinite(out).all(), "NaN or unwritten elements"
-    err = max_abs(out, ref)
-    err_torch = max_abs(torch_baseline(q, k, v, causal, align, window, softcap), ref)
-    allowed = allowed_error(err_torch, ref, q.dtype, q, k, v)
-    assert err <= allowed, f"max err {err:.3g} vs torch's {err_torch:.3g} (allowed {allowed:.3g})"
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is seen"
-    if finite.any():
-        assert max_abs(lse[finite], ref_lse[finite]) < 1e-3 * max(1.0, ref_lse.abs().max().item())
 
 
 def test_window_kernel_walks_only_the_window():

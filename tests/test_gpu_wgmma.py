@@ -24,6 +24,7 @@ from tests.gpu_utils import (
     WGMMA_FP8_MASK_CONFIGS,
     WGMMA_MASK_CONFIGS,
     allowed_error,
+    check_masked_result,
     current_arch,
     fp8_sums_rounded_p,
     max_abs,
@@ -243,7 +244,6 @@ def test_wgmma_ws_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, cau
     windows (sides -1, 0, wider than the keys) and soft-caps, GQA, LSE, fp16/bf16, d64/d128
     against the float64 reference with the masks tests' bound; rows that see no key give 0
     and LSE -inf. The kernel launched is the named wgmma_ws one."""
-    from tests.test_gpu_masks import check_masked_result
 
     masks = _ws_masks(causal, align, window, softcap, config, d, dtype)
     dt = DTYPES[dtype]
