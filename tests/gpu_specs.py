@@ -316,7 +316,8 @@ def fp8_specs(arch: str) -> list:
 # tests/test_gpu_backward.py's explicit tiles of the main backward kernel (bfloat16)
 BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), warps=8),
                          TileConfig((64, 128), warps=8), TileConfig((32, 32), warps=4),
-                         TileConfig((128, 64), warps=8)]
+                         TileConfig((128, 64), warps=8), TileConfig((64, 128), warps=8, stages=2),
+                         TileConfig((32, 64), warps=4, stages=2)]
 
 
 # every mask combination the backward builds: (causal, mask_align, window, softcap), as
@@ -325,9 +326,40 @@ BACKWARD_MASKS = [(c, a, w, cap) for c in (False, True) for a in ("top_left", "b
                   for w in (False, True) for cap in (False, True) if a == "top_left" or c or w]
 
 
+# the benchmark's variants of the main kernel (``python -m flashcore.bench --backward
+# --bwd-variants ...``, ``FLASHCORE_BWD_CONFIG``), bfloat16 and float16, causal or not: the
+# first design (16-row warp strips, one query block in flight), each new knob alone, and the
+# larger tiles
+BACKWARD_VARIANTS = ("64:64x128w8s1a-;128:64x64w8s1a-",   # the first defaults
+                     "64:64x128w8s1;128:64x64w8s1",        # squarest warp tiles only
+                     "64:64x128w8s2a-;128:64x128w8s1a-",   # stages / tile alone
+                     "64:64x128w8s2;128:64x128w8s1",
+                     "64:64x128w8s2;128:64x128w8s2",       # the sm_80/sm_90 defaults
+                     "64:128x128w8s2",                     # spills 8 bytes
+                     "64:128x128w8s1",
+                     "64:128x64w8s2;128:128x64w8s2")
+
+
+def backward_variant_specs(arch: str) -> list:
+    """The main kernels of ``BACKWARD_VARIANTS`` that fit ``arch``."""
+    from flashcore.ops.backward import backward_specs as one_pass
+    from flashcore.specs.backward import parse_backward_choices
+
+    specs = []
+    for text in BACKWARD_VARIANTS:
+        for d, (config, warps_m) in parse_backward_choices(text).items():
+            for dtype, causal in itertools.product(DTYPES, (False, True)):
+                try:
+                    specs.append(one_pass(arch, dtype, d, config, causal, warps_m=warps_m)[1])
+                except SpecError:
+                    pass
+    return specs
+
+
 def backward_specs(arch: str) -> list:
-    """The backward's kernels: pre, main (the default config, both dtypes, every mask; the
-    tests' explicit tiles) and post, of every head dim; those that fit ``arch``."""
+    """The backward's kernels: pre, main (the arch's default config, both dtypes, every mask;
+    the tests' explicit tiles; the benchmark's variants) and post, of every head dim; those
+    that fit ``arch``."""
     from flashcore.ops.backward import backward_specs as one_pass
     from flashcore.ops.masks import Masking
     from flashcore.specs.backward import default_backward_config
@@ -336,12 +368,13 @@ def backward_specs(arch: str) -> list:
     for dtype, d, (causal, align, window, cap) in itertools.product(DTYPES, HEAD_DIMS,
                                                                     BACKWARD_MASKS):
         masks = Masking(align, (1, 0) if window else None, 1.0 if cap else None)
-        specs += one_pass(arch, dtype, d, default_backward_config(d), causal, masks)
+        specs += one_pass(arch, dtype, d, default_backward_config(d, arch), causal, masks)
     for config, d, causal in itertools.product(BACKWARD_TEST_CONFIGS, HEAD_DIMS, (False, True)):
         try:
             specs.append(one_pass(arch, "bfloat16", d, config, causal)[1])
         except SpecError:
             pass
+    specs += backward_variant_specs(arch)
     return list(dict.fromkeys(specs))
 
 

@@ -12,13 +12,22 @@ import pytest
 from flashcore.compiler.abi import backward_params, params_for
 from flashcore.errors import SpecError
 from flashcore.specs import SMEM_PER_BLOCK, BackwardSpec, TileConfig, spec_from_dict
-from flashcore.specs.backward import BACKWARD_KNOBS, default_backward_config
+from flashcore.specs.backward import (
+    BACKWARD_KNOBS,
+    default_backward_config,
+    default_warps_m,
+    parse_backward_choices,
+    squarest_grid,
+    warp_grid,
+)
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 
 def _main(arch: str, dtype: str, d: int, causal: bool, **masks) -> BackwardSpec:
-    return BackwardSpec(arch=arch, dtype=dtype, head_dim=d, config=default_backward_config(d),
-                        causal=causal, **masks)
+    """The main kernel as a call without a config builds it on ``arch``."""
+    config = default_backward_config(d, arch)
+    return BackwardSpec(arch=arch, dtype=dtype, head_dim=d, config=config, causal=causal,
+                        warps_m=default_warps_m(d, config), **masks)
 
 
 MAINS = [
@@ -29,6 +38,11 @@ MAINS = [
     _main("sm_89", "bfloat16", 128, True),
     _main("sm_90", "float16", 64, True),
     _main("sm_90", "bfloat16", 128, False),
+    # the first variants: 16-row warp strips, one query block in flight
+    BackwardSpec(arch="sm_90", dtype="bfloat16", head_dim=128, config=TileConfig((64, 64),
+                                                                                 warps=8)),
+    BackwardSpec(arch="sm_89", dtype="bfloat16", head_dim=64, causal=True,
+                 config=TileConfig((64, 128), warps=8)),
 ]
 # the masks, as the forward's: bottom-right causal, windows (causal or not), soft-caps
 MASKED = [
@@ -69,13 +83,17 @@ def test_names_are_unique_and_readable():
                        TileConfig((64, 128), warps=8))]
     names = [s.name for s in specs] + [s.name for s in ROWS]
     assert len(set(names)) == len(names)
-    assert _main("sm_89", "float16", 64, True).name == "fc_attn_bwd_sm89_f16_d64_m64n128_w8_s1_causal"
+    assert (_main("sm_89", "float16", 64, True).name
+            == "fc_attn_bwd_sm89_f16_d64_m64n128_w8_s2_a244_causal")
+    assert (BackwardSpec(config=TileConfig((64, 64), warps=8)).name
+            == "fc_attn_bwd_sm89_f16_d64_m64n64_w8_s1")
     assert ROWS[0].name == "fc_attn_bwd_pre_sm80_f16_d64"
     masked = [BackwardSpec(causal=c, mask_align=a, window=w, softcap=cap)
               for c in (False, True) for a in ("top_left", "bottom_right")
               for w in (False, True) for cap in (False, True) if a == "top_left" or c or w]
     assert len({s.name for s in masked}) == len(masked) == 14
-    assert MASKED[4].name == "fc_attn_bwd_sm90_f16_d64_m64n128_w8_s1_causal_br_window_softcap"
+    assert (MASKED[4].name
+            == "fc_attn_bwd_sm90_f16_d64_m64n128_w8_s2_a244_causal_br_window_softcap")
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -91,7 +109,12 @@ def test_default_configs_fit_an_l4(d):
     ({"op": "attention_bwd_sideways"}, "op="),
     ({"config": TileConfig((128, 128), warps=8), "head_dim": 128}, "shared memory"),
     ({"config": TileConfig((64, 64), warps=2)}, "warps=2"),
-    ({"config": TileConfig((64, 64), stages=2)}, "stages=2"),
+    ({"config": TileConfig((64, 64), stages=3)}, "stages=3"),
+    ({"head_dim": 128, "config": TileConfig((64, 64), warps=8, stages=2)}, "shared memory"),
+    ({"config": TileConfig((64, 64), warps=8), "warps_m": (3, 2, 2)}, "cannot share"),
+    ({"config": TileConfig((64, 64), warps=8), "warps_m": (8, 2, 2)}, "cannot share"),
+    ({"config": TileConfig((64, 64), warps=8), "warps_m": (2, 2)}, "warps_m"),
+    ({"op": "attention_bwd_pre", "warps_m": (2, 2, 2)}, "takes no config"),
     ({"config": TileConfig((64, 64), warps=4, family="wgmma_ws")}, "mma_sync"),
     ({"head_dim": 96}, "head_dim"),
     ({"mask_align": "bottom_right"}, "mask_align"),  # neither causal nor a window to align
@@ -104,6 +127,27 @@ def test_default_configs_fit_an_l4(d):
 def test_invalid_specs_are_refused_naming_the_field(bad, match):
     with pytest.raises(SpecError, match=match):
         BackwardSpec(arch=bad.pop("arch", "sm_89"), **bad)
+
+
+def test_defaults_fit_each_arch_and_take_the_squarest_warp_tiles():
+    for arch in ("sm_80", "sm_89", "sm_90"):
+        for d in (64, 128):
+            spec = _main(arch, "bfloat16", d, False)
+            assert spec.smem_bytes <= SMEM_PER_BLOCK[arch]
+    # FlashAttention-2's A100/H100 d128 layouts: 32 x 32 warp tiles of S, 32 x 64 of dK/dV
+    assert default_warps_m(128, TileConfig((64, 128), warps=8, stages=2)) == (2, 4, 2)
+    assert default_warps_m(64, TileConfig((128, 128), warps=8)) == (4, 4, 4)
+    assert squarest_grid(16, 64, 8) == 0  # no grid of 16-wide warp tiles: the strips' rule
+    assert warp_grid(64, 128, 8) == (4, 2) and warp_grid(64, 128, 8, 2) == (2, 4)
+
+
+def test_backward_choices_parse():
+    got = parse_backward_choices("128:64x128w8s2a242; 64:64x128w8s1a-;128x128w8s2")
+    assert got[128] == (TileConfig((64, 128), warps=8, stages=2), (2, 4, 2))
+    assert got[64] == (TileConfig((64, 128), warps=8), ())
+    assert got[None] == (TileConfig((128, 128), warps=8, stages=2), None)
+    with pytest.raises(SpecError, match="MxNwWsS"):
+        parse_backward_choices("64x128")
 
 
 def test_every_knob_value_builds_some_spec():
@@ -126,7 +170,10 @@ def test_main_kernel_has_the_instructions_we_meant(artifacts, spec):
     per_cta = 5 * c.tile_m * c.tile_n * d // (16 * 8 * 16)
     assert len(mma) * c.warps == per_cta
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # Pᵀ, dSᵀ, Qᵀ, dOᵀ, Kᵀ
-    assert "red.global.add.f32" in ptx  # dQ's fp32 atomics
+    # dQ's fp32 atomics: pairs of columns in one on sm_90
+    pairs = spec.arch == "sm_90"
+    assert ("red.global.add.v2.f32" in ptx) == pairs
+    assert ("red.global.add.f32" in ptx) != pairs
     assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
     assert "ex2.approx" in ptx
     assert "st.global.v4" in ptx  # dK, dV: 16-byte stores
@@ -172,7 +219,7 @@ def test_resources_within_budget(artifacts, spec):
     assert r.registers * spec.threads <= 64 * 1024  # one CTA's registers fit an SM
     assert_no_spills_in_loops(art, spec.name)
     assert r.spill_store_bytes in (0, None) and r.stack_frame_bytes == 0, r
-    assert art.smem_dynamic == spec.smem_bytes <= SMEM_PER_BLOCK["sm_89"]  # every one fits an L4
+    assert art.smem_dynamic == spec.smem_bytes <= SMEM_PER_BLOCK[spec.arch]
     assert art.block == (spec.threads, 1, 1)
     assert art.entry.startswith(spec.name) and "cutlass" not in art.entry
 

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashcore.ops.backward as bw
 from flashcore.ops.masks import masking
-from flashcore.specs import BackwardSpec
+from flashcore.specs import BackwardSpec, TileConfig
 from flashcore.specs.backward import default_backward_config
 
 
@@ -109,13 +109,29 @@ def test_inputs_are_checked_naming_the_argument():
         bw.attention_backward(q, q, q, q, q, lse)
 
 
+def test_backward_choices_default_override_and_env(monkeypatch):
+    monkeypatch.delenv(bw.CHOICES_ENV, raising=False)
+    assert bw.backward_choices("sm_90", 128) == (default_backward_config(128, "sm_90"), None)
+    assert bw.backward_choices("sm_89", 128) == (default_backward_config(128), None)
+    monkeypatch.setenv(bw.CHOICES_ENV, "128:64x64w8s1a-")
+    assert bw.backward_choices("sm_90", 128) == (TileConfig((64, 64), warps=8), ())
+    assert bw.backward_choices("sm_90", 64) == (default_backward_config(64, "sm_90"), None)
+    with bw.backward_choices_override("64x128w8s2a242"):
+        assert bw.backward_choices("sm_90", 128) == (
+            TileConfig((64, 128), warps=8, stages=2), (2, 4, 2))
+    assert bw.backward_choices("sm_90", 128) == (TileConfig((64, 64), warps=8), ())
+
+
 def test_backward_specs_of_one_pass():
     pre, main, post = bw.backward_specs("sm_89", "bfloat16", 128, default_backward_config(128),
                                         True)
     assert (pre.op, main.op, post.op) == ("attention_bwd_pre", "attention_bwd",
                                           "attention_bwd_post")
     assert main == BackwardSpec(arch="sm_89", dtype="bfloat16", head_dim=128, causal=True,
-                                config=default_backward_config(128))
+                                config=default_backward_config(128), warps_m=(4, 2, 2))
+    legacy = bw.backward_specs("sm_89", "bfloat16", 128, default_backward_config(128), True,
+                               warps_m=())[1]
+    assert legacy == main.replace(warps_m=())
     assert pre.rows_per_cta == post.rows_per_cta == 8
     masked = bw.backward_specs("sm_89", "float16", 64, default_backward_config(64), True,
                                masking(True, "bottom_right", (8, 0), 20.0))[1]

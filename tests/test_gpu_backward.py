@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from flashcore import reference
 from flashcore.errors import SpecError
 from flashcore.ops.backward import attention_backward
-from flashcore.specs import BackwardSpec, TileConfig
+from flashcore.specs import BackwardSpec
+from flashcore.specs.backward import default_warps_m, parse_backward_choices
+from tests.gpu_specs import BACKWARD_TEST_CONFIGS, BACKWARD_VARIANTS
 from tests.gpu_utils import current_arch, max_abs, poison_, requires_cuda, visible_keys
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -89,9 +91,10 @@ def _allowed(err_sdpa: float, ref: torch.Tensor, dtype) -> float:
     return 2 * err_sdpa + 2 * torch.finfo(dtype).eps * ref.abs().max().item() + 1e-4
 
 
-def _skip_unless_builds(d, dtype, config, causal):
+def _skip_unless_builds(d, dtype, config, causal, warps_m=()):
     try:
-        BackwardSpec(arch=current_arch(), dtype=dtype, head_dim=d, config=config, causal=causal)
+        BackwardSpec(arch=current_arch(), dtype=dtype, head_dim=d, config=config, causal=causal,
+                     warps_m=warps_m)
     except SpecError as e:
         pytest.skip(f"does not fit {current_arch()}: {e}")
 
@@ -109,7 +112,7 @@ def _masks(causal, align, window, softcap) -> dict:
 
 
 def _check(b, hq, hkv, sq, sk, d, dtype, causal, scale, seed, config=None, magnitude=1.0,
-           masks=None):
+           masks=None, warps_m=None):
     dt = DTYPES[dtype]
     masks = masks or {}
     q, k, v, dout = _inputs(b, hq, hkv, sq, sk, d, dt, seed, magnitude)
@@ -117,7 +120,7 @@ def _check(b, hq, hkv, sq, sk, d, dtype, causal, scale, seed, config=None, magni
     grads = [poison_(torch.empty_like(q)), poison_(torch.empty_like(k)),
              poison_(torch.empty_like(v))]
     attention_backward(dout, q, k, v, out.to(dt), lse.float(), causal, scale, config=config,
-                       dq=grads[0], dk=grads[1], dv=grads[2], **masks)
+                       warps_m=warps_m, dq=grads[0], dk=grads[1], dv=grads[2], **masks)
     torch.cuda.synchronize()
     if masks:
         sdpa = _math_grads(q, k, v, dout, causal, scale, masks)
@@ -184,17 +187,32 @@ def test_masks(masks, sq, sk, d):
     _check(1, 4, 2, sq, sk, d, "float16", causal, None, seed=sq + sk + d, masks=masks)
 
 
-@pytest.mark.parametrize("config", [TileConfig((64, 64), warps=4), TileConfig((64, 64), warps=8),
-                                    TileConfig((64, 128), warps=8), TileConfig((32, 32), warps=4),
-                                    TileConfig((128, 64), warps=8)], ids=str)
+@pytest.mark.parametrize("config", BACKWARD_TEST_CONFIGS, ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("sq,sk", [(333, 190), (190, 333), (64, 64)])
 def test_tiles(config, causal, d, sq, sk):
     """Each explicit tile: ragged query and key blocks, more queries than keys and fewer, the
     causal diagonal across blocks; GQA 6/2."""
-    _skip_unless_builds(d, "bfloat16", config, causal)
+    _skip_unless_builds(d, "bfloat16", config, causal, default_warps_m(d, config))
     _check(2, 6, 2, sq, sk, d, "bfloat16", causal, None, seed=sq * 7 + sk, config=config)
+
+
+@pytest.mark.parametrize("variant", BACKWARD_VARIANTS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_benchmark_variants(variant, causal, d, dtype):
+    """The benchmark's variants of the main kernel (warp layouts, stages, tiles): ragged
+    blocks, a long query walk (the two stages alternate), GQA 4/2."""
+    choice = parse_backward_choices(variant).get(d)
+    if choice is None:
+        pytest.skip(f"the variant has no d{d} choice")
+    config, warps_m = choice
+    _skip_unless_builds(d, dtype, config, causal,
+                        default_warps_m(d, config) if warps_m is None else warps_m)
+    _check(1, 4, 2, 700, 333, d, dtype, causal, None, seed=d + causal, config=config,
+           warps_m=warps_m)
 
 
 @pytest.mark.parametrize("scale", [-0.5, 0.01, 2.0])

@@ -14,6 +14,9 @@ deterministic). Not yet: FP8, an FP8 KV cache, the serving layouts.
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,32 +26,73 @@ from ..compiler.abi import LOG2_E, backward_grid, backward_rows_grid
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..specs import BACKWARD_HEAD_DIMS, BackwardSpec, TileConfig
-from ..specs.backward import ROW_PAD, default_backward_config
+from ..specs.backward import (
+    ROW_PAD,
+    default_backward_config,
+    default_warps_m,
+    parse_backward_choices,
+)
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking, call_masking, folded
 from .validate import check_extents, check_qkv, softmax_scale_of
 
-# (device, dtype, head_dim, config, causal, mask fields) -> loaded kernels
+# (device, dtype, head_dim, config, warps_m, causal, mask fields) -> loaded kernels
 _kernels: dict[tuple, tuple] = {}
+# the main kernel's choices where a call gives no config (``backward_choices``)
+CHOICES_ENV = "FLASHCORE_BWD_CONFIG"
+_choices_override: list[str] = []
 
 
 def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, causal: bool,
-                   masks: Masking = NO_MASK) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
-    """(pre, main, post): the specs of one backward pass."""
+                   masks: Masking = NO_MASK, warps_m: tuple[int, ...] | None = None,
+                   ) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
+    """(pre, main, post): the specs of one backward pass (``warps_m`` None: the squarest warp
+    tiles, ``spec.backward.default_warps_m``)."""
     align, window, softcap = masks.spec_fields
+    if warps_m is None:
+        warps_m = default_warps_m(head_dim, config)
     return (BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_pre"),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, config=config,
-                         causal=causal, mask_align=align, window=window, softcap=softcap),
+                         causal=causal, mask_align=align, window=window, softcap=softcap,
+                         warps_m=warps_m),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_post"))
 
 
+def backward_choices(arch: str, head_dim: int) -> tuple[TileConfig, tuple[int, ...] | None]:
+    """(config, warps_m) of the main kernel for a call that gives no config: the innermost
+    ``backward_choices_override``, else ``$FLASHCORE_BWD_CONFIG`` (``spec.backward.
+    parse_backward_choices``; an A/B of variants without code changes), else the arch's
+    default."""
+    text = _choices_override[-1] if _choices_override else os.environ.get(CHOICES_ENV, "")
+    if text:
+        choices = parse_backward_choices(text)
+        hit = choices.get(head_dim, choices.get(None))
+        if hit is not None:
+            return hit
+    return default_backward_config(head_dim, arch), None
+
+
+@contextlib.contextmanager
+def backward_choices_override(text: str) -> Iterator[None]:
+    """Within the block, calls without a config use ``text``'s choices (the benchmark's
+    variants)."""
+    parse_backward_choices(text)  # refuse a bad one here
+    _choices_override.append(text)
+    try:
+        yield
+    finally:
+        _choices_override.pop()
+
+
 def backward_kernels(device: int, dtype: str, head_dim: int, config: TileConfig,
-                     causal: bool, masks: Masking = NO_MASK) -> tuple:
+                     causal: bool, masks: Masking = NO_MASK,
+                     warps_m: tuple[int, ...] | None = None) -> tuple:
     """The loaded (pre, main, post) kernels on CUDA device ``device``, built once."""
-    key = (device, dtype, head_dim, config, causal, masks.spec_fields)
+    key = (device, dtype, head_dim, config, warps_m, causal, masks.spec_fields)
     ks = _kernels.get(key)
     if ks is None:
-        specs = backward_specs(arch_of(device), dtype, head_dim, config, causal, masks)
+        specs = backward_specs(arch_of(device), dtype, head_dim, config, causal, masks,
+                               warps_m)
         ks = _kernels[key] = tuple(kernel_for(s, device) for s in specs)
     return ks
 
@@ -90,7 +134,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        causal: bool = False, softmax_scale: float | None = None, *,
                        mask_align: str = "top_left", window: tuple[int, int] | None = None,
                        softcap: float | None = None,
-                       config: TileConfig | None = None, dlse: Tensor | None = None,
+                       config: TileConfig | None = None,
+                       warps_m: tuple[int, ...] | None = None, dlse: Tensor | None = None,
                        dq: Tensor | None = None, dk: Tensor | None = None,
                        dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the output
@@ -101,7 +146,9 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     (fewer, with GQA) heads; all three are in q's dtype, new contiguous tensors unless given
     (``dq``/``dk``/``dv``: contiguous, of q's and k's shapes). A row that saw no key (lse -inf)
     contributes no gradient. ``config``: the main kernel's tile (default
-    ``spec.backward.default_backward_config``)."""
+    ``backward_choices``: the arch's ``spec.backward.default_backward_config``); ``warps_m``:
+    its warps along the rows of each product (``BackwardSpec.warps_m``; default the squarest
+    warp tiles)."""
     masks = call_masking(causal, mask_align, window, softcap)
     check_qkv(q, k, v)
     causal, masks = folded(causal, masks, q.shape[2], k.shape[2])
@@ -125,10 +172,12 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if negate:  # the kernels take scale >= 0: -q with |scale| has the same logits
         q, scale = torch.neg(q), -scale
     check_extents(q, k, dout)
-    config = config or default_backward_config(D)
     dtype = DTYPE_NAMES[q.dtype]
     dev = q.get_device()
-    pre, main, post = backward_kernels(dev, dtype, D, config, causal, masks)
+    if config is None:
+        config, chosen = backward_choices(arch_of(dev), D)
+        warps_m = chosen if warps_m is None else warps_m
+    pre, main, post = backward_kernels(dev, dtype, D, config, causal, masks, warps_m)
     # keep any copies prepared() makes alive until the launches are queued
     q, q_arg = prepared(q)
     k, k_arg = prepared(k)

@@ -18,6 +18,7 @@ blocks never run past them.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,8 +40,10 @@ from .tile import TileConfig, TiledKernel
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
 ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this (the largest tile_m)
 ROW_THREADS = 128  # threads of a pre/post CTA
+# ``stages``: query blocks (Q, dO and their LSE and D rows) in flight: 2 prefetches the next
+# block while this one computes
 BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
-                  "stages": (1,), "kv_splits": (1,)}
+                  "stages": (1, 2), "kv_splits": (1,)}
 _SMEM_ALIGN = 1024
 
 
@@ -48,11 +51,37 @@ def _align(n: int) -> int:
     return (n + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
 
 
-def warp_grid(rows: int, cols: int, warps: int) -> tuple[int, int]:
+def warp_grid(rows: int, cols: int, warps: int, along_rows: int = 0) -> tuple[int, int]:
     """(warps along the rows, warps along the columns) of a tiled MMA over a (rows, cols) tile:
-    as many as fit along the rows (16 each), the rest along the columns."""
-    along_rows = max(1, min(warps, rows // 16))
+    ``along_rows`` along the rows if given, else as many as fit (16 rows each), the rest along
+    the columns."""
+    if not along_rows:
+        along_rows = max(1, min(warps, rows // 16))
     return along_rows, warps // along_rows
+
+
+def squarest_grid(rows: int, cols: int, warps: int) -> int:
+    """Warps along the rows that make each warp's tile of a (rows, cols) product the squarest
+    that divides it in 16-wide steps: the least shared-memory traffic per MMA (a warp tile of
+    m x n reads m + n operand rows for m · n products); ties go to more warps along the rows
+    (FlashAttention-2's choices)."""
+    best, score = 0, None
+    for wm in (w for w in (1, 2, 4, 8) if w <= warps and warps % w == 0):
+        wn = warps // wm
+        if rows % (16 * wm) or cols % (16 * wn):
+            continue
+        s = wm / rows + wn / cols
+        if score is None or s <= score:
+            best, score = wm, s
+    return best
+
+
+def default_warps_m(head_dim: int, config: TileConfig) -> tuple[int, int, int]:
+    """``BackwardSpec.warps_m`` of a config: the squarest warp tiles of S/dP, dK/dV and dQ."""
+    c = config
+    return (squarest_grid(c.tile_m, c.tile_n, c.warps),
+            squarest_grid(c.tile_n, head_dim, c.warps),
+            squarest_grid(c.tile_m, head_dim, c.warps))
 
 
 @dataclass(frozen=True)
@@ -70,10 +99,15 @@ class BackwardSpec(SpecData, TiledKernel):
     mask_align: str = "top_left"
     window: bool = False
     softcap: bool = False
+    # warps along the rows of the S/dP (query rows), dK/dV (keys) and dQ (query rows) products;
+    # () spreads each over 16-row strips first (``warp_grid``)
+    warps_m: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.config, dict):
             object.__setattr__(self, "config", TileConfig.from_dict(self.config))
+        if isinstance(self.warps_m, list):
+            object.__setattr__(self, "warps_m", tuple(self.warps_m))
 
         def bad(what: str) -> SpecError:
             return SpecError(f"BackwardSpec: {what}")
@@ -96,7 +130,7 @@ class BackwardSpec(SpecData, TiledKernel):
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
         if self.op != "attention_bwd":
-            if self.config != TileConfig() or self.causal or self.masked:
+            if self.config != TileConfig() or self.causal or self.masked or self.warps_m:
                 raise bad(f"{self.op} takes no config, causal or mask (they shape the main "
                           "kernel)")
             return
@@ -109,11 +143,16 @@ class BackwardSpec(SpecData, TiledKernel):
                 raise bad(f"{knob}={getattr(c, knob)} is not supported; choose one of {allowed}")
         if c.family not in ("", "mma_sync"):
             raise bad(f"family={c.family!r}: the backward is built in the mma_sync family only")
-        for what, rows, cols in (("S = Q·Kᵀ", c.tile_m, c.tile_n),
-                                 ("dK, dV", c.tile_n, self.head_dim),
-                                 ("dQ", c.tile_m, self.head_dim)):
-            wm, wn = warp_grid(rows, cols, c.warps)
-            if wm * wn != c.warps or cols % (16 * wn):
+        wms = self.warps_m or (0, 0, 0)
+        if (not isinstance(self.warps_m, tuple) or len(wms) != 3
+                or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in wms)):
+            raise bad(f"warps_m={self.warps_m!r} must be () or three warp counts (S/dP, dK/dV, "
+                      "dQ)")
+        for what, rows, cols, along in (("S = Q·Kᵀ", c.tile_m, c.tile_n, wms[0]),
+                                        ("dK, dV", c.tile_n, self.head_dim, wms[1]),
+                                        ("dQ", c.tile_m, self.head_dim, wms[2])):
+            wm, wn = warp_grid(rows, cols, c.warps, along)
+            if wm * wn != c.warps or cols % (16 * wn) or rows % (16 * wm):
                 raise bad(f"{c.warps} warps cannot share the {rows}x{cols} tile of {what} "
                           "(16x16 per warp at least)")
         chunks = c.tile_m * self.head_dim * DTYPE_BYTES[self.dtype] // 16
@@ -152,15 +191,25 @@ class BackwardSpec(SpecData, TiledKernel):
         return self.arch in PDL_ARCHS
 
     @property
+    def prefetch_rows(self) -> bool:
+        """The main kernel copies each query block's LSE and D rows into shared memory with its
+        Q and dO (two stages), rather than reading them from global memory when it starts it."""
+        return self.config.stages > 1
+
+    @property
     def smem_bytes(self) -> int:
         """The main kernel's tiles (``kernels/mma_sync_bwd/layouts.py``): Q and dO (tile_m x
-        head_dim), K and V (tile_n x head_dim), P and dS (tile_m x tile_n), 1 KB aligned each;
-        the row kernels use none."""
+        head_dim per stage), K and V (tile_n x head_dim), P and dS (tile_m x tile_n), 1 KB
+        aligned each, and with ``prefetch_rows`` the LSE and D rows (fp32, tile_m per stage,
+        128-byte aligned); the row kernels use none."""
         if self.op != "attention_bwd":
             return 0
         c, d, e = self.config, self.head_dim, DTYPE_BYTES[self.dtype]
-        return (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
-                + 2 * _align(c.tile_m * c.tile_n * e))
+        n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
+             + 2 * _align(c.tile_m * c.tile_n * e))
+        if self.prefetch_rows:
+            n += 2 * (-(-c.tile_m * 4 * c.stages // 128) * 128)
+        return n
 
     @property
     def name(self) -> str:
@@ -171,16 +220,51 @@ class BackwardSpec(SpecData, TiledKernel):
             return base
         flags = (("causal", self.causal), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap))
-        return base + f"_{self.config.tag}" + "".join(f"_{n}" for n, on in flags if on)
+        layout = "_a" + "".join(map(str, self.warps_m)) if self.warps_m else ""
+        return (base + f"_{self.config.tag}" + layout
+                + "".join(f"_{n}" for n, on in flags if on))
 
     # -- serialisation -------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         d["config"] = self.config.to_dict()
+        if self.warps_m:
+            d["warps_m"] = list(self.warps_m)
+        else:  # the default leaves no trace: older keys and names hold
+            d.pop("warps_m", None)
         return d
 
 
-def default_backward_config(head_dim: int) -> TileConfig:
-    """The main kernel's config: FlashAttention-2's sm_86/sm_89 choices, which fit an L4's
-    99 KB (d64: 64 query rows x 128 keys, d128: 64 x 64; 80 KB each), eight warps."""
-    return TileConfig((64, 128) if head_dim <= 64 else (64, 64), warps=8)
+def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
+    """The main kernel's config: eight warps, 64 query rows x 128 keys, two query blocks in
+    flight (98 KB at d64: an L4's 99 KB hold it). d128 needs 160 KB for that, which sm_80 and
+    sm_90 have (FlashAttention-2's A100/H100 tile): twice the keys per CTA of the 64 x 64 tile
+    an L4 (or no ``arch``) gets, one block in flight (80 KB), halve the Q/dO traffic and the
+    dQ atomics per FLOP. (d64 at 128 x 128, FlashAttention-2's H100 choice, runs at 255
+    registers with a few spilled: a variant to time, not the default.)"""
+    if head_dim <= 64 or (arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024):
+        return TileConfig((64, 128), warps=8, stages=2)
+    return TileConfig((64, 64), warps=8)
+
+
+_CHOICE = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)w(\d+)s(\d+)(?:a(\d{3}|-))?$")
+
+
+def parse_backward_choices(text: str) -> dict[int | None, tuple[TileConfig, tuple[int, ...]
+                                                                | None]]:
+    """Main-kernel choices written as ``[D:]MxNwWsS[aXYZ|a-]`` separated by ``;``: for head dim
+    D (every head dim without ``D:``) tiles of M query rows x N keys, W warps, S stages, and
+    warps along the rows of S/dP, dK/dV and dQ (``aXYZ``; ``a-``: 16-row strips first; none:
+    ``default_warps_m``). E.g. ``128:64x128w8s2a242;64:128x128w8s2``. Returns {D or None:
+    (config, warps_m or None)}."""
+    out: dict[int | None, tuple[TileConfig, tuple[int, ...] | None]] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        m = _CHOICE.match(part)
+        if m is None:
+            raise SpecError(f"backward choice {part!r} is not [D:]MxNwWsS[aXYZ|a-] (e.g. "
+                            "128:64x128w8s2a242)")
+        d, tm, tn, w, st, a = m.groups()
+        config = TileConfig((int(tm), int(tn)), warps=int(w), stages=int(st))
+        warps_m = None if a is None else (() if a == "-" else tuple(int(x) for x in a))
+        out[None if d is None else int(d)] = (config, warps_m)
+    return out

@@ -78,6 +78,21 @@ def backward_implementations() -> dict[str, Impl]:
     return {name: fn for name, fn in impls.items() if fn is not None}
 
 
+def variant_implementation(text: str) -> Impl:
+    """Ours with the backward's main kernel chosen by ``text`` (``spec.backward.
+    parse_backward_choices``, e.g. ``128:64x128w8s2a242``): an A/B of its variants in one
+    run."""
+    from ..ops.backward import backward_choices_override
+
+    ours = _flashcore()
+
+    def run(q, k, v, causal):
+        return ours(q, k, v, causal)
+
+    run.context = lambda: backward_choices_override(text)  # type: ignore[attr-defined]
+    return run
+
+
 def _inputs(shape: Shape) -> tuple[torch.Tensor, ...]:
     """q, k, v requiring grad, and an output gradient."""
     q, k, v = (t.requires_grad_() for t in shape.inputs())

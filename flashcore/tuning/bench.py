@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the backward section only: forward + backward and the backward alone "
                          "against SDPA, FlashAttention-4 and FlexAttention, with peak memory "
                          "(--quick: three shapes)")
+    ap.add_argument("--bwd-variants", nargs="*", default=[], metavar="CHOICE",
+                    help="--backward: also ours with each of these main-kernel choices, e.g. "
+                         "'128:64x128w8s2a242;64:64x128w8s2' (FLASHCORE_BWD_CONFIG's form)")
     ap.add_argument("--out", default=DEFAULT_OUT,
                     help=f"folder for the JSON and PNG (default: {DEFAULT_OUT}, git-ignored)")
     ap.add_argument("--no-eager", action="store_true", help="skip eager timings")
@@ -335,11 +338,15 @@ def backward_main(a: argparse.Namespace) -> int:
         backward_table,
         measure_backward,
         record_backward,
+        variant_implementation,
     )
 
     shapes = ([_parse_shape(x) for x in a.shapes.split(";")] if a.shapes
               else backward_suite(a.quick))
-    results = measure_backward(shapes, backward_implementations(), rounds=a.rounds)
+    impls = backward_implementations()
+    for text in a.bwd_variants:
+        impls[f"fc[{text}]"] = variant_implementation(text)
+    results = measure_backward(shapes, impls, rounds=a.rounds)
     path = record_backward(results, Path(a.out), environment())
     print(backward_table(results))
     print(f"record: {path}")

@@ -24,7 +24,7 @@ from ..common.grid import wait_for_previous_grid
 from .cta import BackwardCta
 from .epilogue import store_key_grads
 from .layouts import BackwardLayouts
-from .query_block import load_rows_of, query_block
+from .query_block import issue_block, query_block
 
 
 class AttentionBackward:
@@ -63,21 +63,28 @@ class AttentionBackward:
         per_head = cutlass.max(hi - lo, 0)
         steps = per_head * cta.q_group
         first = cta.kv_head * cta.q_group
-        # K, V and the first block's Q and dO: one commit group
+        # K, V and the first block's Q and dO (and rows): one commit group
         load_rows(cta.lay.g2s, cta.tKgK, cta.tKsK, cta.tKVcKV, cta.seqlen_k)
         load_rows(cta.lay.g2s, cta.tVgV, cta.tVsV, cta.tKVcKV, cta.seqlen_k)
         if steps > 0:
-            load_rows_of(cta, mQ, cta.tQsQ, first, lo, 0)
-            load_rows_of(cta, mdO, cta.tQsdO, first, lo, 0)
+            issue_block(cta, mQ, mdO, mLSE2, mD, first, lo, 0)
         cute.arch.cp_async_commit_group()
         for step in range(steps):
             # the step's blocks have landed, and every warp is done with the last step's P, dS
+            # (and, two stages, with the stage the next block goes into)
             cute.arch.cp_async_wait_group(0)
             cute.arch.sync_threads()
             after = step + 1
+            slot = 0
+            if cutlass.const_expr(self.spec.config.stages > 1):
+                slot = step % 2
+                if after < steps:
+                    issue_block(cta, mQ, mdO, mLSE2, mD, first + after // per_head,
+                                lo + after % per_head, 1 - slot)
+                cute.arch.cp_async_commit_group()
             query_block(cta, mQ, mdO, mLSE2, mD, mdQacc, first + step // per_head,
                         lo + step % per_head, scale_log2, after < steps,
-                        first + after // per_head, lo + after % per_head)
+                        first + after // per_head, lo + after % per_head, slot)
         # a CTA whose keys no query sees walked no block: its K/V copies must land before the
         # epilogue reuses their tiles
         cute.arch.cp_async_wait_group(0)

@@ -40,6 +40,9 @@ class BackwardCta:
         self.sV = storage.sV.get_tensor(lay.sK)
         self.sP = storage.sP.get_tensor(lay.sPdS)
         self.sdS = storage.sdS.get_tensor(lay.sPdS)
+        if cutlass.const_expr(spec.prefetch_rows):
+            self.sLSE = storage.sLSE.get_tensor(lay.sRows)
+            self.sD = storage.sD.get_tensor(lay.sRows)
 
         # ---- global->shared copies ----------------------------------------------------------
         self.g2s = g2s = lay.g2s.get_slice(self.tidx)

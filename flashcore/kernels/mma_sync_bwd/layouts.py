@@ -5,13 +5,17 @@ three tiled MMAs of one spec (Python data at trace time, no instructions).
 * dV += Pᵀ·dO and dK += dSᵀ·Q: (tile_n, head_dim) over tile_m.
 * dQ = dS·K: (tile_m, head_dim) over tile_n.
 
-Each MMA spreads all warps over its tile, 16 rows a warp first (``spec.backward.warp_grid``).
+Each MMA spreads all warps over its tile: ``spec.warps_m`` of them along its rows, or 16 rows a
+warp first (``spec.backward.warp_grid``).
+
+With two stages (``spec.prefetch_rows``) each query block's LSE and D rows have shared tiles
+too, copied in with its Q and dO.
 """
 
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.nvgpu import warp
+from cutlass.cute.nvgpu import cpasync, warp
 
 from ...specs import BackwardSpec
 from ...specs.backward import warp_grid
@@ -21,8 +25,8 @@ from ..common.dtypes import DTYPES
 LINE = 64  # 16-bit elements of a 128-byte swizzle line
 
 
-def tiled_mma(dtype, rows: int, cols: int, warps: int):
-    wm, wn = warp_grid(rows, cols, warps)
+def tiled_mma(dtype, rows: int, cols: int, warps: int, along_rows: int = 0):
+    wm, wn = warp_grid(rows, cols, warps, along_rows)
     return cute.make_tiled_mma(warp.MmaF16BF16Op(dtype, cutlass.Float32, (16, 8, 16)),
                                (wm, wn, 1), permutation_mnk=(wm * 16, wn * 16, 16))
 
@@ -47,15 +51,36 @@ class BackwardLayouts:
             cute.make_layout((c.threads // 8, 8), stride=(8, 1)),
             cute.make_layout((1, 8)),
         )
-        self.mma_sdp = tiled_mma(self.dtype, tm, tn, c.warps)
-        self.mma_dkv = tiled_mma(self.dtype, tn, d, c.warps)
-        self.mma_dq = tiled_mma(self.dtype, tm, d, c.warps)
+        wms = spec.warps_m or (0, 0, 0)
+        self.mma_sdp = tiled_mma(self.dtype, tm, tn, c.warps, wms[0])
+        self.mma_dkv = tiled_mma(self.dtype, tn, d, c.warps, wms[1])
+        self.mma_dq = tiled_mma(self.dtype, tm, d, c.warps, wms[2])
+        # the LSE and D rows of each stage: (tile_m, stage), one 4-byte cp.async a row
+        self.sRows = cute.make_layout((tm, c.stages))
+        self.rows_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), cutlass.Float32,
+            num_bits_per_copy=32)
         self.storage = self._shared_storage()
 
     def _shared_storage(self):
         dt = self.dtype
         n_q, n_k, n_p = (cute.cosize(x) for x in (self.sQ, self.sK, self.sPdS))
         Align, Mem = cute.struct.Align, cute.struct.MemRange
+        if self.spec.prefetch_rows:
+            n_r = cute.cosize(self.sRows)
+
+            @cute.struct
+            class PrefetchStorage:
+                sQ: Align[Mem[dt, n_q], 1024]
+                sdO: Align[Mem[dt, n_q], 1024]
+                sK: Align[Mem[dt, n_k], 1024]
+                sV: Align[Mem[dt, n_k], 1024]
+                sP: Align[Mem[dt, n_p], 1024]
+                sdS: Align[Mem[dt, n_p], 1024]
+                sLSE: Align[Mem[cutlass.Float32, n_r], 128]
+                sD: Align[Mem[cutlass.Float32, n_r], 128]
+
+            return PrefetchStorage
 
         @cute.struct
         class SharedStorage:

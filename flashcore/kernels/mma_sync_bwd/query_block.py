@@ -2,8 +2,11 @@
 dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − D), dK += dSᵀ·Q, dQ += dS·K (fp32 atomics). With a
 soft-cap, P comes from the capped scores and dS gets its slope: dS = P ∘ (dP − D) ∘ (1 − tanh²).
 
-The next block's dO is copied in as soon as dV is done with this one's, and its Q once dK is:
-their loads run under dK's and dQ's products (one buffer each, no extra shared memory)."""
+One stage: the next block's dO is copied in as soon as dV is done with this one's, and its Q
+once dK is: their loads run under dK's and dQ's products (one buffer each). Two stages
+(``spec.prefetch_rows``): the next block's Q, dO, LSE and D rows go into the other stage when
+this block starts (``issue_block``), so its loads run under this whole block, and the block
+needs one barrier of its own (P and dS written) instead of three."""
 
 
 import cutlass
@@ -29,6 +32,38 @@ def load_rows_of(cta: BackwardCta, mX, dst, head, m_block, slot):
 
 
 @cute.jit
+def load_row_values(cta: BackwardCta, rows_of_head, dst, m_block):
+    """cp.async query block ``m_block``'s rows of a (padded: never past its end) per-row
+    workspace into ``dst`` (tile_m,), one 4-byte copy a row."""
+    tm = cta.config.tile_m
+    block = cute.local_tile(rows_of_head, (tm,), (m_block,))
+    if cta.tidx < tm:
+        cute.copy(cta.lay.rows_atom, cute.local_tile(block, (1,), (cta.tidx,)),
+                  cute.local_tile(dst, (1,), (cta.tidx,)))
+
+
+@cute.jit
+def issue_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, head, m_block, slot):
+    """cp.async query block ``m_block`` of ``head``: Q, dO and (two stages) its LSE and D rows,
+    into stage ``slot`` (the caller commits)."""
+    load_rows_of(cta, mQ, cta.tQsQ, head, m_block, slot)
+    load_rows_of(cta, mdO, cta.tQsdO, head, m_block, slot)
+    if cutlass.const_expr(cta.spec.prefetch_rows):
+        # the two row vectors from different threads where there are enough
+        tm, threads = cta.config.tile_m, cta.config.threads
+        if cutlass.const_expr(threads >= 2 * tm):
+            block = cute.local_tile(mD[cta.batch, head, None], (tm,), (m_block,))
+            if cta.tidx >= tm:
+                e = cta.tidx - tm
+                if e < tm:
+                    cute.copy(cta.lay.rows_atom, cute.local_tile(block, (1,), (e,)),
+                              cute.local_tile(cta.sD[None, slot], (1,), (e,)))
+        else:
+            load_row_values(cta, mD[cta.batch, head, None], cta.sD[None, slot], m_block)
+        load_row_values(cta, mLSE2[cta.batch, head, None], cta.sLSE[None, slot], m_block)
+
+
+@cute.jit
 def needs_mask(cta: BackwardCta, m_block):
     """Whether some score of (query block, key block) is hidden: a key past the sequence end
     (the ragged last block), or one a row's causal diagonal or window hides."""
@@ -39,12 +74,12 @@ def needs_mask(cta: BackwardCta, m_block):
 
 
 @cute.jit
-def row_values(cta: BackwardCta, rows_of_head, m_block):
-    """This thread's rows of a (padded) per-row workspace, for query block ``m_block``."""
+def row_values(cta: BackwardCta, block):
+    """This thread's rows of ``block``: a query block's (tile_m,) rows of a per-row workspace,
+    in global or shared memory."""
     c = cta.config
     rows = mn_view(cta.thr_sdp.partition_C(cute.make_identity_tensor((c.tile_m, c.tile_n))))
     n = cute.size(rows, mode=[0])
-    block = cute.local_tile(rows_of_head, (c.tile_m,), (m_block,))
     values = cute.make_rmem_tensor(n, cutlass.Float32)
     for r in cutlass.range_constexpr(n):
         values[r] = block[rows[r, 0][0]]
@@ -63,15 +98,19 @@ def capped_slopes(S: cute.Tensor, dP: cute.Tensor, dpsum, scale_in):
 
 @cute.jit
 def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, scale_log2,
-                has_next, next_head, next_m):
-    """Block ``m_block`` of query head ``head``, whose Q and dO have landed; issues the next
-    block's (``has_next``: there is one) as this one's tiles free up."""
+                has_next, next_head, next_m, slot):
+    """Block ``m_block`` of query head ``head``, whose Q and dO (two stages: and rows) have
+    landed in stage ``slot``; with one stage, issues the next block's (``has_next``: there is
+    one) as this one's tiles free up (two: the caller issued it already)."""
     c, d = cta.config, cta.spec.head_dim
-    slot = 0
+    staged = cta.spec.prefetch_rows
     tm, tn = c.tile_m, c.tile_n
-    # issued before the MMAs, whose time hides the loads' latency
-    lse2 = row_values(cta, mLSE2[cta.batch, head, None], m_block)
-    dpsum = row_values(cta, mD[cta.batch, head, None], m_block)
+    if cutlass.const_expr(staged):
+        lse2 = row_values(cta, cta.sLSE[None, slot])
+        dpsum = row_values(cta, cta.sD[None, slot])
+    else:  # issued before the MMAs, whose time hides the loads' latency
+        lse2 = row_values(cta, cute.local_tile(mLSE2[cta.batch, head, None], (tm,), (m_block,)))
+        dpsum = row_values(cta, cute.local_tile(mD[cta.batch, head, None], (tm,), (m_block,)))
 
     acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tm, tn)), cutlass.Float32)
     acc_S.fill(0.0)
@@ -116,17 +155,19 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
     cute.arch.sync_threads()
 
     gemm_ss(cta.lay.mma_dkv, cta.acc_dV, cta.pt, cta.pt.smem, cta.dot, cta.dot.stage(slot))
-    cute.arch.sync_threads()  # every warp is done with this block's dO
-    if has_next:
-        load_rows_of(cta, mdO, cta.tQsdO, next_head, next_m, slot)
-    cute.arch.cp_async_commit_group()
+    if cutlass.const_expr(not staged):
+        cute.arch.sync_threads()  # every warp is done with this block's dO
+        if has_next:
+            load_rows_of(cta, mdO, cta.tQsdO, next_head, next_m, slot)
+        cute.arch.cp_async_commit_group()
     gemm_ss(cta.lay.mma_dkv, cta.acc_dK, cta.dst, cta.dst.smem, cta.qt, cta.qt.stage(slot))
-    cute.arch.sync_threads()  # and with its Q
-    if has_next:
-        load_rows_of(cta, mQ, cta.tQsQ, next_head, next_m, slot)
-    cute.arch.cp_async_commit_group()
+    if cutlass.const_expr(not staged):
+        cute.arch.sync_threads()  # and with its Q
+        if has_next:
+            load_rows_of(cta, mQ, cta.tQsQ, next_head, next_m, slot)
+        cute.arch.cp_async_commit_group()
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
     acc_dQ.fill(0.0)
     gemm_ss(cta.lay.mma_dq, acc_dQ, cta.ds, cta.ds.smem, cta.kt, cta.kt.smem)
     gdQ = cute.local_tile(mdQacc[cta.batch, head, None, None], (tm, d), (m_block, 0))
-    add_into(acc_dQ, cta.thr_dq.partition_C(gdQ))
+    add_into(acc_dQ, cta.thr_dq.partition_C(gdQ), cta.spec.arch == "sm_90")
