@@ -18,12 +18,10 @@ and paged.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-os.environ.setdefault("FLASHCORE_UNVERIFIED_HEAD_DIMS", "1")  # every head dim the kernels build
 
 import torch
 

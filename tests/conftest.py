@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import os
 
-# the GPU tests run every head dim the kernels build, verified or not (flashcore.ops.validate)
-os.environ.setdefault("FLASHCORE_UNVERIFIED_HEAD_DIMS", "1")
-
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 

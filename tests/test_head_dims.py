@@ -236,22 +236,9 @@ def test_new_dim_combines(artifacts, spec):
     assert re.search(r"ld\.global(\.nc)?\.v4\.(f32|b32|u32)", body)  # a share's 16-byte loads
 
 
-def test_unverified_head_dims_are_refused_until_asked_for():
-    """Outside the test suite (which asks for them), the ops refuse the head dims whose kernels
-    have not passed the GPU tests, saying so and how to run them anyway."""
-    import os
-    import subprocess
-    import sys
+def test_every_built_head_dim_runs_and_others_are_refused_by_name():
+    from flashcore.ops.validate import head_dim_problem
 
-    code = ("from flashcore.ops.validate import head_dim_problem as p; "
-            "print(p(32)); print(p(96)); print(p(48))")
-    env = {k: v for k, v in os.environ.items() if k != "FLASHCORE_UNVERIFIED_HEAD_DIMS"}
-    lines = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    assert lines[0] == "None"
-    assert "not yet passed the GPU tests" in lines[1] and "FLASHCORE_UNVERIFIED_HEAD_DIMS=1" in lines[1]
-    assert "48 is not supported" in lines[2] and "96" not in lines[2]
-    env["FLASHCORE_UNVERIFIED_HEAD_DIMS"] = "1"
-    lines = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                           check=True).stdout.splitlines()
-    assert lines[:2] == ["None", "None"]
+    assert all(head_dim_problem(d) is None for d in (32, 64, 80, 96, 128, 256))
+    problem = head_dim_problem(48)
+    assert "48 is not supported" in problem and "96" in problem

@@ -5,7 +5,6 @@ errors are worked out only when that pass fails."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -14,34 +13,24 @@ from .inputs import DTYPE_NAMES, E4M3, readable, readable_copy
 from .plan import MAX_SPLITS
 
 _INT32_MAX = 2**31 - 1
-# Head dims whose kernels compile and pass the CPU checks but have not yet passed the GPU tests:
-# the ops refuse them unless FLASHCORE_UNVERIFIED_HEAD_DIMS=1 (the test suite sets it, so the GPU
-# tests run them).
-UNVERIFIED_HEAD_DIMS = (80, 96, 256)
-RUNNABLE_HEAD_DIMS = tuple(
-    d for d in HEAD_DIMS
-    if d not in UNVERIFIED_HEAD_DIMS or os.environ.get("FLASHCORE_UNVERIFIED_HEAD_DIMS") == "1")
 
 
 def head_dim_problem(head_dim: int) -> str | None:
     """Why the ops refuse ``head_dim`` (None: they run it)."""
-    if head_dim in RUNNABLE_HEAD_DIMS:
-        return None
     if head_dim in HEAD_DIMS:
-        return (f"head_dim {head_dim}'s kernels are built but have not yet passed the GPU tests; "
-                "set FLASHCORE_UNVERIFIED_HEAD_DIMS=1 to run them")
-    return f"head_dim {head_dim} is not supported; supported are {RUNNABLE_HEAD_DIMS}"
+        return None
+    return f"head_dim {head_dim} is not supported; supported are {HEAD_DIMS}"
 
 
 def check_qkv(q, k, v) -> None:
     """q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) on one CUDA device, fp16/bf16 (k and v may be
-    an e4m3 KV cache), D in RUNNABLE_HEAD_DIMS, Hq a multiple of Hkv."""
+    an e4m3 KV cache), D in HEAD_DIMS, Hq a multiple of Hkv."""
     try:
         qs, ks, vs, dt = q.shape, k.shape, v.shape, q.dtype
         if (
             len(qs) == 4 and len(ks) == 4 and ks == vs
             and dt in DTYPE_NAMES and k.dtype == v.dtype and (k.dtype == dt or k.dtype == E4M3)
-            and qs[3] in RUNNABLE_HEAD_DIMS and ks[3] == qs[3] and ks[0] == qs[0]
+            and qs[3] in HEAD_DIMS and ks[3] == qs[3] and ks[0] == qs[0]
             and ks[1] and qs[1] % ks[1] == 0
             and q.is_cuda and k.is_cuda and v.is_cuda
             and q.get_device() == k.get_device() == v.get_device()

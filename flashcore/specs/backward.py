@@ -201,14 +201,14 @@ class BackwardSpec(SpecData, TiledKernel):
         """The main kernel's tiles (``kernels/mma_sync_bwd/layouts.py``): Q and dO (tile_m x
         head_dim per stage), K and V (tile_n x head_dim), P and dS (tile_m x tile_n), 1 KB
         aligned each, and with ``prefetch_rows`` the LSE and D rows (fp32, tile_m per stage,
-        128-byte aligned); the row kernels use none."""
+        128-byte aligned), the whole rounded up to 1 KB; the row kernels use none."""
         if self.op != "attention_bwd":
             return 0
         c, d, e = self.config, self.head_dim, DTYPE_BYTES[self.dtype]
         n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
              + 2 * _align(c.tile_m * c.tile_n * e))
-        if self.prefetch_rows:
-            n += 2 * (-(-c.tile_m * 4 * c.stages // 128) * 128)
+        if self.prefetch_rows:  # the struct's size rounds up to its 1 KB member alignment
+            n = _align(n + 2 * (-(-c.tile_m * 4 * c.stages // 128) * 128))
         return n
 
     @property
