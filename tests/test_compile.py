@@ -8,7 +8,7 @@ import struct
 import pytest
 
 from flashcore import AttentionSpec, compile_kernel
-from flashcore.compiler.abi import attention_params
+from flashcore.compiler.abi import params_for
 from flashcore.specs import SMEM_PER_BLOCK, TileConfig
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
@@ -88,7 +88,7 @@ def test_resources_within_budget(artifacts, spec):
 @pytest.mark.parametrize("spec", SPECS[:1], ids=lambda s: s.name)
 def test_parameter_packing_matches_entry(artifacts, spec):
     art = artifacts[spec]
-    params = attention_params(spec)
+    params = params_for(spec)
     assert len(art.params) == len(params)
     for want, got in zip(params, art.params):
         assert (want.size, want.align) == (got.size, got.align), want.name
@@ -117,7 +117,6 @@ def test_launch_buffer_places_each_parameter_at_its_pointer(spec):
     import ctypes
     from types import SimpleNamespace
 
-    from flashcore.compiler.abi import params_for
     from flashcore.runtime.loader import LoadedKernel
 
     params = params_for(spec)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from flashcore.compiler.abi import attention_params, combine_params
+from flashcore.compiler.abi import params_for
 from flashcore.compiler.inspect import local_memory_in_loops, loop_bodies, sass
 from flashcore.specs import SMEM_PER_BLOCK, AttentionSpec, CombineSpec, TileConfig
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
@@ -54,7 +54,7 @@ def _ptx_body(art) -> str:
 def test_attention_variants(artifacts, spec):
     art = artifacts[spec]
     body = _ptx_body(art)
-    assert len(art.params) == len(attention_params(spec))
+    assert len(art.params) == len(params_for(spec))
     assert art.smem_dynamic == spec.smem_bytes <= SMEM_PER_BLOCK["sm_89"]  # they fit an L4
     assert_no_spills_in_loops(art, spec.name)
     # a decode tile's CTA runs about one a SM: ptxas is told so (else it budgets registers for
@@ -64,7 +64,7 @@ def test_attention_variants(artifacts, spec):
         assert art.resources.spill_store_bytes == 0, art.resources
     if spec.split_kv:  # fp32 partial rows, 8 or 16 bytes a store, and every share's LSE
         assert re.search(r"st\.global\.v[24]\.(b32|f32)", body)
-        assert "lse" in [p.name for p in attention_params(spec)]
+        assert "lse" in [p.name for p in params_for(spec)]
     if spec.kv_fp8:
         # e4m3 K/V rows in 16-byte cp.async, their descales in 4-byte ones; the codes read by
         # 16-bit ldmatrix (V transposed) and converted in registers by the hardware's e4m3
@@ -89,7 +89,7 @@ def test_attention_variants(artifacts, spec):
         # per-token K descales are loaded in the key loop (4-byte global loads); a per-head
         # one is a (batch, heads) parameter folded into the rows' exp2 scales before it
         per_key = spec.k_scale == "token"
-        k_param = {p.name: p for p in attention_params(spec)}["k_descale"]
+        k_param = {p.name: p for p in params_for(spec)}["k_descale"]
         assert k_param.dynamic_shapes == (3 if per_key else 2)
         text = sass(art.cubin)
         lines = text.splitlines()
@@ -110,7 +110,7 @@ def test_attention_variants(artifacts, spec):
 def test_combine_kernel(artifacts, spec):
     art = artifacts[spec]
     body = _ptx_body(art)
-    assert len(art.params) == len(combine_params(spec))
+    assert len(art.params) == len(params_for(spec))
     assert art.block == (32 * spec.warps, 1, 1)
     assert art.smem_dynamic == spec.smem_bytes
     assert "shfl.sync.bfly" in body  # the shares' max and sum over the warp

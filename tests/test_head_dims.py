@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from flashcore.compiler.abi import attention_params, combine_params
+from flashcore.compiler.abi import params_for
 from flashcore.ops import plan
 from flashcore.specs import (
     ARCHS,
@@ -205,7 +205,7 @@ def artifacts(tmp_path_factory):
 def test_new_dim_kernels(artifacts, spec):
     art = artifacts[spec]
     body = art.ptx[art.ptx.index(".entry"):]
-    assert len(art.params) == len(attention_params(spec))
+    assert len(art.params) == len(params_for(spec))
     assert art.block == (spec.threads, 1, 1)
     assert art.smem_dynamic == spec.smem_bytes <= L4  # the sm_90 ones fit an L4 too
     assert 0 < art.resources.registers <= 255
@@ -229,7 +229,7 @@ def test_new_dim_kernels(artifacts, spec):
 @pytest.mark.parametrize("spec", COMBINES, ids=lambda s: s.name)
 def test_new_dim_combines(artifacts, spec):
     art = artifacts[spec]
-    assert len(art.params) == len(combine_params(spec))
+    assert len(art.params) == len(params_for(spec))
     assert art.smem_dynamic == spec.smem_bytes
     assert_no_spills_in_loops(art, spec.name)
     body = art.ptx[art.ptx.index(".entry"):]

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
-from flashcore.compiler.abi import attention_params
+from flashcore.compiler.abi import params_for
 from flashcore.errors import SpecError
 from flashcore.kernels.common.block_info import (
     UNBOUNDED,
@@ -229,9 +229,9 @@ def test_spec_fields_name_validate_and_shape_the_abi():
     s = base.replace(mask_align="bottom_right", window=True, softcap=True)
     assert s.name.endswith("_causal_br_window_softcap")
     assert AttentionSpec.from_json(s.to_json()) == s
-    names = [p.name for p in attention_params(s)]
+    names = [p.name for p in params_for(s)]
     assert names[-4:] == ["window_left", "window_right", "softcap_in", "softcap_out"]
-    assert [p.name for p in attention_params(base)][-1] == "num_splits"
+    assert [p.name for p in params_for(base)][-1] == "num_splits"
     with pytest.raises(SpecError, match="mask_align"):
         AttentionSpec(mask_align="bottom_right")  # neither causal nor a window
     with pytest.raises(SpecError, match="mask_align"):
@@ -258,7 +258,7 @@ def mask_artifacts(tmp_path_factory):
 @pytest.mark.parametrize("spec", MASK_SPECS, ids=lambda s: s.name)
 def test_mask_kernels_compile_with_their_abi_and_no_spills(mask_artifacts, spec):
     art = mask_artifacts[spec]
-    assert len(art.params) == len(attention_params(spec))  # checked against the PTX .entry
+    assert len(art.params) == len(params_for(spec))  # checked against the PTX .entry
     assert_no_spills_in_loops(art, spec.name)
     body = art.ptx[art.ptx.index(".entry"):]
     # soft-capping: a full-precision tanh (no tanh.approx: its 2^-11 error times the cap

@@ -330,7 +330,7 @@ def test_wgmma_ws_launches_pass_the_masks_sizes_in_abi_order():
     and q_group, then the masks' sizes (no key shares): one value per ABI parameter."""
     from unittest import mock
 
-    from flashcore.compiler.abi import LOG2_E, tma_attention_params
+    from flashcore.compiler.abi import LOG2_E, params_for
     from flashcore.ops import launcher
     from flashcore.ops.inputs import rows_arg, tensor_arg
     from flashcore.ops.masks import masking
@@ -356,6 +356,6 @@ def test_wgmma_ws_launches_pass_the_masks_sizes_in_abi_order():
                                   (), config, True, 0.125, None, mask=mask)
     assert loaded.call_args.args[9] == ("bottom_right", True, True)  # the spec's mask fields
     (args,) = launched
-    assert len(args) == len(tma_attention_params(spec))
+    assert len(args) == len(params_for(spec))
     assert args[6:8] == (tensor_arg(out), rows_arg(lse))
     assert args[8:] == ((0.125 * LOG2_E,), (1,), (100,), (0,), (0.125 / 20.0,), (20.0 / 0.125,))

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
-from flashcore.compiler.abi import attention_params, varlen_grid
+from flashcore.compiler.abi import params_for, varlen_grid
 from flashcore.errors import SpecError
 from flashcore.specs import AttentionSpec, TileConfig, family
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
@@ -26,7 +26,7 @@ def test_spec_fields_name_validate_and_shape_the_abi():
     assert varlen.name.endswith("_br_varlen") and paged.name.endswith("_split_br_paged")
     for s in (varlen, paged, both):
         assert AttentionSpec.from_json(s.to_json()) == s
-    tail = {s: [p.name for p in attention_params(s)][-4:] for s in (varlen, paged, both)}
+    tail = {s: [p.name for p in params_for(s)][-4:] for s in (varlen, paged, both)}
     assert tail[varlen][-2:] == ["cu_seqlens_q", "cu_seqlens_k"]
     assert tail[paged][-2:] == ["block_table", "seqlens_k"]
     assert tail[both][-3:] == ["cu_seqlens_q", "block_table", "seqlens_k"]
@@ -44,7 +44,7 @@ def test_spec_fields_name_validate_and_shape_the_abi():
             AttentionSpec(arch="sm_89", **bad)
     fp8_cache = AttentionSpec(arch="sm_89", paged_kv=True, kv_fp8=True)
     assert "_kvfp8" in fp8_cache.name and fp8_cache.name.endswith("_paged")
-    params = {p.name: p for p in attention_params(fp8_cache)}
+    params = {p.name: p for p in params_for(fp8_cache)}
     # (pages, heads, page_size) descales with every stride a parameter: any user layout
     assert (params["k_descale"].dynamic_shapes, params["k_descale"].dynamic_strides) == (3, 3)
     assert AttentionSpec.from_json(fp8_cache.to_json()) == fp8_cache
@@ -140,7 +140,7 @@ def serving_artifacts(tmp_path_factory):
 @pytest.mark.parametrize("spec", SERVING_SPECS, ids=lambda s: s.name)
 def test_serving_kernels_compile_with_their_abi_and_no_spills(serving_artifacts, spec):
     art = serving_artifacts[spec]
-    assert len(art.params) == len(attention_params(spec))  # checked against the PTX .entry
+    assert len(art.params) == len(params_for(spec))  # checked against the PTX .entry
     assert_no_spills_in_loops(art, spec.name)
     body = art.ptx[art.ptx.index(".entry"):]
     sizes = set(re.findall(r"cp\.async\.c[ag]\.shared\.global[^;]*, (\d+)(?:, \d+)?;", body))

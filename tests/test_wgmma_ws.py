@@ -11,7 +11,7 @@ import struct
 
 import pytest
 
-from flashcore.compiler.abi import CoordParam, TensorMapParam, tma_attention_params
+from flashcore.compiler.abi import CoordParam, TensorMapParam, params_for
 from flashcore.compiler.inspect import sass, sass_opcodes
 from flashcore.errors import LaunchError, SpecError
 from flashcore.specs import AttentionSpec, TileConfig, dsl_arch
@@ -90,7 +90,7 @@ def test_the_spec_counts_the_producer_warpgroup():
         AttentionSpec(arch="sm_90", head_dim=128, config=WS, split_kv=True)
     with pytest.raises(SpecError, match="shared memory"):
         AttentionSpec(arch="sm_90", head_dim=128, config=WS.replace(stages=4))
-    params = tma_attention_params(AttentionSpec(arch="sm_90", head_dim=128, config=WS,
+    params = params_for(AttentionSpec(arch="sm_90", head_dim=128, config=WS,
                                                 return_lse=True))
     assert [p.name for p in params] == ["q_tma", "q_extents", "k_tma", "k_extents", "v_tma",
                                         "v_extents", "o", "lse", "scale_log2", "q_group"]
@@ -104,13 +104,13 @@ def test_masks_are_built_and_serving_layouts_refused():
     spec = AttentionSpec(arch="sm_90", head_dim=128, causal=True, mask_align="bottom_right",
                          window=True, softcap=True, return_lse=True, config=WS)
     assert spec.name.endswith("_wgmma_ws_causal_lse_br_window_softcap")
-    names = [p.name for p in tma_attention_params(spec)]
+    names = [p.name for p in params_for(spec)]
     assert names[-6:] == ["scale_log2", "q_group", "window_left", "window_right", "softcap_in",
                           "softcap_out"]
     fp8 = spec.replace(softcap=False, precision="fp8")
-    assert [p.name for p in tma_attention_params(fp8)][-4:] == ["scale_log2", "q_group",
+    assert [p.name for p in params_for(fp8)][-4:] == ["scale_log2", "q_group",
                                                                "window_left", "window_right"]
-    assert [p.name for p in tma_attention_params(spec.replace(window=False))][-3:] == [
+    assert [p.name for p in params_for(spec.replace(window=False))][-3:] == [
         "q_group", "softcap_in", "softcap_out"]
     shared = WS.replace(tile=(192, 128), warps=12)
     AttentionSpec(arch="sm_90", head_dim=128, softcap=True, config=shared)
@@ -129,7 +129,7 @@ def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
     output tile in the shared-memory budget."""
     spec = AttentionSpec(arch="sm_90", head_dim=64, precision="fp8",
                          config=WS.replace(tile=(128, 64)))
-    params = tma_attention_params(spec)
+    params = params_for(spec)
     assert [p.name for p in params] == ["q_tma", "q_extents", "k_tma", "k_extents", "vt_tma",
                                         "vt_extents", "o", "q_descale", "k_descale",
                                         "v_descale", "scale_log2", "q_group"]
@@ -137,7 +137,7 @@ def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
     assert (q.box_rows, q.box_cols, q.swizzle, q.dtype) == (128, 64, 64, "float8_e4m3fn")
     assert (k.box_rows, k.box_cols, k.swizzle, k.transposed) == (64, 64, 64, False)
     assert (vt.box_rows, vt.box_cols, vt.swizzle, vt.transposed) == (64, 64, 64, True)
-    d128 = tma_attention_params(spec.replace(head_dim=128, config=WS))
+    d128 = params_for(spec.replace(head_dim=128, config=WS))
     assert (d128[0].box_cols, d128[0].swizzle) == (128, 128)
     assert (d128[4].box_rows, d128[4].box_cols, d128[4].swizzle) == (128, 128, 128)
     # mbarriers, e4m3 Q, two stages of e4m3 K and Vᵀ, the fp16 output tile
@@ -216,7 +216,7 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
     from flashcore.kernels.wgmma_ws.turns import takes_turns
 
     art = ws_artifacts[spec]
-    assert len(art.params) == len(tma_attention_params(spec))  # checked against the .entry
+    assert len(art.params) == len(params_for(spec))  # checked against the .entry
     assert art.block == (spec.threads, 1, 1) and art.smem_dynamic == spec.smem_bytes
     assert spec.smem_bytes <= 227 * 1024
     assert_no_spills_in_loops(art, spec.name)
@@ -256,7 +256,7 @@ def test_mask_kernels_read_their_sizes_and_cap_in_full_precision(ws_artifacts, s
     any loop: ``test_ws_kernels_load_with_tma...``)."""
     art = ws_artifacts[spec]
     body = art.ptx[art.ptx.index(".entry"):]
-    params = tma_attention_params(spec)
+    params = params_for(spec)
     read = {"window_left", "softcap_in", "softcap_out"}
     if not spec.causal:
         read.add("window_right")
@@ -475,7 +475,7 @@ def test_fp8_per_head_key_descale_leaves_the_key_loop_without_loads(ws_artifacts
     """A per-head K descale is one (batch, heads) float32 parameter, folded into each row's
     exp2 scale before the loop: the key loop loads nothing from global memory and scales no
     score column (that scaling is what makes per-token K slower)."""
-    params = {p.name: p for p in tma_attention_params(spec)}
+    params = {p.name: p for p in params_for(spec)}
     assert params["k_descale"].dynamic_shapes == 2 and params["q_descale"].dynamic_shapes == 3
     text = sass(ws_artifacts[spec].cubin)
     if text is None:

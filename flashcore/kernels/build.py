@@ -10,11 +10,12 @@ static and contiguous, and strides are multiples of 16 bytes so 128-bit copies s
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..specs import AttentionSpec, BackwardSpec, CombineSpec, KernelSpec, QuantizeSpec, dsl_arch
+from ..specs import KernelSpec, dsl_arch, params
 
 
 @dataclass
@@ -25,172 +26,52 @@ class BuildProducts:
     smem_dynamic: int
 
 
-def _fakes():
-    """(bhsd, rows, per_head) makers of fake tensors (imports the DSL: call inside a worker)."""
+def _fake_maker(spec: KernelSpec):
+    """A function of a declared parameter (``flashcore.specs.params.Arg``) to its fake: a tensor
+    of its kind or a scalar (imports the DSL: call inside a worker)."""
+    import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32
     from cutlass.cute.runtime import make_fake_tensor
 
-    def bhsd(dtype, d: int, transposed: bool = False):
+    from .common.dtypes import DTYPES, E4M3
+
+    dtypes = {**DTYPES, params.E4M3: E4M3, params.F32: cutlass.Float32,
+              params.I32: cutlass.Int32}
+
+    def bhsd(dtype, transposed: bool):
         """(batch, heads, seq, d), or (batch, heads, d, seq) for FP8 Vᵀ."""
         div = 16 // max(dtype.width // 8, 1)
-        s = cute.sym_int32()
+        s, d = cute.sym_int32(), spec.head_dim
         shape = ((cute.sym_int32(), cute.sym_int32(), d, s) if transposed else
                  (cute.sym_int32(), cute.sym_int32(), s, d))
         stride = tuple(cute.sym_int64(divisibility=div) for _ in range(3)) + (1,)
         return make_fake_tensor(dtype, shape, stride, assumed_align=16)
 
-    def rows():  # (batch, heads, seq) float32, unit last stride: LSE and per-token descales
-        return make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
-                                (cute.sym_int64(), cute.sym_int64(), 1), assumed_align=4)
+    def dynamic(dtype, kind: params.Kind):
+        """Every extent run-time, the strides too but a unit last one where the kind has it."""
+        shape = tuple(cute.sym_int32() for _ in range(kind.shapes))
+        unit = (1,) * (kind.shapes - kind.strides)
+        stride = tuple(cute.sym_int64() for _ in range(kind.strides)) + unit
+        return make_fake_tensor(dtype, shape, stride, assumed_align=4)
 
-    def per_head():  # (batch, heads) float32
-        return make_fake_tensor(Float32, (cute.sym_int32(), cute.sym_int32()),
-                                (cute.sym_int64(), 1), assumed_align=4)
+    def make(arg: params.Arg):
+        dtype, kind = dtypes[arg.dtype], arg.kind
+        if kind.fmt:
+            return dtype(1.0) if kind is params.FLOAT else dtype(1)
+        if kind in (params.BHSD, params.BHDS):
+            return bhsd(dtype, kind is params.BHDS)
+        return dynamic(dtype, kind)
 
-    return bhsd, rows, per_head
-
-
-def _page_scales():
-    """(pages, heads, page_size) float32 with every stride dynamic: an e4m3 paged cache's
-    per-key descales as the user's (pages, page_size, heads) tensor permuted."""
-    import cutlass.cute as cute
-    from cutlass import Float32
-    from cutlass.cute.runtime import make_fake_tensor
-
-    return make_fake_tensor(Float32, tuple(cute.sym_int32() for _ in range(3)),
-                            tuple(cute.sym_int64() for _ in range(3)), assumed_align=4)
-
-
-def _serving_args(spec: AttentionSpec) -> tuple:
-    """cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k: int32, None where unused."""
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
-
-    def vector():
-        return make_fake_tensor(cutlass.Int32, (cute.sym_int32(),), (1,), assumed_align=4)
-
-    cu_q = vector() if spec.varlen else None
-    cu_k = vector() if spec.varlen and not spec.paged_kv else None
-    table = seqlens_k = None
-    if spec.paged_kv:
-        table = make_fake_tensor(cutlass.Int32, (cute.sym_int32(), cute.sym_int32()),
-                                 (cute.sym_int64(), 1), assumed_align=4)
-        seqlens_k = vector()
-    return cu_q, cu_k, table, seqlens_k
-
-
-def _attention_args(spec: AttentionSpec) -> tuple:
-    import cutlass
-
-    from .common.dtypes import DTYPES, E4M3
-
-    bhsd, rows, per_head = _fakes()
-    d, out = spec.head_dim, DTYPES[spec.dtype]
-    fp8 = spec.precision == "fp8"
-    q_dtype = E4M3 if fp8 else out
-    kv_dtype = E4M3 if (fp8 or spec.kv_fp8) else out
-    o = bhsd(cutlass.Float32 if spec.split_kv else out, d)
-    lse = rows() if (spec.return_lse or spec.split_kv) else None
-    qd = kd = vd = None
-    if fp8:
-        qd, kd, vd = rows(), rows() if spec.k_scale == "token" else per_head(), per_head()
-    elif spec.kv_fp8:
-        kd, vd = (_page_scales(), _page_scales()) if spec.paged_kv else (rows(), rows())
-    window = (cutlass.Int32(1), cutlass.Int32(1)) if spec.window else (None, None)
-    softcap = (cutlass.Float32(1.0), cutlass.Float32(1.0)) if spec.softcap else (None, None)
-    return (bhsd(q_dtype, d), bhsd(kv_dtype, d), bhsd(kv_dtype, d, transposed=fp8), o, lse,
-            qd, kd, vd, cutlass.Float32(1.0), cutlass.Int32(1), cutlass.Int32(1), *window,
-            *softcap, *_serving_args(spec))
-
-
-def _combine_args(spec: CombineSpec) -> tuple:
-    import cutlass
-
-    from .common.dtypes import DTYPES
-
-    bhsd, rows, _ = _fakes()
-    lse = rows() if spec.return_lse else None
-    return (bhsd(cutlass.Float32, spec.head_dim), rows(), bhsd(DTYPES[spec.dtype], spec.head_dim),
-            lse, cutlass.Int32(1), cutlass.Int32(1))
-
-
-def _quantize_args(spec: QuantizeSpec) -> tuple:
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_tensor
-
-    from .common.dtypes import DTYPES
-
-    bhsd, rows, per_head = _fakes()
-    x = bhsd(DTYPES[spec.dtype], spec.head_dim)
-    y_shape = ((cute.sym_int32(), cute.sym_int32(), spec.head_dim, cute.sym_int32())
-               if spec.transpose else
-               (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), spec.head_dim))
-    y = make_fake_tensor(cutlass.Float8E4M3FN, y_shape,
-                         tuple(cute.sym_int64(divisibility=16) for _ in range(3)) + (1,),
-                         assumed_align=16)
-    if spec.granularity == "token":
-        return x, y, rows()
-    if spec.part == "amax":  # the partial maxima of each (batch, head)
-        return x, rows()
-    return x, y, rows(), per_head()  # the casts: from the partial maxima
-
-
-def _backward_args(spec: BackwardSpec) -> tuple:
-    """``flashcore.compiler.abi.backward_params``' tensors as fakes: 16-bit (batch, heads, seq,
-    head_dim), fp32 row workspaces (batch, heads, rows) and the fp32 dQ accumulator."""
-    import cutlass
-
-    from .common.dtypes import DTYPES
-
-    bhsd, rows, _ = _fakes()
-    dt, d = DTYPES[spec.dtype], spec.head_dim
-    if spec.op == "attention_bwd_pre":
-        return bhsd(dt, d), bhsd(dt, d), rows(), rows(), rows(), bhsd(cutlass.Float32, d)
-    if spec.op == "attention_bwd_post":
-        return bhsd(cutlass.Float32, d), bhsd(dt, d), cutlass.Float32(1.0)
-    window = (cutlass.Int32(1), cutlass.Int32(1)) if spec.window else (None, None)
-    softcap = (cutlass.Float32(1.0), cutlass.Float32(1.0)) if spec.softcap else (None, None)
-    return (bhsd(dt, d), bhsd(dt, d), bhsd(dt, d), bhsd(dt, d), rows(), rows(),
-            bhsd(cutlass.Float32, d), bhsd(dt, d), bhsd(dt, d), cutlass.Float32(1.0),
-            cutlass.Float32(1.0), *window, *softcap)
+    return make
 
 
 def _traced(spec: KernelSpec):
-    """(object whose ``host`` is compiled, the device function to name, its arguments)."""
-    if isinstance(spec, QuantizeSpec):
-        from .quantize_fp8 import (
-            AmaxPerHead,
-            QuantizeFP8,
-            QuantizeFP8PerToken,
-            QuantizeFP8Transposed,
-        )
-
-        if spec.granularity == "token":
-            cls = QuantizeFP8PerToken
-        elif spec.part == "amax":
-            cls = AmaxPerHead
-        else:
-            cls = QuantizeFP8Transposed if spec.transpose else QuantizeFP8
-        return cls(spec.dtype, spec.head_dim, spec.threads), cls.kernel, _quantize_args(spec)
-    if isinstance(spec, BackwardSpec):
-        from .mma_sync_bwd.attention_bwd import AttentionBackward
-        from .mma_sync_bwd.rows import BackwardPostprocess, BackwardPreprocess
-
-        cls = {"attention_bwd": AttentionBackward, "attention_bwd_pre": BackwardPreprocess,
-               "attention_bwd_post": BackwardPostprocess}[spec.op]
-        return cls(spec), cls.kernel, _backward_args(spec)
-    if isinstance(spec, CombineSpec):
-        from .combine import CombineSplits
-
-        return CombineSplits(spec), CombineSplits.kernel, _combine_args(spec)
-    if spec.family == "wgmma_ws":
-        from .wgmma_ws.attention_fwd import WgmmaWsAttentionForward as Forward
-    else:
-        from .mma_sync.attention_fwd import AttentionForward as Forward
-    return Forward(spec), Forward.kernel, _attention_args(spec)
+    """(object whose ``host`` is compiled, the device function to name, its arguments): the
+    kernel class the spec's signature names, and the signature's ``Args`` of fakes."""
+    sig = params.signature(spec)
+    module, _, name = sig.kernel(spec).partition(":")
+    cls = getattr(importlib.import_module(f"{__package__}.{module}"), name)
+    return cls(spec), cls.kernel, (sig.args(spec, _fake_maker(spec)),)
 
 
 def _cute_ir(compiled) -> str:

@@ -35,8 +35,8 @@ class CombineSplits:
         self.slots = spec.slots
 
     @cute.jit
-    def host(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor,
-             mLSE: cute.Tensor | None, q_group: cutlass.Int32, num_splits: cutlass.Int32):
+    def host(self, args):
+        """``args``: ``flashcore.specs.params.COMBINE``'s."""
         warps, slots, d = self.spec.warps, self.slots, self.spec.head_dim
 
         @cute.struct
@@ -46,14 +46,16 @@ class CombineSplits:
             reduce: cute.struct.MemRange[cutlass.Float32, warps]
 
         self.smem_size = Scratch.size_in_bytes()  # read back by the build: the launch ABI
+        mO = args.outputs.o
         rows = mO.shape[0] * mO.shape[1] * mO.shape[2]
-        self.kernel(mOp, mLSEp, mO, mLSE, q_group, num_splits, Scratch).launch(
+        self.kernel(args, Scratch).launch(
             grid=(rows, 1, 1), block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
     @cute.kernel
-    def kernel(self, mOp: cute.Tensor, mLSEp: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor | None, q_group: cutlass.Int32, num_splits: cutlass.Int32,
-               Scratch: cutlass.Constexpr):
+    def kernel(self, args, Scratch: cutlass.Constexpr):
+        mOp, mLSEp = args.partials.o_partial, args.partials.lse_partial
+        mO, mLSE = args.outputs.o, args.outputs.lse
+        q_group, num_splits = args.shares.q_group, args.shares.num_splits
         if cutlass.const_expr(self.spec.programmatic_launch):
             cute.arch.griddepcontrol_wait()  # the partials come from the grid before this one
             cute.arch.griddepcontrol_launch_dependents()

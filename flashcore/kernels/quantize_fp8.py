@@ -20,7 +20,7 @@ Every value is cast as ``x * 448 / amax``, so no finite input saturates (|x| <= 
 import cutlass
 import cutlass.cute as cute
 
-from ..specs.quantize import AMAX_SHARES  # a warp's lanes: one reads each share
+from ..specs.quantize import AMAX_SHARES, QuantizeSpec  # a warp's lanes: one reads each share
 from .common.dtypes import DTYPES
 
 E4M3_MAX = 448.0
@@ -41,29 +41,31 @@ class AmaxPerHead:
     its ``ceil(seq / AMAX_SHARES)`` rows into ``partial[batch, head, share]`` (0 for a share
     past the end)."""
 
-    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        self.in_dtype = DTYPES[dtype]
-        self.head_dim = head_dim
-        self.threads = threads
-        self.warps = threads // 32
+    def __init__(self, spec: QuantizeSpec):
+        self.in_dtype = DTYPES[spec.dtype]
+        self.head_dim = spec.head_dim
+        self.threads = spec.threads
+        self.warps = spec.threads // 32
 
     @cute.jit
-    def host(self, mX: cute.Tensor, mPartial: cute.Tensor):
-        warps = self.warps
+    def host(self, args):
+        """``args``: ``flashcore.specs.params.QUANTIZE_FP8``'s (x, partial)."""
+        warps, mX = self.warps, args.tensors.x
 
         @cute.struct
         class Scratch:
             partial: cute.struct.MemRange[cutlass.Float32, warps]
 
         self.smem_size = Scratch.size_in_bytes()  # read back by the build: the launch ABI
-        self.kernel(mX, mPartial, Scratch).launch(
+        self.kernel(args, Scratch).launch(
             grid=(AMAX_SHARES, cute.size(mX.shape[1]), cute.size(mX.shape[0])),
             block=[self.threads, 1, 1],
             smem=self.smem_size,
         )
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mPartial: cute.Tensor, Scratch: cutlass.Constexpr):
+    def kernel(self, args, Scratch: cutlass.Constexpr):
+        mX, mPartial = args.tensors.x, args.tensors.partial
         tidx, _, _ = cute.arch.thread_idx()
         share, head, batch = cute.arch.block_idx()
         # plain arithmetic: cute.arch.warp_idx() is a full-warp shuffle, which must not run in
@@ -101,16 +103,17 @@ class _HeadScaledCast:
     """The launch of both per-(batch, head) casts: a CTA per block (``blocks``) of each
     (batch, head), the shares of the amax pass coming in."""
 
-    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        self.in_dtype = DTYPES[dtype]
-        self.head_dim = head_dim
-        self.threads = threads
+    def __init__(self, spec: QuantizeSpec):
+        self.in_dtype = DTYPES[spec.dtype]
+        self.head_dim = spec.head_dim
+        self.threads = spec.threads
 
     @cute.jit
-    def host(self, mX: cute.Tensor, mOut: cute.Tensor, mPartial: cute.Tensor,
-             mDescale: cute.Tensor):
+    def host(self, args):
+        """``args``: ``flashcore.specs.params.QUANTIZE_FP8``'s (x, out, partial, descale)."""
         self.smem_size = 0
-        self.kernel(mX, mOut, mPartial, mDescale).launch(
+        mX, mOut = args.tensors.x, args.tensors.out
+        self.kernel(args).launch(
             grid=(self.blocks(mX, mOut), cute.size(mX.shape[1]), cute.size(mX.shape[0])),
             block=[self.threads, 1, 1],
             smem=0,
@@ -121,17 +124,18 @@ class QuantizeFP8(_HeadScaledCast):
     """x -> e4m3 in x's layout with one scale per (batch, head), from the amax pass's shares:
     a CTA per block of rows, 8 values (16 bytes) a thread."""
 
-    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        super().__init__(dtype, head_dim, threads)
-        self.tpr = head_dim // 8  # threads per row
-        self.rows = threads // self.tpr
+    def __init__(self, spec: QuantizeSpec):
+        super().__init__(spec)
+        self.tpr = spec.head_dim // 8  # threads per row
+        self.rows = spec.threads // self.tpr
 
     def blocks(self, mX: cute.Tensor, mOut: cute.Tensor):
         return cute.ceil_div(mX.shape[2], self.rows)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mPartial: cute.Tensor,
-               mDescale: cute.Tensor):
+    def kernel(self, args):
+        t = args.tensors
+        mX, mOut, mPartial, mDescale = t.x, t.out, t.partial, t.descale
         tidx, _, _ = cute.arch.thread_idx()
         blk, head, batch = cute.arch.block_idx()
         amax = head_amax(mPartial[batch, head, None])
@@ -161,16 +165,17 @@ class QuantizeFP8Transposed(_HeadScaledCast):
     warp reads whole 2-byte rows, coalesced), converts them in the permuted key order and
     writes 32 contiguous bytes."""
 
-    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        super().__init__(dtype, head_dim, threads)
-        self.groups = threads // head_dim  # groups of 32 keys per CTA
+    def __init__(self, spec: QuantizeSpec):
+        super().__init__(spec)
+        self.groups = spec.threads // spec.head_dim  # groups of 32 keys per CTA
 
     def blocks(self, mX: cute.Tensor, mOut: cute.Tensor):
         return cute.ceil_div(mOut.shape[3], 32 * self.groups)
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mPartial: cute.Tensor,
-               mDescale: cute.Tensor):
+    def kernel(self, args):
+        t = args.tensors
+        mX, mOut, mPartial, mDescale = t.x, t.out, t.partial, t.descale
         tidx, _, _ = cute.arch.thread_idx()
         blk, head, batch = cute.arch.block_idx()
         d = tidx % self.head_dim
@@ -195,24 +200,27 @@ class QuantizeFP8Transposed(_HeadScaledCast):
 
 
 class QuantizeFP8PerToken:
-    def __init__(self, dtype: str, head_dim: int, threads: int = 256):
-        self.in_dtype = DTYPES[dtype]
-        self.head_dim = head_dim
-        self.threads = threads
-        self.tpr = head_dim // 8  # threads per row, 8 elements (16 bytes) each
-        self.rows = threads // self.tpr
+    def __init__(self, spec: QuantizeSpec):
+        self.in_dtype = DTYPES[spec.dtype]
+        self.head_dim = spec.head_dim
+        self.threads = spec.threads
+        self.tpr = spec.head_dim // 8  # threads per row, 8 elements (16 bytes) each
+        self.rows = spec.threads // self.tpr
 
     @cute.jit
-    def host(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
+    def host(self, args):
+        """``args``: ``flashcore.specs.params.QUANTIZE_FP8``'s (x, out, descale)."""
         self.smem_size = 0
-        self.kernel(mX, mOut, mDescale).launch(
+        mX = args.tensors.x
+        self.kernel(args).launch(
             grid=(cute.ceil_div(mX.shape[2], self.rows), cute.size(mX.shape[1]), cute.size(mX.shape[0])),
             block=[self.threads, 1, 1],
             smem=0,
         )
 
     @cute.kernel
-    def kernel(self, mX: cute.Tensor, mOut: cute.Tensor, mDescale: cute.Tensor):
+    def kernel(self, args):
+        mX, mOut, mDescale = args.tensors.x, args.tensors.out, args.tensors.descale
         tidx, _, _ = cute.arch.thread_idx()
         blk, head, batch = cute.arch.block_idx()
         row = blk * self.rows + tidx // self.tpr

@@ -80,7 +80,7 @@ def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> 
 
 def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
     """(B, H, S) per token with a unit last stride, (B, H) per head, or a paged cache's
-    (pages, heads, page_size) per key with any strides (``compiler.abi.attention_params``)."""
+    (pages, heads, page_size) per key with any strides (``specs.params.ATTENTION``)."""
     if paged:
         return (t.data_ptr(), *t.shape, *t.stride())
     if t.dim() == 3:
@@ -90,7 +90,7 @@ def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
 
 def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     """A TMA kernel's Q, K, V arguments: each tensor's descriptor, then its (seq, heads, batch)
-    (``compiler.abi.tma_attention_params``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
+    (``specs.families.WgmmaWs``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
     slot, the head_dim stride in the seq stride's) is described as head_dim rows of keys.
     Memoised on the kernel per (arguments, dtype): a descriptor depends on nothing else, and an
     eager loop that reuses its buffers then pays one look-up a call, not three."""
@@ -196,14 +196,16 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
     # FP8 operands: K's descales per token (B, H, S) or per head (B, H)
     operands = (precision, "head" if precision == "fp8" and descales[1].dim() == 2 else "token")
     dtype = DTYPE_NAMES[out.dtype]
+    fam = _family_of(config, dev)
     splits = num_splits
     if splits is None:
         splits = 1
-        if tokens <= plan.DECODE_MAX_Q and _family_of(config, dev).splits_keys:
+        if tokens <= plan.DECODE_MAX_Q and fam.splits_keys:
             splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
                                      -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8,
                                      config.kv_splits, config.tile_m, D)
-    scalars = ((softmax_scale * LOG2_E,), (q_group,), (splits,))
+    # a family that splits no keys takes no key shares (``flashcore.specs.params.ATTENTION``)
+    scalars = ((softmax_scale * LOG2_E,), (q_group,)) + (((splits,),) if fam.splits_keys else ())
     if mask is not NO_MASK:
         scalars += mask.scalars(softmax_scale)
     scalars += serving.tables
@@ -214,11 +216,9 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
         lse_args = () if lse_arg is None else (lse_arg,)
         grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
                 if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
-        if kern.artifact.spec.family == "wgmma_ws":  # TMA: descriptors, no key shares
-            launch(kern, grid, (*_tma_args(kern, qkv_args, dtype, D), out_arg,
-                                *lse_args, *descale_args, *scalars[:2], *scalars[3:]), dev)
-        else:
-            launch(kern, grid, (*qkv_args, out_arg, *lse_args, *descale_args, *scalars), dev)
+        if fam.loads_by_tma:  # the operands as TMA descriptors
+            qkv_args = _tma_args(kern, qkv_args, dtype, D)
+        launch(kern, grid, (*qkv_args, out_arg, *lse_args, *descale_args, *scalars), dev)
     else:
         # split-KV across CTAs: fp32 partials of each share, then the combine kernel; one
         # allocation holds the outputs and, after them, the LSEs (an eager decode call pays

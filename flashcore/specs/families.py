@@ -22,6 +22,7 @@ from .arch import (
     WGMMA_HEAD_DIMS,
     swizzle_line_bytes,
 )
+from .packing import CoordParam, Packed, TensorMapParam
 from .tile import TileConfig, refuse_retired_family
 
 
@@ -64,6 +65,8 @@ class KernelFamily(Protocol):
     splits_keys: bool  # builds split_kv kernels (flash-decoding's partials)
     packs_tokens: bool  # builds packed_tokens kernels (multi-token GQA decode)
     producer_threads: int  # threads a CTA has beyond config.threads (a producer warpgroup)
+    kernel_class: str  # the kernel traced: "module:Class" under flashcore.kernels
+    loads_by_tma: bool  # takes its operands as TMA descriptors (``tensor_map_params``)
 
     def dsl_arch(self, arch: str) -> str: ...
 
@@ -72,6 +75,8 @@ class KernelFamily(Protocol):
     def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool: ...
 
     def smem_bytes(self, spec: FamilySpec) -> int: ...
+
+    def tensor_map_params(self, spec: FamilySpec, arg) -> tuple[Packed, ...]: ...
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class MmaSync:
     splits_keys: bool = True
     packs_tokens: bool = True
     producer_threads: int = 0
+    kernel_class: str = "mma_sync.attention_fwd:AttentionForward"
+    loads_by_tma: bool = False
 
     def dsl_arch(self, arch: str) -> str:
         return arch
@@ -192,6 +199,9 @@ class MmaSync:
             total += _align((c.kv_splits - 1) * c.tile_m * d * 4)
         return total
 
+    def tensor_map_params(self, spec: FamilySpec, arg) -> tuple[Packed, ...]:
+        raise NotImplementedError(f"the {self.name} family loads no operand by TMA")
+
 
 @dataclass(frozen=True)
 class WgmmaWs:
@@ -213,6 +223,8 @@ class WgmmaWs:
     packs_tokens: bool = False
     rows_per_warpgroup: int = 64
     producer_threads: int = 128
+    kernel_class: str = "wgmma_ws.attention_fwd:WgmmaWsAttentionForward"
+    loads_by_tma: bool = True
 
     def dsl_arch(self, arch: str) -> str:
         return "sm_90a"  # wgmma and setmaxnreg are sm_90a instructions
@@ -256,6 +268,22 @@ class WgmmaWs:
 
     def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool:
         return False
+
+    def tensor_map_params(self, spec: FamilySpec, arg) -> tuple[Packed, ...]:
+        """An operand's TMA descriptor and its coordinate tensor's (seq, heads, batch)
+        (``flashcore.specs.params.Arg``: q, k, v or FP8 Vᵀ). Each box row fills the kernel's
+        swizzle span, at most 128 bytes (e4m3 rows of 64 elements: 64 bytes); a box is a
+        query tile's rows or a key tile's, FP8 Vᵀ's head_dim rows of tile_n keys."""
+        c, d = spec.config, spec.head_dim
+        fp8 = spec.precision == "fp8"
+        dtype, esize = ("float8_e4m3fn", 1) if fp8 else ("", 2)
+        transposed = arg.kind.name == "bhds"
+        rows, inner = (d, c.tile_n) if transposed else (
+            c.tile_m if arg.name == "q" else c.tile_n, d)
+        span = min(inner * esize, 128)
+        name = arg.abi_name
+        return (TensorMapParam(f"{name}_tma", name, rows, span // esize, dtype, span, transposed),
+                CoordParam(f"{name}_extents"))
 
     @staticmethod
     def p_in_shared(spec: FamilySpec) -> bool:

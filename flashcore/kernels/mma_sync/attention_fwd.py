@@ -56,40 +56,21 @@ class AttentionForward:
                                   or spec.paged_kv)
 
     @cute.jit
-    def host(
-        self,
-        mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor | None,
-        mQd: cute.Tensor | None,
-        mKd: cute.Tensor | None,
-        mVd: cute.Tensor | None,
-        scale_log2: cutlass.Float32,
-        q_group: cutlass.Int32,
-        num_splits: cutlass.Int32,
-        window_left: cutlass.Int32 | None = None,
-        window_right: cutlass.Int32 | None = None,
-        softcap_in: cutlass.Float32 | None = None,
-        softcap_out: cutlass.Float32 | None = None,
-        cu_seqlens_q: cute.Tensor | None = None,
-        cu_seqlens_k: cute.Tensor | None = None,
-        block_table: cute.Tensor | None = None,
-        seqlens_k: cute.Tensor | None = None,
-    ):
+    def host(self, args):
         """The launch; flashcore keeps only the kernel's cubin and its runtime repeats this
-        geometry (``flashcore.compiler.abi.attention_grid``)."""
+        geometry (``flashcore.compiler.abi.attention_grid``). ``args``:
+        ``flashcore.specs.params.ATTENTION``'s."""
         lay = KernelLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
+        mQ, mK = args.operands.q, args.operands.k
+        q_group, num_splits = args.softmax.q_group, args.softmax.num_splits
+        cu_seqlens_q = args.serving.cu_seqlens_q
         rows, heads = mQ.shape[2], mQ.shape[1]
         if cutlass.const_expr(self.spec.packed_tokens):  # a K/V head's tokens of its queries
             rows, heads = rows * q_group, mK.shape[1]
         m_blocks = cute.ceil_div(rows, self.spec.tile_m)
         batches = 1 if cu_seqlens_q is None else cu_seqlens_q.shape[0] - 1
-        self.kernel(mQ, mK, mV, mO, mLSE, mQd, mKd, mVd, scale_log2, q_group, num_splits,
-                    window_left, window_right, softcap_in, softcap_out, cu_seqlens_q,
-                    cu_seqlens_k, block_table, seqlens_k).launch(
+        self.kernel(args).launch(
             grid=(m_blocks * heads * mQ.shape[0], num_splits, batches),
             block=[self.spec.threads, 1, 1], smem=self.smem_size,
             # a decode tile's CTAs (one warp row, or a K/V head's packed token rows) run about
@@ -100,16 +81,12 @@ class AttentionForward:
         )
 
     @cute.kernel
-    def kernel(
-        self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-        mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
-        mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
-        num_splits: cutlass.Int32, window_left: cutlass.Int32 | None,
-        window_right: cutlass.Int32 | None, softcap_in: cutlass.Float32 | None,
-        softcap_out: cutlass.Float32 | None, cu_seqlens_q: cute.Tensor | None,
-        cu_seqlens_k: cute.Tensor | None, block_table: cute.Tensor | None,
-        seqlens_k: cute.Tensor | None,
-    ):
+    def kernel(self, args):
+        mQ, mK, mV = args.operands.q, args.operands.k, args.operands.v
+        mO, mLSE = args.outputs.o, args.outputs.lse
+        mQd, mKd, mVd = args.descales.q_descale, args.descales.k_descale, args.descales.v_descale
+        scale_log2, q_group = args.softmax.scale_log2, args.softmax.q_group
+        masks = args.masks
         # the CTA's coordinates, key range and addresses are arithmetic on kernel parameters
         # (~200 instructions, four integer divisions): worked out while the previous grid
         # finishes, unless a serving table (read from global memory) decides them
@@ -118,15 +95,15 @@ class AttentionForward:
             wait_for_previous_grid(self.spec)
         lay = KernelLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
-        seqs = Sequences(self.spec, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
-        cta = Cta(lay, storage, mQ, mK, mV, mKd, mVd, q_group, num_splits, window_left,
-                  window_right, seqs)
+        seqs = Sequences(self.spec, args.serving)
+        cta = Cta(lay, storage, mQ, mK, mV, mKd, mVd, q_group, args.softmax.num_splits,
+                  masks.window_left, masks.window_right, seqs)
         if cutlass.const_expr(not reads_tables):  # noqa: SIM102 - trace time, then run time
             # true in every CTA; as a branch on the computed head it keeps ptxas from hoisting
             # the wait above the arithmetic (it does for a wait that merely comes later)
             if cta.kv_head < mK.shape[1]:
                 wait_for_previous_grid(self.spec)
-        cta.softcap = (softcap_in, softcap_out)
+        cta.softcap = (masks.softcap_in, masks.softcap_out)
         # FP8: p comes out times P_SCALE (in its exp2's FMA), the row sums with it
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
                                 form="exact" if lay.fp8 else "offset",

@@ -29,10 +29,11 @@ def _clamped(value, lo, hi):
 class Sequences:
     """The serving tables of one kernel (None where the spec does not use them)."""
 
-    def __init__(self, spec, cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k):
+    def __init__(self, spec, serving):
+        """``serving``: the kernel's serving tables (``flashcore.specs.params.ATTENTION``)."""
         self.varlen, self.paged = spec.varlen, spec.paged_kv
-        self.cu_q, self.cu_k = cu_seqlens_q, cu_seqlens_k
-        self.block_table, self.seqlens_k = block_table, seqlens_k
+        self.cu_q, self.cu_k = serving.cu_seqlens_q, serving.cu_seqlens_k
+        self.block_table, self.seqlens_k = serving.block_table, serving.seqlens_k
         # a packed sequence's first row and row count in Q (and K), read once
         self.q_span = self.k_span = None
 

@@ -11,7 +11,7 @@ block (above a causal diagonal, top-left or bottom-right, or outside a window) a
 
 Inputs: Q, K, V, dO (batch, heads, seq, head_dim) 16-bit; the pre kernel's log2 LSE and D
 (batch, heads, padded rows) fp32; outputs dK, dV (K's shape). ABI:
-``flashcore.compiler.abi.backward_params``.
+``flashcore.specs.params.BACKWARD``.
 """
 
 
@@ -33,31 +33,27 @@ class AttentionBackward:
         self.smem_size = 0
 
     @cute.jit
-    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-             mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-             mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
-             window_left: cutlass.Int32 | None = None, window_right: cutlass.Int32 | None = None,
-             softcap_in: cutlass.Float32 | None = None,
-             softcap_out: cutlass.Float32 | None = None):
-        """The launch; the runtime repeats this geometry (``abi.backward_grid``)."""
+    def host(self, args):
+        """The launch; the runtime repeats this geometry (``abi.backward_grid``). ``args``:
+        ``flashcore.specs.params.BACKWARD``'s."""
         lay = BackwardLayouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
+        mK = args.inputs.k
         n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
-        self.kernel(mQ, mK, mV, mdO, mLSE2, mD, mdQacc, mdK, mdV, scale_log2, scale,
-                    window_left, window_right, softcap_in, softcap_out).launch(
+        self.kernel(args).launch(
             grid=(n_blocks * mK.shape[1] * mK.shape[0], 1, 1),
             block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor,
-               mLSE2: cute.Tensor, mD: cute.Tensor, mdQacc: cute.Tensor, mdK: cute.Tensor,
-               mdV: cute.Tensor, scale_log2: cutlass.Float32, scale: cutlass.Float32,
-               window_left: cutlass.Int32 | None, window_right: cutlass.Int32 | None,
-               softcap_in: cutlass.Float32 | None, softcap_out: cutlass.Float32 | None):
+    def kernel(self, args):
+        inputs, work, masks = args.inputs, args.workspaces, args.masks
+        mQ, mdO = inputs.q, inputs.do
+        mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
         lay = BackwardLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
-        cta = BackwardCta(lay, storage, mQ, mK, mV, window_left, window_right)
-        cta.softcap = (softcap_in, softcap_out)
+        cta = BackwardCta(lay, storage, mQ, inputs.k, inputs.v, masks.window_left,
+                          masks.window_right)
+        cta.softcap = (masks.softcap_in, masks.softcap_out)
         wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
         lo, hi = cta.query_blocks()
         per_head = cutlass.max(hi - lo, 0)
@@ -83,10 +79,10 @@ class AttentionBackward:
                                 lo + after % per_head, 1 - slot)
                 cute.arch.cp_async_commit_group()
             query_block(cta, mQ, mdO, mLSE2, mD, mdQacc, first + step // per_head,
-                        lo + step % per_head, scale_log2, after < steps,
+                        lo + step % per_head, args.scales.scale_log2, after < steps,
                         first + after // per_head, lo + after % per_head, slot)
         # a CTA whose keys no query sees walked no block: its K/V copies must land before the
         # epilogue reuses their tiles
         cute.arch.cp_async_wait_group(0)
-        store_key_grads(cta, mdK, mdV, scale)
+        store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)
 

@@ -42,15 +42,18 @@ class _RowKernel:
 
 class BackwardPreprocess(_RowKernel):
     @cute.jit
-    def host(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-             mD: cute.Tensor, mdQacc: cute.Tensor):
+    def host(self, args):
+        """``args``: ``flashcore.specs.params.BACKWARD_PRE``'s."""
+        mO, mLSE2 = args.inputs.o, args.workspaces.lse_log2
         blocks = cute.ceil_div(mLSE2.shape[2], self.rows) * mO.shape[1] * mO.shape[0]
-        self.kernel(mO, mdO, mLSE, mLSE2, mD, mdQacc).launch(
+        self.kernel(args).launch(
             grid=(blocks, 1, 1), block=[ROW_THREADS, 1, 1], smem=0)
 
     @cute.kernel
-    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mLSE2: cute.Tensor,
-               mD: cute.Tensor, mdQacc: cute.Tensor):
+    def kernel(self, args):
+        mO, mdO, mLSE = args.inputs.o, args.inputs.do, args.inputs.lse
+        work = args.workspaces
+        mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
         batch, head, row, chunk = self.coords(mO.shape[1], mLSE2.shape[2])
         wait_for_previous_grid(self.spec)
         dt = DTYPES[self.spec.dtype]
@@ -81,13 +84,15 @@ class BackwardPreprocess(_RowKernel):
 
 class BackwardPostprocess(_RowKernel):
     @cute.jit
-    def host(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: cutlass.Float32):
+    def host(self, args):
+        """``args``: ``flashcore.specs.params.BACKWARD_POST``'s."""
+        mdQ = args.outputs.dq
         blocks = cute.ceil_div(mdQ.shape[2], self.rows) * mdQ.shape[1] * mdQ.shape[0]
-        self.kernel(mdQacc, mdQ, scale).launch(grid=(blocks, 1, 1),
-                                               block=[ROW_THREADS, 1, 1], smem=0)
+        self.kernel(args).launch(grid=(blocks, 1, 1), block=[ROW_THREADS, 1, 1], smem=0)
 
     @cute.kernel
-    def kernel(self, mdQacc: cute.Tensor, mdQ: cute.Tensor, scale: cutlass.Float32):
+    def kernel(self, args):
+        mdQacc, mdQ, scale = args.inputs.dq_accum, args.outputs.dq, args.scales.scale
         batch, head, row, chunk = self.coords(mdQ.shape[1], mdQ.shape[2])
         wait_for_previous_grid(self.spec)
         dt = DTYPES[self.spec.dtype]

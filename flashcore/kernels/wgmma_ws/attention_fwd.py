@@ -78,19 +78,14 @@ class WgmmaWsAttentionForward:
         self.smem_size = 0
 
     @cute.jit
-    def host(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
-             mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
-             mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
-             num_splits: cutlass.Int32, window_left: cutlass.Int32 | None = None,
-             window_right: cutlass.Int32 | None = None, softcap_in: cutlass.Float32 | None = None,
-             softcap_out: cutlass.Float32 | None = None, cu_seqlens_q: cute.Tensor | None = None,
-             cu_seqlens_k: cute.Tensor | None = None, block_table: cute.Tensor | None = None,
-             seqlens_k: cute.Tensor | None = None):
+    def host(self, args):
         """The launch; flashcore keeps only the cubin, and its runtime encodes the descriptors
-        these atoms describe (``flashcore.compiler.abi.tma_attention_params``)."""
+        these atoms describe (``flashcore.specs.families.WgmmaWs.tensor_map_params``).
+        ``args``: ``flashcore.specs.params.ATTENTION``'s; the kernel gets them with each
+        operand as its TMA atom and coordinate tensor."""
         lay = WsLayouts(self.spec)
-        refuse_extras("wgmma_ws", (cu_seqlens_q, cu_seqlens_k, block_table, seqlens_k)
-                      + (() if lay.fp8 else (mQd, mKd, mVd)))
+        refuse_extras("wgmma_ws", tuple(args.serving) + (() if lay.fp8 else tuple(args.descales)))
+        mQ, mK, mV = args.operands.q, args.operands.k, args.operands.v
         self.smem_size = lay.storage.size_in_bytes()
         c, d = self.spec.config, self.spec.head_dim
         op = cpasync.CopyBulkTensorTileG2SOp()
@@ -103,10 +98,9 @@ class WgmmaWsAttentionForward:
                                                     cute.select(lay.sV, mode=[0, 1]),
                                                     self.v_tiling()[0])
         m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
-        self.kernel(atom_q, tma_q, atom_k, tma_k, atom_v, tma_v, mO, mLSE, mQd, mKd, mVd,
-                    scale_log2, q_group, window_left, window_right, softcap_in,
-                    softcap_out).launch(
-            grid=(m_blocks * mQ.shape[1] * mQ.shape[0], num_splits, 1),
+        tmas = args.operands._replace(q=(atom_q, tma_q), k=(atom_k, tma_k), v=(atom_v, tma_v))
+        self.kernel(args._replace(operands=tmas)).launch(
+            grid=(m_blocks * mQ.shape[1] * mQ.shape[0], 1, 1),
             block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
     def v_tiling(self) -> tuple:
@@ -118,12 +112,12 @@ class WgmmaWsAttentionForward:
         return (c.tile_n, d), (None, 0)
 
     @cute.kernel
-    def kernel(self, atom_q: cute.CopyAtom, tma_q: cute.Tensor, atom_k: cute.CopyAtom,
-               tma_k: cute.Tensor, atom_v: cute.CopyAtom, tma_v: cute.Tensor, mO: cute.Tensor,
-               mLSE: cute.Tensor | None, mQd: cute.Tensor | None, mKd: cute.Tensor | None,
-               mVd: cute.Tensor | None, scale_log2: cutlass.Float32, q_group: cutlass.Int32,
-               window_left: cutlass.Int32 | None, window_right: cutlass.Int32 | None,
-               softcap_in: cutlass.Float32 | None, softcap_out: cutlass.Float32 | None):
+    def kernel(self, args):
+        ops = args.operands  # each the host's TMA atom and coordinate tensor
+        (atom_q, tma_q), (atom_k, tma_k), (atom_v, tma_v) = ops.q, ops.k, ops.v
+        mO, mLSE = args.outputs.o, args.outputs.lse
+        mQd, mKd, mVd = args.descales.q_descale, args.descales.k_descale, args.descales.v_descale
+        scale_log2, q_group, masks = args.softmax.scale_log2, args.softmax.q_group, args.masks
         spec, c = self.spec, self.spec.config
         wait_for_previous_grid(spec)
         lay = WsLayouts(spec)
@@ -152,7 +146,8 @@ class WgmmaWsAttentionForward:
         m_block, head, batch, _ = tile_coords(mO, spec)
         kv_head = head // (mO.shape[1] // tma_k.shape[2])
         seqlen_q, seqlen_k = mO.shape[2], tma_k.shape[0]
-        bounds = spec_bounds(spec, seqlen_q, seqlen_k, q_group, window_left, window_right)
+        bounds = spec_bounds(spec, seqlen_q, seqlen_k, q_group, masks.window_left,
+                             masks.window_right)
         # the producer loads blocks n_hi - 1 down to n_lo, every one the consumers walk
         n_lo, n_hi, n_lo_unmasked = key_range(m_block, c.tile_m, c.tile_n, seqlen_k, bounds,
                                               q_group, 0, 1, 0, 1, cutlass.min, cutlass.max)
@@ -165,7 +160,7 @@ class WgmmaWsAttentionForward:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
             cons = Consumer(lay, sQ, sK, sV, sO, sP, sOnes, tidx - WARPGROUP, m_block,
                             seqlen_q, seqlen_k, q_group, bounds)
-            cons.softcap = (softcap_in, softcap_out)
+            cons.softcap = (masks.softcap_in, masks.softcap_out)
             cons.n_lo_unmasked = n_lo_unmasked
             # FP8: p comes out times P_SCALE (one FMA), the row sums with it: O / sum needs
             # only V's descale
