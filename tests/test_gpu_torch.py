@@ -140,7 +140,7 @@ def test_default_tile_is_the_tuned_one():
     from flashcore.ops.plan import tuned_config
 
     q, k, v = _qkv(b=1, hq=8, hkv=8, sq=512, sk=512)
-    launcher._kernels.clear()
+    launcher.forget()
     attention(q, k, v)
     want = tuned_config(current_arch(), 64, False, 512, "fp16")
     assert [key[3] for key in launcher._kernels] == [want]

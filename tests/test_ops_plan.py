@@ -119,26 +119,41 @@ def test_multi_token_gqa_rows_are_the_callers_tensors():
     b, hq, hkv, d = 2, 32, 8, 128
     k = torch.randn(b, hkv, 100, d)
 
-    def rows_of(sq, config=DECODE_DEFAULT, precision="fp16"):
+    def launched(sq, config=DECODE_DEFAULT, precision="fp16", num_splits=1):
         q = torch.randn(b, sq, hq, d).transpose(1, 2)  # (B, S, H, D) memory
         out, lse = torch.empty_like(q), torch.empty(b, hq, sq)
         args = (tensor_arg(q), tensor_arg(k), tensor_arg(k))
-        with mock.patch.object(launcher, "arch_of", return_value="sm_90"):
-            r = launcher._rows_of(q, k, out, lse, args, (), config, False, precision, NO_MASK,
-                                  launcher.DENSE, 0)
-        assert r.final == (tensor_arg(out), rows_arg(lse))
-        return r, args, out, lse
+        descales = ((torch.rand(b, hq, sq), torch.rand(b, hkv, 100), torch.rand(b, hkv))
+                    if precision == "fp8" else ())
+        with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+              mock.patch.object(launcher, "loaded_kernel"),
+              mock.patch.object(launcher, "combine_kernel")):
+            p = launcher.plan_launch(0, b, hq, sq, d, hkv, 2, torch.float16, config, False,
+                                     True, precision, False, False, NO_MASK, False, 0, 0, 0,
+                                     num_splits, 0.125)
+        calls = []
+        with mock.patch.object(launcher, "launch",
+                               side_effect=lambda kern, grid, a, dev: calls.append((grid, a))):
+            launcher.launch_plan(p, out, lse, args, descales)
+        return p, calls, args, out, lse
 
-    r, args, out, lse = rows_of(4)
-    assert r.packed_tokens and r.qkv_args == args
-    assert (r.out_arg, r.lse_arg) == (tensor_arg(out), rows_arg(lse))
-    assert (r.heads, r.rows, r.q_group) == (hkv, 16, 4)
-    r, args, out, lse = rows_of(1)
-    assert not r.packed_tokens and (r.heads, r.rows, r.q_group) == (hkv, 4, 4)
-    assert r.out_arg == plan.packed_arg(tensor_arg(out), hkv)
+    p, [(grid, a)], args, out, lse = launched(4)
+    assert p.packing == launcher.TOKENS and a[:3] == args
+    assert a[3:5] == (tensor_arg(out), rows_arg(lse))
+    assert grid[0] == b * hkv and a[6] == (4,)  # one 16-row tile of each K/V head; q_group
+    p, [(grid, a)], args, out, lse = launched(1)
+    assert p.packing == launcher.HEADS and grid[0] == b * hkv and a[6] == (4,)
+    assert a[3] == plan.packed_arg(tensor_arg(out), hkv)
+    assert a[0] == plan.packed_arg(args[0], hkv) and a[1:3] == args[1:]
+    p, [_, (grid, a)], args, out, lse = launched(1, num_splits=3)  # the combine
+    assert a[2:4] == (tensor_arg(out), rows_arg(lse)) and a[4:] == ((4,), (3,))
+    assert grid == (b * hq, 1, 1)
     hopper = TileConfig((128, 128), warps=8, family="wgmma_ws")
-    for r, *_ in (rows_of(4, hopper), rows_of(16), rows_of(4, precision="fp8")):
-        assert not r.packed_tokens and (r.heads, r.q_group) == (hq, 1)
+    for sq, config, precision in ((4, hopper, "fp16"), (16, DECODE_DEFAULT, "fp16"),
+                                  (4, DECODE_DEFAULT, "fp8")):
+        with mock.patch.object(launcher, "_tma_args", side_effect=lambda kern, a, *_: a):
+            p, [(grid, a)], *_ = launched(sq, config, precision)
+        assert p.packing == launcher.AS_IS and a[6 if precision != "fp8" else 9] == (1,)
 
 
 def test_packed_rows_tiles_hold_a_kv_heads_rows():

@@ -1,6 +1,7 @@
-"""Launching attention kernels: the loaded kernel of each spec, and one call's launches
-(the attention kernel, and for split-KV the combine kernel) with GQA packing and split counts
-from ``flashcore.ops.plan``."""
+"""Launching attention kernels: the loaded kernel of each spec; a call's plan (its kernels,
+grids, GQA packing and split count, from ``flashcore.ops.plan``), worked out once per distinct
+call; and the launches that bind a call's tensors to its plan (the attention kernel, and for
+split-KV the combine kernel)."""
 
 from __future__ import annotations
 
@@ -124,117 +125,158 @@ def _family_of(config: TileConfig, device: int) -> Any:
     return f
 
 
-class Rows(NamedTuple):
-    """What one call's query tiles hold as rows: the kernel arguments of q, out and lse (and
-    the descales, an FP8 query's packed like it), (heads, rows) of the grid and the GQA group
-    packed into rows (``q_group``); ``packed_tokens``: rows that the kernel gathers from q and
-    scatters to out and lse as they are; ``final``: the caller's out and lse arguments, which
-    a split call's combine writes. A named tuple: one is made every call, and a frozen
-    dataclass costs ~1 µs more to build."""
-
-    qkv_args: tuple
-    out_arg: tuple
-    lse_arg: tuple | None
-    descales: tuple
-    heads: int
-    rows: int
-    final: tuple
-    q_group: int = 1
-    packed_tokens: bool = False
+# how a call's query rows reach the kernel: as they are; a K/V head's (token, head) pairs that
+# the kernel gathers (``plan.packs_tokens``); the query heads of one token as views' arguments
+# (``plan.packs_heads``)
+AS_IS, TOKENS, HEADS = 0, 1, 2
 
 
-def _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask, serving,
-             device) -> Rows:
-    """A call's rows: a K/V head's (token, head) pairs of a few tokens, which the kernel
-    gathers (``plan.packs_tokens``), the query heads of one token as views' arguments
-    (``plan.packs_heads``), or each head's tokens as they are. Arguments, not views: an eager
-    decode call is host-bound, and a view costs more than its arguments."""
-    _, H, Sq, _ = q.shape
-    Hkv = k.shape[1]
+class Plan(NamedTuple):
+    """What one call's shapes, config and masks decide (``plan_launch``): the loaded kernels,
+    their grids, how the query rows are packed, and the scalar arguments in ABI order (the
+    serving tables follow them). Memoised per distinct call, so that ``launch_plan`` only binds
+    a call's tensors; a named tuple, as a frozen dataclass costs more to build and read."""
+
+    device: int
+    kern: Any
+    grid: tuple
+    packing: int  # AS_IS, TOKENS or HEADS
+    heads_kv: int
+    pack_q_descales: bool  # FP8 operands packed by heads: the query descales too
+    scalars: tuple
+    tma: bool  # the operands as TMA descriptors (``_tma_args``) of this dtype and head dim
+    dtype: str
+    head_dim: int
+    combine: Any = None  # split over CTAs: the combine kernel, its grid and scalars, and the
+    combine_grid: tuple = ()  # fp32 partials' (splits * batch, heads, rows, head_dim)
+    combine_scalars: tuple = ()
+    partials: tuple = ()
+
+
+_plans: dict[tuple, Plan] = {}
+_PLAN_MEMO_SIZE = 1024  # distinct calls kept (shapes vary without bound in some programs)
+
+
+def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: int,
+                heads_kv: int, key_blocks: int, out_dtype: torch.dtype, config: TileConfig,
+                causal: bool, return_lse: bool, precision: str, k_per_head: bool,
+                kv_fp8: bool, mask: Masking, varlen: bool, page_size: int, seqs: int,
+                max_seqlen_q: int, num_splits: int | None, softmax_scale: float) -> Plan:
+    """The plan of a call of these extents (``key_blocks``: key blocks of ``config.tile_n``,
+    all a split count depends on; ``seqs``, ``max_seqlen_q``: a packed batch's grid)."""
+    fam = _family_of(config, device)
+    packing, rows_heads, rows, q_group = AS_IS, heads, seqlen_q, 1
+    if not varlen and seqlen_q <= plan.DECODE_MAX_Q:  # prefill keeps its rows
+        if (precision != "fp8"
+                and plan.packs_tokens(seqlen_q, heads, heads_kv, config.tile_m, config.tile_n,
+                                      causal and not mask.shifted)
+                and fam.packs_tokens):
+            q_group = heads // heads_kv
+            packing, rows_heads, rows = TOKENS, heads_kv, seqlen_q * q_group
+        elif plan.packs_heads(seqlen_q, heads, heads_kv):
+            q_group = heads // heads_kv
+            packing, rows_heads, rows = HEADS, heads_kv, q_group
+    splits = 1 if varlen else num_splits  # a packed batch: a CTA per (head, query tile) of each
+    if splits is None:
+        splits = 1
+        if seqlen_q <= plan.DECODE_MAX_Q and fam.splits_keys:
+            splits = plan.num_splits(attention_grid(rows, rows_heads, batch, config.tile_m)[0],
+                                     key_blocks, plan.sm_count(device), kv_fp8,
+                                     config.kv_splits, config.tile_m, head_dim)
+    # a family that splits no keys takes no key shares (``flashcore.specs.params.ATTENTION``)
+    scalars = ((softmax_scale * LOG2_E,), (q_group,)) + (((splits,),) if fam.splits_keys else ())
+    if mask is not NO_MASK:
+        scalars += mask.scalars(softmax_scale)
+    dtype = DTYPE_NAMES[out_dtype]
+    operands = (precision, "head" if k_per_head else "token")
+    common = {"device": device, "packing": packing, "heads_kv": heads_kv,
+              "pack_q_descales": precision == "fp8", "scalars": scalars, "dtype": dtype,
+              "head_dim": head_dim}
+    if splits == 1:
+        kern = loaded_kernel(device, dtype, head_dim, config, causal, return_lse, operands,
+                             kv_fp8, False, mask.spec_fields, varlen, page_size,
+                             packing == TOKENS)
+        grid = (varlen_grid(max_seqlen_q, rows_heads, seqs, config.tile_m) if varlen
+                else attention_grid(rows, rows_heads, batch, config.tile_m))
+        return Plan(kern=kern, grid=grid, tma=fam.loads_by_tma, **common)
+    # split-KV across CTAs: fp32 partials of each share, then the combine kernel, which writes
+    # the caller's (B, Hq, S_q) rows, unpacking q_group heads a token
+    kern = loaded_kernel(device, dtype, head_dim, config, causal, False, operands, kv_fp8, True,
+                         mask.spec_fields, False, page_size, packing == TOKENS)
+    return Plan(kern=kern, grid=attention_grid(rows, rows_heads, batch, config.tile_m, splits),
+                tma=False, combine=combine_kernel(device, dtype, head_dim, return_lse),
+                combine_grid=combine_grid(seqlen_q, heads, batch),
+                combine_scalars=((q_group,), (splits,)),
+                partials=(splits * batch, rows_heads, rows, head_dim), **common)
+
+
+def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
+                serving: Serving = DENSE) -> None:
+    """Launch a planned call: bind its tensors' arguments (packed as planned) and launch."""
     out_arg = tensor_arg(out)
     lse_arg = None if lse is None else rows_arg(lse)
     final = (out_arg, lse_arg)
-    if serving.varlen or Sq > plan.DECODE_MAX_Q:  # neither packing: prefill keeps its rows
-        return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq, final)
-    if (precision != "fp8"
-            and plan.packs_tokens(Sq, H, Hkv, config.tile_m, config.tile_n,
-                                  causal and not mask.shifted)
-            and _family_of(config, device).packs_tokens):
-        return Rows(qkv_args, out_arg, lse_arg, descales, Hkv, Sq * (H // Hkv), final,
-                    H // Hkv, True)
-    if plan.packs_heads(Sq, H, Hkv):
-        if precision == "fp8":  # the query descales are packed like the queries
-            descales = (plan.packed(descales[0], Hkv), *descales[1:])
-        return Rows((plan.packed_arg(qkv_args[0], Hkv), *qkv_args[1:]),
-                    plan.packed_arg(out_arg, Hkv),
-                    None if lse_arg is None else plan.packed_arg(lse_arg, Hkv), descales, Hkv,
-                    H // Hkv, final, H // Hkv)
-    return Rows(qkv_args, out_arg, lse_arg, descales, H, Sq, final)
+    if p.packing == HEADS:  # arguments, not views: a view costs more than its arguments
+        hkv = p.heads_kv
+        qkv_args = (plan.packed_arg(qkv_args[0], hkv), *qkv_args[1:])
+        out_arg = plan.packed_arg(out_arg, hkv)
+        lse_arg = None if lse_arg is None else plan.packed_arg(lse_arg, hkv)
+        if p.pack_q_descales:
+            descales = (plan.packed(descales[0], hkv), *descales[1:])
+    descale_args = tuple(_descale_arg(t, serving.paged) for t in descales) if descales else ()
+    tail = p.scalars + serving.tables
+    if p.combine is None:
+        if p.tma:
+            qkv_args = _tma_args(p.kern, qkv_args, p.dtype, p.head_dim)
+        lse_args = () if lse_arg is None else (lse_arg,)
+        launch(p.kern, p.grid, (*qkv_args, out_arg, *lse_args, *descale_args, *tail), p.device)
+        return
+    # one allocation holds the partial outputs and, after them, their LSEs (an eager decode
+    # call pays ~3 us a torch.empty): (n, H, S, D) and (n, H, S), contiguous
+    n, h, r, d = p.partials
+    rows = n * h * r
+    work = torch.empty(rows * (d + 1), dtype=torch.float32, device=out.device)
+    ptr = work.data_ptr()
+    o_part = (ptr, n, h, r, h * r * d, r * d, d)
+    lse_part = (ptr + 4 * rows * d, n, h, r, h * r, r)
+    launch(p.kern, p.grid, (*qkv_args, o_part, lse_part, *descale_args, *tail), p.device)
+    final_out, final_lse = final
+    lse_args = () if final_lse is None else (final_lse,)
+    launch(p.combine, p.combine_grid,
+           (o_part, lse_part, final_out, *lse_args, *p.combine_scalars), p.device)
+
+
+def forget() -> None:
+    """Drop the loaded kernels and the plans that hold them (the next calls load and plan
+    again)."""
+    _plans.clear()
+    _kernels.clear()
+    _families.clear()
 
 
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
                      causal: bool, softmax_scale: float, num_splits: int | None, *,
                      kv_fp8: bool = False, precision: str = "fp16",
                      mask: Masking = NO_MASK, serving: Serving = DENSE) -> None:
-    """Plan and launch one attention (and, split over CTAs, its combine) into ``out``/``lse``.
+    """Plan (memoised per distinct call) and launch one attention (and, split over CTAs, its
+    combine) into ``out``/``lse``.
 
     ``qkv_args``: the kernel arguments of q, k and v (Vᵀ for fp8 operands); ``descales``: the
     float32 descale tensors the spec takes, in ABI order ((B, H, S) per token, (B, H) per
-    head, (pages, heads, page_size) per key of a paged cache). ``q``, ``k``, ``out`` and ``lse`` are the 4-d (3-d) views the kernel reads: a packed
-    batch as batch 1, a paged cache as (pages, heads, page_size, head_dim)."""
+    head, (pages, heads, page_size) per key of a paged cache). ``q``, ``k``, ``out`` and
+    ``lse`` are the 4-d (3-d) views the kernel reads: a packed batch as batch 1, a paged cache
+    as (pages, heads, page_size, head_dim)."""
     B, H, Sq, D = q.shape
     Sk = serving.max_seqlen_k if serving.paged else k.shape[2]
-    dev = q.get_device()
-    tokens = Sq  # the query length that makes a call decode (packing turns heads into rows)
-    tiles = _rows_of(q, k, out, lse, qkv_args, descales, config, causal, precision, mask,
-                     serving, dev)
-    qkv_args, out_arg, lse_arg = tiles.qkv_args, tiles.out_arg, tiles.lse_arg
-    descales, H, Sq, q_group = tiles.descales, tiles.heads, tiles.rows, tiles.q_group
-    if serving.varlen:  # a packed batch: one CTA per (head, query tile) of each sequence
-        num_splits = 1
-    descale_args = tuple(_descale_arg(t, serving.paged) for t in descales) if descales else ()
-    # FP8 operands: K's descales per token (B, H, S) or per head (B, H)
-    operands = (precision, "head" if precision == "fp8" and descales[1].dim() == 2 else "token")
-    dtype = DTYPE_NAMES[out.dtype]
-    fam = _family_of(config, dev)
-    splits = num_splits
-    if splits is None:
-        splits = 1
-        if tokens <= plan.DECODE_MAX_Q and fam.splits_keys:
-            splits = plan.num_splits(attention_grid(Sq, H, B, config.tile_m)[0],
-                                     -(-Sk // config.tile_n), plan.sm_count(dev), kv_fp8,
-                                     config.kv_splits, config.tile_m, D)
-    # a family that splits no keys takes no key shares (``flashcore.specs.params.ATTENTION``)
-    scalars = ((softmax_scale * LOG2_E,), (q_group,)) + (((splits,),) if fam.splits_keys else ())
-    if mask is not NO_MASK:
-        scalars += mask.scalars(softmax_scale)
-    scalars += serving.tables
-    masks = mask.spec_fields
-    if splits == 1:
-        kern = loaded_kernel(dev, dtype, D, config, causal, lse is not None, operands, kv_fp8,
-                             False, masks, serving.varlen, serving.page_size, tiles.packed_tokens)
-        lse_args = () if lse_arg is None else (lse_arg,)
-        grid = (varlen_grid(serving.max_seqlen_q, H, serving.batch, config.tile_m)
-                if serving.varlen else attention_grid(Sq, H, B, config.tile_m))
-        if fam.loads_by_tma:  # the operands as TMA descriptors
-            qkv_args = _tma_args(kern, qkv_args, dtype, D)
-        launch(kern, grid, (*qkv_args, out_arg, *lse_args, *descale_args, *scalars), dev)
-    else:
-        # split-KV across CTAs: fp32 partials of each share, then the combine kernel; one
-        # allocation holds the outputs and, after them, the LSEs (an eager decode call pays
-        # ~3 us a torch.empty): (splits * B, H, Sq, D) and (splits * B, H, Sq), contiguous
-        rows = splits * B * H * Sq
-        work = torch.empty(rows * (D + 1), dtype=torch.float32, device=q.device)
-        ptr = work.data_ptr()
-        o_part = (ptr, splits * B, H, Sq, H * Sq * D, Sq * D, D)
-        lse_part = (ptr + 4 * rows * D, splits * B, H, Sq, H * Sq, Sq)
-        kern = loaded_kernel(dev, dtype, D, config, causal, False, operands, kv_fp8, True,
-                             masks, False, serving.page_size, tiles.packed_tokens)
-        launch(kern, attention_grid(Sq, H, B, config.tile_m, splits),
-               (*qkv_args, o_part, lse_part, *descale_args, *scalars), dev)
-        # the combine writes the caller's (B, Hq, S_q) rows, unpacking q_group heads a token
-        comb = combine_kernel(dev, dtype, D, lse is not None)
-        final_out, final_lse = tiles.final
-        lse_args = () if final_lse is None else (final_lse,)
-        launch(comb, combine_grid(tokens, out.shape[1], B),
-               (o_part, lse_part, final_out, *lse_args, (q_group,), (splits,)), dev)
+    key = (q.get_device(), B, H, Sq, D, k.shape[1], -(-Sk // config.tile_n), out.dtype, config,
+           causal, lse is not None, precision,
+           precision == "fp8" and descales[1].dim() == 2,  # FP8 K descaled per head (B, H)
+           kv_fp8, mask, serving.varlen, serving.page_size, serving.batch, serving.max_seqlen_q,
+           num_splits, softmax_scale)
+    p = _plans.get(key)
+    if p is None:
+        p = plan_launch(*key)
+        if len(_plans) >= _PLAN_MEMO_SIZE:
+            _plans.clear()
+        _plans[key] = p
+    launch_plan(p, out, lse, qkv_args, descales, serving)
