@@ -374,3 +374,40 @@ def test_wgmma_ws_launches_pass_the_masks_sizes_in_abi_order():
     assert len(args) == len(params_for(spec))
     assert args[6:8] == (tensor_arg(out), rows_arg(lse))
     assert args[8:] == ((0.125 * LOG2_E,), (1,), (100,), (0,), (0.125 / 20.0,), (20.0 / 0.125,))
+
+
+def test_plans_are_memoised_per_key_block_count():
+    """A decode loop whose keys grow by one plans once per key block: calls whose key lengths
+    fill the same number of blocks share a plan (and launch the same way); one more block
+    plans again, and its split count may differ."""
+    from unittest import mock
+
+    from flashcore.ops import launcher
+    from flashcore.ops.inputs import tensor_arg
+
+    q = torch.randn(1, 32, 1, 64).half()
+    out = torch.empty_like(q)
+    planned, launched = [], []
+    real_plan = launcher.plan_launch
+
+    def counting_plan(*key):
+        planned.append(key)
+        return real_plan(*key)
+
+    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+          mock.patch.object(plan, "sm_count", return_value=132),
+          mock.patch.object(launcher, "loaded_kernel"),
+          mock.patch.object(launcher, "combine_kernel"),
+          mock.patch.object(launcher, "plan_launch", side_effect=counting_plan),
+          mock.patch.object(launcher, "launch",
+                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
+          mock.patch.object(torch.Tensor, "get_device", return_value=0)):
+        launcher.forget()
+        for sk in (4097, 4100, 4160, 4161):
+            k = torch.randn(1, 8, sk, 64).half()
+            launcher.launch_attention(q, k, out, None, (tensor_arg(q), tensor_arg(k),
+                                                        tensor_arg(k)), (), DECODE_DEFAULT,
+                                      False, 0.125, None)
+    assert [key[6] for key in planned] == [65, 66]  # 64-key blocks: 4097-4160 are 65
+    assert launched[0][0] == launched[2][0] == launched[4][0]  # the same grid: one plan
+    launcher.forget()
