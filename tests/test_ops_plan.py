@@ -411,3 +411,31 @@ def test_plans_are_memoised_per_key_block_count():
     assert [key[6] for key in planned] == [65, 66]  # 64-key blocks: 4097-4160 are 65
     assert launched[0][0] == launched[2][0] == launched[4][0]  # the same grid: one plan
     launcher.forget()
+
+
+def test_every_registered_op_reports_its_outputs_under_fake_tensors():
+    """Each registered op's fake (made from its one signature) gives the shapes and dtypes the
+    op returns, whether its arguments come by position or by name."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import flashcore.ops.library  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.flashcore
+    e4m3 = torch.float8_e4m3fn
+    with FakeTensorMode():
+        q = torch.empty(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
+        k = torch.empty(2, 2, 500, 64, device="cuda", dtype=torch.bfloat16)
+        out, lse = ops.attention(q, k, k, True, None, True)  # by position
+        assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (2, 8, 300)
+        out, lse = ops.attention(q, k, k, causal=True, window=[3, 0])
+        assert out.shape == q.shape and lse.numel() == 0
+        q8, k8 = q.to(e4m3), k.to(e4m3)
+        vt8 = torch.empty(2, 2, 64, 512, device="cuda", dtype=e4m3)
+        qd, kd, vd = (torch.empty(s, device="cuda") for s in ((2, 8, 300), (2, 2), (2, 2)))
+        out, lse = ops.attention_fp8(q8, k8, vt8, qd, kd, vd, return_lse=True,
+                                     out_dtype=torch.bfloat16)
+        assert out.dtype == torch.bfloat16 and out.shape == q.shape and lse.shape == (2, 8, 300)
+        x8, descale = ops.quantize_fp8(k, True)
+        assert x8.shape == (2, 2, 64, 512) and x8.dtype == e4m3 and descale.shape == (2, 2)
+        x8, descale = ops.quantize_fp8(k, granularity="token")
+        assert x8.shape == k.shape and descale.shape == (2, 2, 500)

@@ -7,8 +7,9 @@
     torch.ops.flashcore.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, ...) -> (out, lse)
     torch.ops.flashcore.attention_paged(q, k_cache, v_cache, block_table, seqlens_k, ...)
 
-Each returns a fixed structure (``lse`` is an empty tensor unless asked for). Their fake
-implementations give the shapes, dtypes and strides the real ones return. Eager calls of
+Each returns a fixed structure (``lse`` is an empty tensor unless asked for). Each op is written
+once: its fake implementation is made from its signature and a function of the shapes it
+returns (``_registered``). Eager calls of
 ``flashcore.ops.attention`` skip this layer (it costs host time) and run the same code directly.
 
 ``torch.ops.flashcore.attention`` has an autograd formula (``flashcore.ops.backward``: its
@@ -19,6 +20,8 @@ never trains silently through attention.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import Tensor
@@ -64,7 +67,36 @@ def _lse_or_empty(q: Tensor, lse: Tensor | None) -> Tensor:
     return lse if lse is not None else q.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashcore::attention", mutates_args=())
+def _fake_of(impl, outputs):
+    """A registered op's fake implementation from its real one's signature: ``outputs`` gets
+    every argument by name (defaults filled in) and gives the shapes and dtypes the op returns,
+    so no op's signature is written twice."""
+    signature = inspect.signature(impl)
+
+    def fake(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return outputs(**bound.arguments)
+
+    return fake
+
+
+def _registered(name: str, outputs):
+    """``impl`` registered as ``flashcore::name``, with its fake made by ``_fake_of``."""
+    def register(impl):
+        op = torch.library.custom_op(f"flashcore::{name}", mutates_args=())(impl)
+        op.register_fake(_fake_of(impl, outputs))
+        return op
+
+    return register
+
+
+def _rows_lse(q: Tensor, return_lse: bool, shape) -> Tensor:
+    return q.new_empty(shape, dtype=torch.float32) if return_lse else _lse_or_empty(q, None)
+
+
+@_registered("attention", lambda q, return_lse, **_: (
+    q.new_empty(q.shape), _rows_lse(q, return_lse, q.shape[:3])))
 def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                softmax_scale: float | None = None, return_lse: bool = False,
                tile: list[int] | None = None, warps: int | None = None,
@@ -81,15 +113,8 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
 
-@_attention.register_fake
-def _(q, k, v, causal=False, softmax_scale=None, return_lse=False, tile=None, warps=None,
-      stages=None, kv_splits=None, num_splits=None, precision="fp16", k_descale=None,
-      v_descale=None, mask_align="top_left", window=None, softcap=None, config=None):
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32) if return_lse else None
-    return q.new_empty(q.shape), _lse_or_empty(q, lse)
-
-
-@torch.library.custom_op("flashcore::attention_fp8", mutates_args=())
+@_registered("attention_fp8", lambda q8, return_lse, out_dtype, **_: (
+    q8.new_empty(q8.shape, dtype=out_dtype), _rows_lse(q8, return_lse, q8.shape[:3])))
 def _attention_fp8(q8: Tensor, k8: Tensor, vt8: Tensor, q_descale: Tensor, k_descale: Tensor,
                    v_descale: Tensor, causal: bool = False, softmax_scale: float | None = None,
                    return_lse: bool = False, out_dtype: torch.dtype = torch.float16,
@@ -104,33 +129,22 @@ def _attention_fp8(q8: Tensor, k8: Tensor, vt8: Tensor, q_descale: Tensor, k_des
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q8, None))
 
 
-@_attention_fp8.register_fake
-def _(q8, k8, vt8, q_descale, k_descale, v_descale, causal=False, softmax_scale=None,
-      return_lse=False, out_dtype=torch.float16, tile=None, warps=None, stages=None,
-      kv_splits=None, num_splits=None, config=None):
-    lse = q8.new_empty(q8.shape[:3], dtype=torch.float32) if return_lse else None
-    return q8.new_empty(q8.shape, dtype=out_dtype), _lse_or_empty(q8, lse)
+def _quantized(x, transpose, granularity, **_):
+    B, H, S, D = x.shape
+    x8 = x.new_empty((B, H, D, padded_keys(S)) if transpose else (B, H, S, D), dtype=E4M3)
+    shape = (B, H, S) if granularity == "token" else (B, H)
+    return x8, x.new_empty(shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("flashcore::quantize_fp8", mutates_args=())
+@_registered("quantize_fp8", _quantized)
 def _quantize_fp8(x: Tensor, transpose: bool = False, granularity: str = "head",
                   check_finite: bool = False) -> tuple[Tensor, Tensor]:
     return run_quantize(x, transpose=transpose, granularity=granularity,
                         check_finite=check_finite)
 
 
-@_quantize_fp8.register_fake
-def _(x, transpose=False, granularity="head", check_finite=False):
-    B, H, S, D = x.shape
-    if transpose:
-        x8 = x.new_empty((B, H, D, padded_keys(S)), dtype=E4M3)
-    else:
-        x8 = x.new_empty((B, H, S, D), dtype=E4M3)
-    shape = (B, H, S) if granularity == "token" else (B, H)
-    return x8, x.new_empty(shape, dtype=torch.float32)
-
-
-@torch.library.custom_op("flashcore::attention_varlen", mutates_args=())
+@_registered("attention_varlen", lambda q, return_lse, **_: (
+    q.new_empty(q.shape), _rows_lse(q, return_lse, (q.shape[1], q.shape[0]))))
 def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                       cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                       causal: bool = False, softmax_scale: float | None = None,
@@ -148,15 +162,9 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
 
-@_attention_varlen.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
-      softmax_scale=None, return_lse=False, mask_align="top_left", window=None, softcap=None,
-      tile=None, warps=None, stages=None, kv_splits=None, check_lengths=True, config=None):
-    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
-    return q.new_empty(q.shape), _lse_or_empty(q, lse)
-
-
-@torch.library.custom_op("flashcore::attention_paged", mutates_args=())
+@_registered("attention_paged", lambda q, return_lse, cu_seqlens_q, **_: (
+    q.new_empty(q.shape), _rows_lse(q, return_lse, (q.shape[1], q.shape[0])
+                                    if cu_seqlens_q is not None else q.shape[:3])))
 def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                      seqlens_k: Tensor, causal: bool = False, softmax_scale: float | None = None,
                      return_lse: bool = False, cu_seqlens_q: Tensor | None = None,
@@ -174,18 +182,6 @@ def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
                     num_splits=num_splits, check_lengths=check_lengths, k_descale=k_descale,
                     v_descale=v_descale)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
-
-
-@_attention_paged.register_fake
-def _(q, k_cache, v_cache, block_table, seqlens_k, causal=False, softmax_scale=None,
-      return_lse=False, cu_seqlens_q=None, max_seqlen_q=None, mask_align="top_left",
-      window=None, softcap=None, tile=None, warps=None, stages=None, kv_splits=None,
-      num_splits=None, check_lengths=True, k_descale=None, v_descale=None, config=None):
-    lse = None
-    if return_lse:
-        shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
-        lse = q.new_empty(shape, dtype=torch.float32)
-    return q.new_empty(q.shape), _lse_or_empty(q, lse)
 
 
 def _no_backward(ctx, *grads):
