@@ -369,7 +369,7 @@ def test_wgmma_ws_launches_pass_the_masks_sizes_in_abi_order():
           mock.patch.object(torch.Tensor, "get_device", return_value=0)):
         launcher.launch_attention(q, k, out, lse, (tensor_arg(q), tensor_arg(k), tensor_arg(k)),
                                   (), config, True, 0.125, None, mask=mask)
-    assert loaded.call_args.args[9] == ("bottom_right", True, True)  # the spec's mask fields
+    assert loaded.call_args.args[1].masks == ("bottom_right", True, True)  # the spec's fields
     (args,) = launched
     assert len(args) == len(params_for(spec))
     assert args[6:8] == (tensor_arg(out), rows_arg(lse))

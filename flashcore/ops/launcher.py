@@ -40,32 +40,46 @@ class Serving:
 
 
 DENSE = Serving(False, 0, (), 0, 0, 0)
-_kernels: dict[tuple, Any] = {}  # (device, spec fields) -> LoadedKernel
+_kernels: dict[tuple, Any] = {}  # (device, KernelKey) or the combine's key -> LoadedKernel
 _TMA_MEMO_SIZE = 64  # TMA arguments kept per kernel (``_tma_args``)
 
 
-def loaded_kernel(device: int, *fields) -> Any:
-    """The loaded attention kernel of ``AttentionSpec(arch, *fields)`` (dtype, head_dim, config,
-    causal, return_lse, (precision, k_scale), kv_fp8, split_kv, (mask_align, window, softcap),
-    varlen, page_size, packed_tokens) on CUDA device index ``device``, built once (the key is a
-    plain tuple: every call looks it up). ``page_size`` > 0 reads a paged cache: the page size
-    is compiled in when the family can copy such pages whole, else the kernel gathers any page
-    size."""
-    key = (device, *fields)
-    k = _kernels.get(key)
+class KernelKey(NamedTuple):
+    """What picks a call's attention kernel besides its device's arch (``loaded_kernel``):
+    the ``AttentionSpec`` fields a plan decides, by name. ``masks``: (mask_align, window,
+    softcap) as the spec holds them; ``page_size`` > 0 reads a paged cache."""
+
+    dtype: str
+    head_dim: int
+    config: TileConfig
+    causal: bool
+    return_lse: bool
+    precision: str
+    k_scale: str
+    kv_fp8: bool
+    split_kv: bool
+    masks: tuple
+    varlen: bool
+    page_size: int
+    packed_tokens: bool
+
+
+def loaded_kernel(device: int, key: KernelKey) -> Any:
+    """The loaded attention kernel of ``key`` on CUDA device index ``device``, built once. A
+    paged cache's page size is compiled in when the family can copy such pages whole, else the
+    kernel gathers any page size."""
+    k = _kernels.get((device, key))
     if k is None:
-        (dtype, head_dim, config, causal, return_lse, operands, kv_fp8, split_kv, masks,
-         varlen, page_size, packed_tokens) = fields
-        align, window, softcap = masks
-        precision, k_scale = operands
+        align, window, softcap = key.masks
         spec = AttentionSpec(
-            arch=arch_of(device), dtype=dtype, head_dim=head_dim, config=config, causal=causal,
-            return_lse=return_lse, precision=precision, k_scale=k_scale, kv_fp8=kv_fp8,
-            split_kv=split_kv, mask_align=align, window=window, softcap=softcap, varlen=varlen,
-            paged_kv=page_size > 0, packed_tokens=packed_tokens)
-        if page_size and family(spec.family).copies_whole_pages(spec, page_size):
-            spec = spec.replace(page_size=page_size)
-        k = _kernels[key] = kernel_for(spec, device)
+            arch=arch_of(device), dtype=key.dtype, head_dim=key.head_dim, config=key.config,
+            causal=key.causal, return_lse=key.return_lse, precision=key.precision,
+            k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv, mask_align=align,
+            window=window, softcap=softcap, varlen=key.varlen, paged_kv=key.page_size > 0,
+            packed_tokens=key.packed_tokens)
+        if key.page_size and family(spec.family).copies_whole_pages(spec, key.page_size):
+            spec = spec.replace(page_size=key.page_size)
+        k = _kernels[(device, key)] = kernel_for(spec, device)
     return k
 
 
@@ -188,21 +202,22 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
     if mask is not NO_MASK:
         scalars += mask.scalars(softmax_scale)
     dtype = DTYPE_NAMES[out_dtype]
-    operands = (precision, "head" if k_per_head else "token")
+    key = KernelKey(dtype=dtype, head_dim=head_dim, config=config, causal=causal,
+                    return_lse=return_lse, precision=precision,
+                    k_scale="head" if k_per_head else "token", kv_fp8=kv_fp8, split_kv=False,
+                    masks=mask.spec_fields, varlen=varlen, page_size=page_size,
+                    packed_tokens=packing == TOKENS)
     common = {"device": device, "packing": packing, "heads_kv": heads_kv,
               "pack_q_descales": precision == "fp8", "scalars": scalars, "dtype": dtype,
               "head_dim": head_dim}
     if splits == 1:
-        kern = loaded_kernel(device, dtype, head_dim, config, causal, return_lse, operands,
-                             kv_fp8, False, mask.spec_fields, varlen, page_size,
-                             packing == TOKENS)
+        kern = loaded_kernel(device, key)
         grid = (varlen_grid(max_seqlen_q, rows_heads, seqs, config.tile_m) if varlen
                 else attention_grid(rows, rows_heads, batch, config.tile_m))
         return Plan(kern=kern, grid=grid, tma=fam.loads_by_tma, **common)
     # split-KV across CTAs: fp32 partials of each share, then the combine kernel, which writes
     # the caller's (B, Hq, S_q) rows, unpacking q_group heads a token
-    kern = loaded_kernel(device, dtype, head_dim, config, causal, False, operands, kv_fp8, True,
-                         mask.spec_fields, False, page_size, packing == TOKENS)
+    kern = loaded_kernel(device, key._replace(return_lse=False, split_kv=True, varlen=False))
     return Plan(kern=kern, grid=attention_grid(rows, rows_heads, batch, config.tile_m, splits),
                 tma=False, combine=combine_kernel(device, dtype, head_dim, return_lse),
                 combine_grid=combine_grid(seqlen_q, heads, batch),
