@@ -143,7 +143,7 @@ def test_default_tile_is_the_tuned_one():
     launcher.forget()
     attention(q, k, v)
     want = tuned_config(current_arch(), 64, False, 512, "fp16")
-    assert [key.config for _, key in launcher._kernels] == [want]
+    assert [p.kern.artifact.spec.config for p in launcher._plans.values()] == [want]
     ref = reference.attention(q, k, v, device=q.device)
     assert max_abs(attention(q, k, v, tile=(64, 64)), ref) < 1e-2  # an explicit tile still works
 

@@ -40,7 +40,6 @@ class Serving:
 
 
 DENSE = Serving(False, 0, (), 0, 0, 0)
-_kernels: dict[tuple, Any] = {}  # (device, KernelKey) or the combine's key -> LoadedKernel
 _TMA_MEMO_SIZE = 64  # TMA arguments kept per kernel (``_tma_args``)
 
 
@@ -65,32 +64,25 @@ class KernelKey(NamedTuple):
 
 
 def loaded_kernel(device: int, key: KernelKey) -> Any:
-    """The loaded attention kernel of ``key`` on CUDA device index ``device``, built once. A
-    paged cache's page size is compiled in when the family can copy such pages whole, else the
-    kernel gathers any page size."""
-    k = _kernels.get((device, key))
-    if k is None:
-        align, window, softcap = key.masks
-        spec = AttentionSpec(
-            arch=arch_of(device), dtype=key.dtype, head_dim=key.head_dim, config=key.config,
-            causal=key.causal, return_lse=key.return_lse, precision=key.precision,
-            k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv, mask_align=align,
-            window=window, softcap=softcap, varlen=key.varlen, paged_kv=key.page_size > 0,
-            packed_tokens=key.packed_tokens)
-        if key.page_size and family(spec.family).copies_whole_pages(spec, key.page_size):
-            spec = spec.replace(page_size=key.page_size)
-        k = _kernels[(device, key)] = kernel_for(spec, device)
-    return k
+    """The loaded attention kernel of ``key`` on CUDA device index ``device`` (from the
+    runtime's one registry, ``runtime.launch.kernel_for``). A paged cache's page size is
+    compiled in when the family can copy such pages whole, else the kernel gathers any page
+    size."""
+    align, window, softcap = key.masks
+    spec = AttentionSpec(
+        arch=arch_of(device), dtype=key.dtype, head_dim=key.head_dim, config=key.config,
+        causal=key.causal, return_lse=key.return_lse, precision=key.precision,
+        k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv, mask_align=align,
+        window=window, softcap=softcap, varlen=key.varlen, paged_kv=key.page_size > 0,
+        packed_tokens=key.packed_tokens)
+    if key.page_size and family(spec.family).copies_whole_pages(spec, key.page_size):
+        spec = spec.replace(page_size=key.page_size)
+    return kernel_for(spec, device)
 
 
 def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> Any:
-    key = ("combine", device, dtype, head_dim, return_lse)
-    k = _kernels.get(key)
-    if k is None:
-        k = _kernels[key] = kernel_for(CombineSpec(arch=arch_of(device), dtype=dtype,
-                                                   head_dim=head_dim, return_lse=return_lse),
-                                       device)
-    return k
+    return kernel_for(CombineSpec(arch=arch_of(device), dtype=dtype, head_dim=head_dim,
+                                  return_lse=return_lse), device)
 
 
 def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
@@ -262,10 +254,8 @@ def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
 
 
 def forget() -> None:
-    """Drop the loaded kernels and the plans that hold them (the next calls load and plan
-    again)."""
+    """Drop the plans (the next calls plan again; the runtime keeps the kernels loaded)."""
     _plans.clear()
-    _kernels.clear()
     _families.clear()
 
 
