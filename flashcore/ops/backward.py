@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -34,7 +33,14 @@ from ..specs.backward import (
 )
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking, call_masking, folded
-from .validate import check_extents, check_qkv, softmax_scale_of
+from .validate import (
+    check_extents,
+    check_like,
+    check_qkv,
+    check_rows,
+    grad_buffer,
+    softmax_scale_of,
+)
 
 # (device, dtype, head_dim, config, warps_m, causal, mask fields) -> loaded kernels
 _kernels: dict[tuple, tuple] = {}
@@ -97,39 +103,6 @@ def backward_kernels(device: int, dtype: str, head_dim: int, config: TileConfig,
     return ks
 
 
-def _check_like(name: str, t: Any, q: Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"attention_backward: {name} must be a torch.Tensor, got "
-                        f"{type(t).__name__}")
-    if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
-        raise ValueError(f"attention_backward: {name} is {tuple(t.shape)} {t.dtype} on "
-                         f"{t.device}; expected q's {tuple(q.shape)} {q.dtype} on {q.device}")
-
-
-def _check_rows(name: str, t: Any, q: Tensor) -> Tensor:
-    """A float32 (B, H, S_q) row tensor (the LSE, its gradient), returned with a unit last
-    stride."""
-    want = tuple(q.shape[:3])
-    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want
-            or t.device != q.device):
-        raise ValueError(f"attention_backward: {name} must be float32 of shape {want} on "
-                         f"{q.device}, got {getattr(t, 'dtype', type(t).__name__)} "
-                         f"{tuple(getattr(t, 'shape', ()))}")
-    return t if t.stride(2) == 1 else t.contiguous()
-
-
-def _grad_buffer(name: str, t: Tensor | None, like: Tensor) -> Tensor:
-    """A gradient's output: ``t`` (contiguous, of ``like``'s shape, dtype and device) or a new
-    tensor."""
-    if t is None:
-        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    if (not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype
-            or t.device != like.device or not t.is_contiguous()):
-        raise ValueError(f"attention_backward: {name} must be a contiguous {like.dtype} tensor "
-                         f"of shape {tuple(like.shape)} on {like.device}")
-    return t
-
-
 def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                        causal: bool = False, softmax_scale: float | None = None, *,
                        mask_align: str = "top_left", window: tuple[int, int] | None = None,
@@ -155,17 +128,17 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if k.dtype != q.dtype:
         raise ValueError("attention_backward: an FP8 KV cache has no backward; k and v must "
                          "have q's dtype")
-    _check_like("dout", dout, q)
-    _check_like("out", out, q)
-    lse = _check_rows("lse", lse, q)
+    check_like("dout", dout, q)
+    check_like("out", out, q)
+    lse = check_rows("lse", lse, q)
     if dlse is not None:
-        dlse = _check_rows("dlse", dlse, q)
+        dlse = check_rows("dlse", dlse, q)
     scale = softmax_scale_of(softmax_scale, q.shape[3])
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    dq = _grad_buffer("dq", dq, q)
-    dk = _grad_buffer("dk", dk, k)
-    dv = _grad_buffer("dv", dv, k)
+    dq = grad_buffer("dq", dq, q)
+    dk = grad_buffer("dk", dk, k)
+    dv = grad_buffer("dv", dv, k)
     if 0 in (B, H, Sq, Sk):  # no score: every gradient is 0
         return dq.zero_(), dk.zero_(), dv.zero_()
     negate = scale < 0

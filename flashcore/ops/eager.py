@@ -10,19 +10,19 @@ import warnings
 import torch
 
 from ..runtime.device import arch_of
-from ..specs import FP8_HEAD_DIMS, TileConfig
+from ..specs import TileConfig
 from . import plan
-from .inputs import DTYPE_NAMES, E4M3, prepared, tensor_arg, transposed_arg
+from .inputs import E4M3, prepared, tensor_arg, transposed_arg
 from .launcher import launch_attention
 from .masks import NO_MASK, Masking, call_masking, folded
-from .quantize import padded_keys, run_quantize
+from .quantize import run_quantize
 from .validate import (
     check_extents,
-    check_fp8_descale,
-    check_fp8_operand,
+    check_fp8_call,
     check_kv_descales,
     check_num_splits,
     check_out,
+    check_precision,
     check_qkv,
     signed_query,
     softmax_scale_of,
@@ -73,17 +73,8 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     softmax_scale = softmax_scale_of(softmax_scale, q.shape[3])
     check_num_splits("attention", num_splits)
     dev = q.get_device()
-    if precision not in ("fp16", "fp8"):
-        raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
-    if precision == "fp8" and mask.softcap is not None:
-        raise ValueError("attention: softcap needs precision='fp16' (the FP8 kernel never forms "
-                         "the true logits: its query descales fold into the exp2 scale)")
-    if precision == "fp8" and q.shape[3] not in FP8_HEAD_DIMS:
-        raise ValueError(f"attention: precision='fp8' is built for head_dim in {FP8_HEAD_DIMS}, "
-                         f"not {q.shape[3]}; use precision='fp16'")
-    if precision == "fp8" and k.dtype == E4M3:
-        raise ValueError("attention: precision='fp8' quantises 16-bit k and v itself; an FP8 KV "
-                         "cache runs with precision='fp16' (16-bit arithmetic)")
+    if precision != "fp16":
+        check_precision(precision, mask.softcap is not None, q.shape[3], k.dtype)
     config = resolve_config(config, tile, warps, stages, kv_splits, arch=arch_of(dev),
                             head_dim=q.shape[3], causal=causal, seqlen_q=q.shape[2],
                             precision="fp8kv" if k.dtype == E4M3 else precision,
@@ -148,27 +139,11 @@ def run_fp8(
     mask: Masking = NO_MASK,
 ):
     """``flashcore.ops.fp8.attention_fp8``, eager."""
-    if q8.dim() != 4 or k8.dim() != 4:
-        raise ValueError("attention_fp8: q8 and k8 must be (batch, heads, seq, head_dim)")
-    B, H, Sq, D = q8.shape
-    Hkv, Sk = k8.shape[1], k8.shape[2]
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"attention_fp8: q8 has {H} heads and k8 {Hkv}: the query heads must be "
-                         "a whole multiple of the key/value heads")
     inputs = {"q8": q8, "k8": k8, "vt8": vt8, "q_descale": q_descale, "k_descale": k_descale,
               "v_descale": v_descale}
-    q8 = check_fp8_operand("q8", q8, (B, H, Sq, D))
-    k8 = check_fp8_operand("k8", k8, (B, Hkv, Sk, D))
-    vt8 = check_fp8_operand("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
-    if not (q8.device == k8.device == vt8.device) or q8.device.type != "cuda":
-        raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
-    if D not in FP8_HEAD_DIMS or min(B, H, Sq, Sk) == 0:
-        raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
-    if out_dtype not in DTYPE_NAMES:
-        raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
-    qd = check_fp8_descale("q_descale", q_descale, (B, H, Sq), q8.device)
-    kd = check_fp8_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device, (B, Hkv))
-    vd = check_fp8_descale("v_descale", v_descale, (B, Hkv), q8.device)
+    q8, k8, vt8, qd, kd, vd = check_fp8_call(q8, k8, vt8, q_descale, k_descale, v_descale,
+                                             out_dtype)
+    B, H, Sq, D = q8.shape
     softmax_scale = softmax_scale_of(softmax_scale, D)
     q8, softmax_scale = signed_query(q8, softmax_scale)
     device = q8.get_device()

@@ -37,56 +37,18 @@ from .inputs import DTYPE_NAMES, E4M3, prepared, readable
 from .launcher import Serving, launch_attention
 from .masks import call_masking
 from .validate import (
+    INT32_MAX,
+    check_heads,
+    check_int32,
     check_kv_descales,
     check_num_splits,
     check_out,
-    head_dim_problem,
+    check_tensor,
+    int32_vector,
+    op_error,
     signed_query,
     softmax_scale_of,
 )
-
-_INT32_MAX = 2**31 - 1
-
-
-def _fail(op: str, what: str) -> ValueError:
-    return ValueError(f"{op}: {what}")
-
-
-def _check_tensor(op: str, name: str, t, dims: int, dtypes, device=None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise _fail(op, f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected one of {tuple(dtypes)}")
-    if not t.is_cuda:
-        raise _fail(op, f"{name} is on {t.device}; flashcore runs on CUDA tensors")
-    if device is not None and t.device != device:
-        raise _fail(op, f"{name} is on {t.device}, q on {device}")
-
-
-def _check_heads(op: str, q_heads: int, kv_heads: int, head_dim: int, kv_dim: int) -> None:
-    problem = head_dim_problem(head_dim)
-    if problem is not None:
-        raise _fail(op, problem)
-    if kv_dim != head_dim:
-        raise _fail(op, f"q has head_dim {head_dim}, k/v {kv_dim}")
-    if kv_heads == 0 or q_heads % kv_heads:
-        raise _fail(op, f"q has {q_heads} heads and k/v {kv_heads}: the query heads must be a "
-                        "whole multiple of the key/value heads (grouped-query attention)")
-
-
-def _check_max(op: str, name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32_MAX:
-        raise _fail(op, f"{name} must be an int in 0..2**31-1, got {value!r}")
-    return value
-
-
-def _int32_vector(op: str, name: str, t, device, length: int | None = None) -> torch.Tensor:
-    _check_tensor(op, name, t, 1, (torch.int32,), device)
-    if length is not None and t.shape[0] != length:
-        raise _fail(op, f"{name} has {t.shape[0]} entries, expected {length}")
-    return t.contiguous()
 
 
 def _pack_view(t: torch.Tensor) -> torch.Tensor:
@@ -148,7 +110,7 @@ def _raise_faults(op: str, faults: list) -> None:
     flags = torch.stack([torch.as_tensor(bad).reshape(()) for _, bad in faults]).tolist()
     for (message, _), bad in zip(faults, flags):
         if bad:
-            raise _fail(op, message + " (check_lengths=False skips these checks)")
+            raise op_error(op, message + " (check_lengths=False skips these checks)")
 
 
 def _check_serving_out(op: str, out, q: torch.Tensor, inputs: dict) -> torch.Tensor:
@@ -194,20 +156,20 @@ def run_varlen(
 ):
     """``flashcore.ops.attention_varlen``, eager: check, plan, launch."""
     op = "attention_varlen"
-    _check_tensor(op, "q", q, 3, tuple(DTYPE_NAMES))
+    check_tensor(op, "q", q, 3, tuple(DTYPE_NAMES))
     for name, t in (("k", k), ("v", v)):
-        _check_tensor(op, name, t, 3, (q.dtype,), q.device)
+        check_tensor(op, name, t, 3, (q.dtype,), q.device)
     if k.shape != v.shape:
-        raise _fail(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
-    _check_heads(op, q.shape[1], k.shape[1], q.shape[2], k.shape[2])
-    cu_q = _int32_vector(op, "cu_seqlens_q", cu_seqlens_q, q.device)
-    cu_k = _int32_vector(op, "cu_seqlens_k", cu_seqlens_k, q.device, cu_q.shape[0])
+        raise op_error(op, f"k {tuple(k.shape)} and v {tuple(v.shape)} differ in shape")
+    check_heads(op, q.shape[1], k.shape[1], q.shape[2], k.shape[2])
+    cu_q = int32_vector(op, "cu_seqlens_q", cu_seqlens_q, q.device)
+    cu_k = int32_vector(op, "cu_seqlens_k", cu_seqlens_k, q.device, cu_q.shape[0])
     if cu_q.shape[0] < 1:
-        raise _fail(op, "cu_seqlens_q needs batch + 1 >= 1 entries")
-    max_q = _check_max(op, "max_seqlen_q", max_seqlen_q)
-    max_k = _check_max(op, "max_seqlen_k", max_seqlen_k)
-    if max(q.shape[0], k.shape[0]) > _INT32_MAX:
-        raise _fail(op, "a packed tensor has over 2**31 - 1 rows")
+        raise op_error(op, "cu_seqlens_q needs batch + 1 >= 1 entries")
+    max_q = check_int32(op, "max_seqlen_q", max_seqlen_q)
+    max_k = check_int32(op, "max_seqlen_k", max_seqlen_k)
+    if max(q.shape[0], k.shape[0]) > INT32_MAX:
+        raise op_error(op, "a packed tensor has over 2**31 - 1 rows")
     mask = call_masking(causal, mask_align, window, softcap)
     scale = softmax_scale_of(softmax_scale, q.shape[2])
     total_q, heads, d = q.shape
@@ -267,39 +229,39 @@ def run_paged(
     """``flashcore.ops.attention_paged``, eager: check, plan, launch."""
     op = "attention_paged"
     packed = cu_seqlens_q is not None
-    _check_tensor(op, "q", q, 3 if packed else 4, tuple(DTYPE_NAMES))
+    check_tensor(op, "q", q, 3 if packed else 4, tuple(DTYPE_NAMES))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        _check_tensor(op, name, t, 4, (q.dtype, E4M3), q.device)
+        check_tensor(op, name, t, 4, (q.dtype, E4M3), q.device)
     if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise _fail(op, f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache "
+        raise op_error(op, f"k_cache {k_cache.dtype} {tuple(k_cache.shape)} and v_cache "
                         f"{v_cache.dtype} {tuple(v_cache.shape)} differ")
     kd, vd = check_kv_descales(k_cache, k_descale, v_descale, op, paged=True)
     pages, page_size, kv_heads, d = k_cache.shape
     heads = q.shape[-2] if packed else q.shape[1]
-    _check_heads(op, heads, kv_heads, q.shape[-1], d)
+    check_heads(op, heads, kv_heads, q.shape[-1], d)
     if page_size == 0 or pages == 0:
-        raise _fail(op, f"the cache has no room: shape {tuple(k_cache.shape)}")
-    _check_tensor(op, "block_table", block_table, 2, (torch.int32,), q.device)
+        raise op_error(op, f"the cache has no room: shape {tuple(k_cache.shape)}")
+    check_tensor(op, "block_table", block_table, 2, (torch.int32,), q.device)
     batch, max_pages = block_table.shape
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
-    lens = _int32_vector(op, "seqlens_k", seqlens_k, q.device, batch)
+    lens = int32_vector(op, "seqlens_k", seqlens_k, q.device, batch)
     cu_q = None
     if packed:
-        cu_q = _int32_vector(op, "cu_seqlens_q", cu_seqlens_q, q.device, batch + 1)
-        max_q = _check_max(op, "max_seqlen_q", max_seqlen_q)
+        cu_q = int32_vector(op, "cu_seqlens_q", cu_seqlens_q, q.device, batch + 1)
+        max_q = check_int32(op, "max_seqlen_q", max_seqlen_q)
     else:
         if max_seqlen_q is not None:
-            raise _fail(op, "max_seqlen_q goes with cu_seqlens_q (a packed q)")
+            raise op_error(op, "max_seqlen_q goes with cu_seqlens_q (a packed q)")
         if q.shape[0] != batch:
-            raise _fail(op, f"q has batch {q.shape[0]}, block_table {batch}")
+            raise op_error(op, f"q has batch {q.shape[0]}, block_table {batch}")
         max_q = q.shape[2]
     check_num_splits(op, num_splits)
     mask = call_masking(causal, mask_align, window, softcap)
     scale = softmax_scale_of(softmax_scale, d)
     max_k = max_pages * page_size
-    if max_k > _INT32_MAX:  # the kernels bound a sequence's keys by this, in 32 bits
-        raise _fail(op, f"block_table's {max_pages} pages x {page_size} keys is over 2**31 - 1 "
+    if max_k > INT32_MAX:  # the kernels bound a sequence's keys by this, in 32 bits
+        raise op_error(op, f"block_table's {max_pages} pages x {page_size} keys is over 2**31 - 1 "
                         "keys a sequence")
     given = out
     out = _check_serving_out(op, out, q, {
@@ -316,7 +278,7 @@ def run_paged(
     if batch == 0 or q.numel() == 0 or max_q == 0:
         return _done(_empty(out, lse), given)
     if packed and num_splits not in (None, 1):
-        raise _fail(op, "a packed q runs unsplit (num_splits None or 1)")
+        raise op_error(op, "a packed q runs unsplit (num_splits None or 1)")
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q,
                          precision="fp16" if kd is None else "fp8kv",

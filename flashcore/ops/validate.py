@@ -5,14 +5,17 @@ errors are worked out only when that pass fails."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from ..specs import FP8_HEAD_DIMS, HEAD_DIMS
 from .inputs import DTYPE_NAMES, E4M3, readable, readable_copy
 from .plan import MAX_SPLITS
+from .quantize import padded_keys
 
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 
 def head_dim_problem(head_dim: int) -> str | None:
@@ -183,7 +186,7 @@ def check_grad(q, k, v, why: str | None = None) -> None:
 def check_extents(*tensors: torch.Tensor) -> None:
     """Kernels take batch, heads and sequence extents as 32-bit integers."""
     for t in tensors:
-        if t.numel() > _INT32_MAX and max(t.shape[:-1], default=0) > _INT32_MAX:
+        if t.numel() > INT32_MAX and max(t.shape[:-1], default=0) > INT32_MAX:
             raise ValueError(f"attention: a dimension of {tuple(t.shape)} is over 2**31 - 1, "
                              "more than flashcore's kernels index")
 
@@ -245,3 +248,121 @@ def _self_overlapping(t: torch.Tensor) -> bool:
             return True
         extent = s * n
     return False
+
+
+# -- the serving layouts' arguments (flashcore.ops.serving) --
+def op_error(op: str, what: str) -> ValueError:
+    return ValueError(f"{op}: {what}")
+
+
+def check_tensor(op: str, name: str, t, dims: int, dtypes, device=None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise op_error(op, f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; expected one of {tuple(dtypes)}")
+    if not t.is_cuda:
+        raise op_error(op, f"{name} is on {t.device}; flashcore runs on CUDA tensors")
+    if device is not None and t.device != device:
+        raise op_error(op, f"{name} is on {t.device}, q on {device}")
+
+
+def check_heads(op: str, q_heads: int, kv_heads: int, head_dim: int, kv_dim: int) -> None:
+    problem = head_dim_problem(head_dim)
+    if problem is not None:
+        raise op_error(op, problem)
+    if kv_dim != head_dim:
+        raise op_error(op, f"q has head_dim {head_dim}, k/v {kv_dim}")
+    if kv_heads == 0 or q_heads % kv_heads:
+        raise op_error(op, f"q has {q_heads} heads and k/v {kv_heads}: the query heads must be a "
+                        "whole multiple of the key/value heads (grouped-query attention)")
+
+
+def check_int32(op: str, name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
+        raise op_error(op, f"{name} must be an int in 0..2**31-1, got {value!r}")
+    return value
+
+
+def int32_vector(op: str, name: str, t, device, length: int | None = None) -> torch.Tensor:
+    check_tensor(op, name, t, 1, (torch.int32,), device)
+    if length is not None and t.shape[0] != length:
+        raise op_error(op, f"{name} has {t.shape[0]} entries, expected {length}")
+    return t.contiguous()
+
+
+# -- the backward's arguments (flashcore.ops.backward) --
+def check_like(name: str, t: Any, q: Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"attention_backward: {name} must be a torch.Tensor, got "
+                        f"{type(t).__name__}")
+    if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+        raise ValueError(f"attention_backward: {name} is {tuple(t.shape)} {t.dtype} on "
+                         f"{t.device}; expected q's {tuple(q.shape)} {q.dtype} on {q.device}")
+
+
+def check_rows(name: str, t: Any, q: Tensor) -> Tensor:
+    """A float32 (B, H, S_q) row tensor (the LSE, its gradient), returned with a unit last
+    stride."""
+    want = tuple(q.shape[:3])
+    if (not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != want
+            or t.device != q.device):
+        raise ValueError(f"attention_backward: {name} must be float32 of shape {want} on "
+                         f"{q.device}, got {getattr(t, 'dtype', type(t).__name__)} "
+                         f"{tuple(getattr(t, 'shape', ()))}")
+    return t if t.stride(2) == 1 else t.contiguous()
+
+
+def grad_buffer(name: str, t: Tensor | None, like: Tensor) -> Tensor:
+    """A gradient's output: ``t`` (contiguous, of ``like``'s shape, dtype and device) or a new
+    tensor."""
+    if t is None:
+        return torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    if (not isinstance(t, torch.Tensor) or t.shape != like.shape or t.dtype != like.dtype
+            or t.device != like.device or not t.is_contiguous()):
+        raise ValueError(f"attention_backward: {name} must be a contiguous {like.dtype} tensor "
+                         f"of shape {tuple(like.shape)} on {like.device}")
+    return t
+
+
+# -- FP8 (flashcore.ops.eager) --
+def check_precision(precision: str, softcap: bool, head_dim: int, kv_dtype) -> None:
+    """``attention``'s ``precision`` other than "fp16": "fp8", without a soft-cap, at an FP8
+    head dim, over 16-bit k and v."""
+    if precision != "fp8":
+        raise ValueError(f"attention: precision must be 'fp16' or 'fp8', got {precision!r}")
+    if softcap:
+        raise ValueError("attention: softcap needs precision='fp16' (the FP8 kernel never forms "
+                         "the true logits: its query descales fold into the exp2 scale)")
+    if head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"attention: precision='fp8' is built for head_dim in {FP8_HEAD_DIMS}, "
+                         f"not {head_dim}; use precision='fp16'")
+    if kv_dtype == E4M3:
+        raise ValueError("attention: precision='fp8' quantises 16-bit k and v itself; an FP8 KV "
+                         "cache runs with precision='fp16' (16-bit arithmetic)")
+
+
+def check_fp8_call(q8, k8, vt8, q_descale, k_descale, v_descale, out_dtype) -> tuple:
+    """``attention_fp8``'s operands and descales, each checked by name: (q8, k8, vt8, q, k
+    and v descales) as the kernel reads them."""
+    if q8.dim() != 4 or k8.dim() != 4:
+        raise ValueError("attention_fp8: q8 and k8 must be (batch, heads, seq, head_dim)")
+    B, H, Sq, D = q8.shape
+    Hkv, Sk = k8.shape[1], k8.shape[2]
+    if Hkv == 0 or H % Hkv:
+        raise ValueError(f"attention_fp8: q8 has {H} heads and k8 {Hkv}: the query heads must be "
+                         "a whole multiple of the key/value heads")
+    q8 = check_fp8_operand("q8", q8, (B, H, Sq, D))
+    k8 = check_fp8_operand("k8", k8, (B, Hkv, Sk, D))
+    vt8 = check_fp8_operand("vt8", vt8, (B, Hkv, D, padded_keys(Sk)))
+    if not (q8.device == k8.device == vt8.device) or q8.device.type != "cuda":
+        raise ValueError("attention_fp8: q8, k8 and vt8 must be on one CUDA device")
+    if D not in FP8_HEAD_DIMS or min(B, H, Sq, Sk) == 0:
+        raise ValueError(f"attention_fp8: unsupported or empty shape {tuple(q8.shape)}")
+    if out_dtype not in DTYPE_NAMES:
+        raise TypeError(f"attention_fp8: out_dtype must be float16 or bfloat16, got {out_dtype}")
+    qd = check_fp8_descale("q_descale", q_descale, (B, H, Sq), q8.device)
+    kd = check_fp8_descale("k_descale", k_descale, (B, Hkv, Sk), q8.device, (B, Hkv))
+    vd = check_fp8_descale("v_descale", v_descale, (B, Hkv), q8.device)
+    return q8, k8, vt8, qd, kd, vd
