@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from flashcore import reference
 from flashcore.errors import SpecError
-from flashcore.ops import attention
+from flashcore.ops import attention, attention_varlen
 from tests.gpu_utils import (
     SPLIT_CONFIGS,
     STAGE_CONFIGS,
@@ -264,6 +264,15 @@ def test_second_device():
     out1 = attention(q1, k1, v1)
     assert out1.device == q1.device
     assert torch.equal(out1.cpu(), attention(q, k, v).cpu())
+    # inputs (or out=) on two devices are refused by name, never launched on either
+    with pytest.raises(ValueError, match="devices differ"):
+        attention(q, k1, v1)
+    with pytest.raises(ValueError, match="on cuda:1; expected"):
+        attention(q, k, v, out=torch.empty_like(q1))
+    cu = torch.tensor([0, 100], dtype=torch.int32, device="cuda:1")
+    with pytest.raises(ValueError, match="cu_seqlens_q is on cuda:1, q on cuda:0"):
+        attention_varlen(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu,
+                         cu, 100, 100)
 
 
 def test_bad_gpu_inputs_rejected():
