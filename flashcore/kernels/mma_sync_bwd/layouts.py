@@ -66,32 +66,13 @@ class BackwardLayouts:
         dt = self.dtype
         n_q, n_k, n_p = (cute.cosize(x) for x in (self.sQ, self.sK, self.sPdS))
         Align, Mem = cute.struct.Align, cute.struct.MemRange
-        if self.spec.prefetch_rows:
+        fields = {"sQ": Align[Mem[dt, n_q], 1024], "sdO": Align[Mem[dt, n_q], 1024],
+                  "sK": Align[Mem[dt, n_k], 1024], "sV": Align[Mem[dt, n_k], 1024],
+                  "sP": Align[Mem[dt, n_p], 1024], "sdS": Align[Mem[dt, n_p], 1024]}
+        if self.spec.prefetch_rows:  # each stage's LSE and D rows
             n_r = cute.cosize(self.sRows)
-
-            @cute.struct
-            class PrefetchStorage:
-                sQ: Align[Mem[dt, n_q], 1024]
-                sdO: Align[Mem[dt, n_q], 1024]
-                sK: Align[Mem[dt, n_k], 1024]
-                sV: Align[Mem[dt, n_k], 1024]
-                sP: Align[Mem[dt, n_p], 1024]
-                sdS: Align[Mem[dt, n_p], 1024]
-                sLSE: Align[Mem[cutlass.Float32, n_r], 128]
-                sD: Align[Mem[cutlass.Float32, n_r], 128]
-
-            return PrefetchStorage
-
-        @cute.struct
-        class SharedStorage:
-            sQ: Align[Mem[dt, n_q], 1024]
-            sdO: Align[Mem[dt, n_q], 1024]
-            sK: Align[Mem[dt, n_k], 1024]
-            sV: Align[Mem[dt, n_k], 1024]
-            sP: Align[Mem[dt, n_p], 1024]
-            sdS: Align[Mem[dt, n_p], 1024]
-
-        return SharedStorage
+            fields["sLSE"] = fields["sD"] = Align[Mem[cutlass.Float32, n_r], 128]
+        return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
 def transposed(tile: cute.Tensor, rows: int, cols: int) -> cute.Tensor:
