@@ -224,8 +224,9 @@ def test_two_gpus_and_two_processes(tmp_path):
     assert out1.device == q1.device
     assert torch.equal(out1.cpu(), attention(q, k, v).cpu())
     script = Path(__file__).with_name("two_gpu_worker.py")
-    env = dict(os.environ, FLASHCORE_CACHE_DIR=str(tmp_path / "shared-cache"),
-               PYTHONPATH=str(PACKAGE.parent))
+    # this checkout first, then whatever path the caller's packages (the DSL) came from
+    path = os.pathsep.join(filter(None, (str(PACKAGE.parent), os.environ.get("PYTHONPATH"))))
+    env = dict(os.environ, FLASHCORE_CACHE_DIR=str(tmp_path / "shared-cache"), PYTHONPATH=path)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                         str(script)], env=env, capture_output=True, text=True, timeout=600,
                        check=False)
