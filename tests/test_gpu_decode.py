@@ -349,3 +349,61 @@ def test_fp8_kv_cache_errors():
         attention(q, k, v, k_descale=kd, v_descale=vd)
     with pytest.raises(ValueError, match="precision='fp8' quantises"):
         attention(q, k8, v8, k_descale=kd, v_descale=vd, precision="fp8")
+
+
+def _verify(out, q, k, v):
+    ref = reference.attention(q, k, v, device=q.device)
+    err, err_sdpa = max_abs(out, ref), max_abs(sdpa(q, k, v, False), ref)
+    assert torch.isfinite(out).all() and err <= allowed_error(err_sdpa, ref, q.dtype, q, k, v)
+
+
+def test_repeated_split_calls_keep_their_own_partials():
+    """Eager split-KV calls of one shape (the memoised path, whose partial results reuse one
+    scratch buffer a stream and thread) each give their own inputs' result: queued back to back
+    with keys growing, on two streams at once, from two threads, and beside a CUDA graph
+    captured on the stream whose buffer eager calls use (the graph's partials are its own)."""
+    import threading
+
+    cases = [_qkv(1, 32, 8, 1, 3000 + 65 * i, 128, torch.float16, seed=i) for i in range(6)]
+    outs = [attention(q, k, v, num_splits=8) for q, k, v in cases]  # no sync between them
+    for case, out in zip(cases, outs):
+        _verify(out, *case)
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s1):
+        a = [attention(*cases[i], num_splits=8) for i in (0, 2, 4)]
+    with torch.cuda.stream(s2):
+        b = [attention(*cases[i], num_splits=8) for i in (1, 3, 5)]
+    torch.cuda.synchronize()
+    for i, out in zip((0, 2, 4, 1, 3, 5), a + b):
+        _verify(out, *cases[i])
+    results: dict[int, list] = {}
+
+    def work(i):
+        results[i] = [attention(*cases[i], num_splits=8) for _ in range(20)]
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for i, outs in results.items():
+        assert all(torch.equal(o, outs[0]) for o in outs)
+        _verify(outs[0], *cases[i])
+    static = [t.clone() for t in cases[0]]
+    with torch.cuda.stream(s1):
+        attention(*static, num_splits=8)  # s1 has its eager buffer
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s1):
+        g_out = attention(*static, num_splits=8)
+    other = _qkv(1, 32, 8, 1, 3000, 128, torch.float16, seed=99)
+    for _ in range(5):
+        with torch.cuda.stream(s2):
+            graph.replay()
+        with torch.cuda.stream(s1):
+            e_out = attention(*other, num_splits=8)
+    torch.cuda.synchronize()
+    _verify(g_out, *static)
+    _verify(e_out, *other)

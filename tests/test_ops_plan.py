@@ -413,6 +413,86 @@ def test_plans_are_memoised_per_key_block_count():
     launcher.forget()
 
 
+def _big_ints_dropped(args: tuple) -> tuple:
+    """Launch arguments without pointers (each call's output and scratch are fresh memory)."""
+    return tuple(tuple(x for x in a if not (isinstance(x, int) and x > 2**24)) for a in args)
+
+
+def test_a_repeated_call_is_checked_and_configured_once():
+    """An eager loop of one call whose keys grow (decode) runs the checks and the config look-up
+    once, plans once per key block, and launches exactly what the unmemoised path launches;
+    what the memo is keyed on still gets every check (a float knob equal to a memoised int, a
+    v that no longer matches k), a negative scale still negates q, and the masks fold anew
+    for each key length."""
+    from unittest import mock
+
+    from flashcore.ops import eager, launcher
+
+    q = torch.randn(1, 32, 1, 64).half()
+    launched, kernels = [], []
+
+    def loaded(device, key):
+        kernels.append(key)
+        return mock.Mock()
+
+    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+          mock.patch.object(eager, "arch_of", return_value="sm_90"),
+          mock.patch.object(plan, "sm_count", return_value=132),
+          mock.patch.object(launcher, "loaded_kernel", side_effect=loaded),
+          mock.patch.object(launcher, "combine_kernel"),
+          mock.patch.object(launcher, "launch",
+                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
+          mock.patch.object(launcher, "scratch", side_effect=lambda like, n: torch.empty(n)),
+          mock.patch.object(torch.Tensor, "get_device", return_value=0),
+          mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock,
+                            return_value=True),
+          mock.patch.object(eager, "check_qkv", wraps=eager.check_qkv) as checks,
+          mock.patch.object(eager, "resolve_config", wraps=eager.resolve_config) as configs,
+          mock.patch.object(launcher, "plan_launch", wraps=launcher.plan_launch) as plans):
+        eager.forget()
+
+        def call(k, scale=None, causal=False, num_splits=None, v=None):
+            return eager.run(q, k, k if v is None else v, None, causal, scale, False, None,
+                             None, None, None, num_splits, None, "fp16", None, None)
+
+        for sk in range(4097, 4162):
+            call(torch.randn(1, 8, sk, 64).half())
+        assert (checks.call_count, configs.call_count, plans.call_count) == (1, 1, 2)
+        k = torch.randn(1, 8, 4161, 64).half()
+        launched.clear()
+        call(k)
+        eager._checked(q, k, k, None, False, None, False, None, None, None, None, None, None,
+                       "fp16", None, None, "top_left", None, None, None)  # never memoised
+        assert len(launched) == 4 and launched[0][0] == launched[2][0]
+        assert _big_ints_dropped(launched[0][1]) == _big_ints_dropped(launched[2][1])
+        assert _big_ints_dropped(launched[1][1]) == _big_ints_dropped(launched[3][1])
+
+        with pytest.raises(ValueError, match="differ in shape"):
+            call(k, v=k[:, :, :-1])
+        call(k, num_splits=2)
+        with pytest.raises(ValueError, match="num_splits"):
+            call(k, num_splits=2.0)
+        checks.reset_mock()
+        for _ in range(3):  # out= of one layout: checked once, its addresses every call
+            out = torch.empty(1, 1, 32, 64).half().transpose(1, 2)
+            assert eager.run(q, k, k, None, False, None, False, None, None, None, None, None,
+                             out, "fp16", None, None) is out
+        assert checks.call_count == 1
+        clash = k.as_strided(out.shape, out.stride(), 64 * 100)  # the memoised layout, in k
+        with pytest.raises(ValueError, match="shares memory with k"):
+            eager.run(q, k, k.clone(), None, False, None, False, None, None, None, None, None,
+                      clash, "fp16", None, None)
+        for _ in range(2):  # checked, then memoised: q negated both times
+            launched.clear()
+            call(k, scale=-0.125)
+            assert launched[0][1][0][0] != q.data_ptr()  # the query is a negated copy
+        kernels.clear()
+        for sk in (1, 2, 1):  # one key: the causal diagonal hides nothing
+            call(torch.randn(1, 8, sk, 64).half(), causal=True)
+        assert [key.causal for key in kernels] == [False, True]
+        eager.forget()
+
+
 def test_every_registered_op_reports_its_outputs_under_fake_tensors():
     """Each registered op's fake (made from its one signature) gives the shapes and dtypes the
     op returns, whether its arguments come by position or by name."""

@@ -4,19 +4,23 @@ launch. ``run``: ``flashcore.ops.attention``; ``run_fp8``: ``flashcore.ops.fp8.a
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import warnings
+from typing import NamedTuple
 
 import torch
 
 from ..runtime.device import arch_of
 from ..specs import TileConfig
 from . import plan
-from .inputs import E4M3, prepared, tensor_arg, transposed_arg
-from .launcher import launch_attention
+from .inputs import E4M3, prepared, readable, tensor_arg, transposed_arg
+from .launcher import forget as launcher_forget
+from .launcher import launch_attention, launch_plan, planned
 from .masks import NO_MASK, Masking, call_masking, folded
 from .quantize import run_quantize
 from .validate import (
+    INT32_MAX,
     check_extents,
     check_fp8_call,
     check_kv_descales,
@@ -24,6 +28,7 @@ from .validate import (
     check_out,
     check_precision,
     check_qkv,
+    out_apart,
     signed_query,
     softmax_scale_of,
 )
@@ -63,14 +68,72 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
                                               ("kv_splits", kv_splits)) if v is not None})
 
 
+class Call(NamedTuple):
+    """What a validated 16-bit call decides apart from its tensors' data and key length
+    (``run``): the ``plan_launch`` arguments with ``key_blocks`` left open, the scale's sign,
+    the key tile. Memoised per distinct call, so a repeated call (a decode loop, whose key
+    length grows) pays for its checks and its config once, and then only binds tensors."""
+
+    serial: int  # names the call's plans in the launcher's memo (never reused)
+    shape: tuple  # (B, H, Sq, D) of q and the output
+    negate: bool  # a negative softmax_scale runs as -q (``signed_query``)
+    tile_n: int
+    q_strides: tuple | None  # q's of modes 0-2, where the kernels read q as it is
+    plan_args: tuple  # ``launcher.plan_launch``'s arguments (key_blocks: each call's)
+
+
+_calls: dict[tuple, Call] = {}
+_CALL_MEMO_SIZE = 1024  # distinct calls kept (shapes vary without bound in some programs)
+_serials = itertools.count()
+
+
 def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages, kv_splits,
         num_splits, out, precision, k_descale, v_descale, mask_align="top_left", window=None,
         softcap=None):
-    """The eager implementation (the registered op's too): validate, plan, launch."""
+    """The eager implementation (the registered op's too): validate, plan, launch. A 16-bit
+    call whose arguments a checked call had before (any key length; an ``out`` of the same
+    shape and strides) takes its memoised ``Call``, checks what depends on addresses, and only
+    binds and launches."""
+    key = None
+    if (precision == "fp16" and k_descale is None and v_descale is None
+            and warps is None and stages is None and kv_splits is None
+            and _exact_ints(tile, num_splits)):
+        try:
+            qs, ks = q.shape, k.shape
+            folds = folded(causal, call_masking(causal, mask_align, window, softcap), qs[2],
+                           ks[2])
+            key = (qs, ks[0], ks[1], ks[3], q.dtype, k.dtype, v.dtype, q.get_device(),
+                   k.get_device(), v.get_device(), q.stride(), folds, tile, config,
+                   num_splits, softmax_scale, return_lse,
+                   None if out is None else (out.shape, out.stride(), out.dtype,
+                                             out.get_device()))
+            call = _calls.get(key)
+        except (AttributeError, IndexError, TypeError, ValueError):
+            call, key = None, None  # not memoisable, or bad: the checks below name the problem
+        if (call is not None and v.shape == ks and 0 < ks[2] <= INT32_MAX
+                and (out is None or out_apart(out, (q, k, v)))):
+            return _launch(call, q, k, v, return_lse, out)
+    return _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
+                    kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align,
+                    window, softcap, key)
+
+
+def _exact_ints(tile, num_splits) -> bool:
+    """Whether the knobs a memoised call is keyed on are None or ints: a key matches equal
+    values (2.0 == 2), which the checks would refuse."""
+    return ((num_splits is None or type(num_splits) is int)
+            and (tile is None or (type(tile) is tuple and len(tile) == 2
+                                  and type(tile[0]) is int and type(tile[1]) is int)))
+
+
+def _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
+             kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align, window,
+             softcap, key):
+    """``run`` with every check; a call of ``key`` (not None: memoisable) is remembered."""
     check_qkv(q, k, v)
     causal, mask = folded(causal, call_masking(causal, mask_align, window, softcap), q.shape[2],
                           k.shape[2])
-    softmax_scale = softmax_scale_of(softmax_scale, q.shape[3])
+    scale = softmax_scale_of(softmax_scale, q.shape[3])
     check_num_splits("attention", num_splits)
     dev = q.get_device()
     if precision != "fp16":
@@ -86,26 +149,70 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                   {"q": q, "k": k, "v": v, "k_descale": k_descale, "v_descale": v_descale})
     if 0 in (B, H, Sq, k.shape[2]):
         return _empty_result(q, k, return_lse, out)
-    q, softmax_scale = signed_query(q, softmax_scale)  # after the checks of the caller's q
+    negate = scale < 0
+    q_strides = q.stride()[:3] if not negate and readable(q) else None
+    q, scale = signed_query(q, scale)  # after the checks of the caller's q
     if precision == "fp8":
-        return attention_via_fp8(q, k, v, causal=causal, softmax_scale=softmax_scale,
+        return attention_via_fp8(q, k, v, causal=causal, softmax_scale=scale,
                                  return_lse=return_lse, config=config, num_splits=num_splits,
                                  out=out, mask=mask)
     kd, vd = check_kv_descales(k, k_descale, v_descale)
     check_extents(q, k)
-    result = out if out is not None else q.new_empty((B, H, Sq, D))
-    lse = q.new_empty((B, H, Sq), dtype=torch.float32) if return_lse else None
-    # keep any copy prepared() makes alive until the launch: freed earlier, its memory could be
-    # handed to a later allocation while the kernel still reads it
-    q, q_arg = prepared(q)
-    k, k_arg = prepared(k)
-    v, v_arg = prepared(v)
-    descales = () if kd is None else (kd, vd)
-    launch_attention(q, k, result, lse, (q_arg, k_arg, v_arg), descales, config, causal,
-                     softmax_scale, num_splits, kv_fp8=kd is not None, mask=mask)
+    if key is None:  # the general launch (FP8 KV descales, knobs the memo does not take)
+        result = out if out is not None else q.new_empty((B, H, Sq, D))
+        lse = q.new_empty((B, H, Sq), dtype=torch.float32) if return_lse else None
+        # keep any copy prepared() makes alive until the launch: freed earlier, its memory
+        # could be handed to a later allocation while the kernel still reads it
+        q, q_arg = prepared(q)
+        k, k_arg = prepared(k)
+        v, v_arg = prepared(v)
+        descales = () if kd is None else (kd, vd)
+        launch_attention(q, k, result, lse, (q_arg, k_arg, v_arg), descales, config, causal,
+                         scale, num_splits, kv_fp8=kd is not None, mask=mask)
+        if out is not None:
+            torch.autograd.graph.increment_version(out)
+        return (result, lse) if return_lse else result
+    call = Call(next(_serials), (B, H, Sq, D), negate, config.tile_n, q_strides,
+                (dev, B, H, Sq, D, k.shape[1], None, q.dtype, config, causal, return_lse,
+                 precision, False, False, mask, False, 0, 0, 0, num_splits, scale))
+    if len(_calls) >= _CALL_MEMO_SIZE:
+        _calls.clear()
+    _calls[key] = call
+    return _launch(call, q, k, v, return_lse, out, signed=True)
+
+
+def _launch(call: Call, q, k, v, return_lse: bool, out, signed: bool = False):
+    """Bind a memoised call's tensors and launch it (``signed``: q already is ``signed_query``'s)."""
+    if call.negate and not signed:
+        q = torch.neg(q)
+    result = q.new_empty(call.shape) if out is None else out
+    lse = q.new_empty(call.shape[:3], dtype=torch.float32) if return_lse else None
+    qp, kp, vp = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    b, h, sq, _ = call.shape
+    hkv, sk = k.shape[1:3]
+    ks, vs = k.stride(), v.stride()
+    # ``inputs.readable`` of all three at once (16-bit: strides in multiples of 8 elements)
+    if (call.q_strides is not None and ks[3] == 1 and vs[3] == 1 and not (qp | kp | vp) % 16
+            and not (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) % 8):
+        args = ((qp, b, h, sq, *call.q_strides), (kp, b, hkv, sk, *ks[:3]),
+                (vp, b, hkv, sk, *vs[:3]))
+    else:
+        q, q_arg = prepared(q)  # any copies stay alive until the launch (see ``_checked``)
+        k, k_arg = prepared(k)
+        v, v_arg = prepared(v)
+        args = (q_arg, k_arg, v_arg)
+    blocks = -(-sk // call.tile_n)
+    p = planned((call.serial, blocks), call.plan_args, blocks)
+    launch_plan(p, result, lse, args, ())
     if out is not None:
         torch.autograd.graph.increment_version(out)
     return (result, lse) if return_lse else result
+
+
+def forget() -> None:
+    """Drop the memoised calls and the launcher's plans (after the tuned table changes)."""
+    _calls.clear()
+    launcher_forget()
 
 
 def _split_feature(num_splits: int | None) -> tuple:

@@ -14,6 +14,7 @@ from ..compiler.abi import LOG2_E, attention_grid, combine_grid, varlen_grid
 from ..runtime import tensor_map
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
+from ..runtime.scratch import scratch
 from ..specs import DEFAULT_FAMILY, AttentionSpec, CombineSpec, TileConfig, family
 from . import plan
 from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
@@ -238,11 +239,11 @@ def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
         lse_args = () if lse_arg is None else (lse_arg,)
         launch(p.kern, p.grid, (*qkv_args, out_arg, *lse_args, *descale_args, *tail), p.device)
         return
-    # one allocation holds the partial outputs and, after them, their LSEs (an eager decode
-    # call pays ~3 us a torch.empty): (n, H, S, D) and (n, H, S), contiguous
+    # one buffer holds the partial outputs and, after them, their LSEs: (n, H, S, D) and
+    # (n, H, S), contiguous; reused call after call (an eager decode call is host-bound)
     n, h, r, d = p.partials
     rows = n * h * r
-    work = torch.empty(rows * (d + 1), dtype=torch.float32, device=out.device)
+    work = scratch(out, rows * (d + 1))  # held until both launches are queued
     ptr = work.data_ptr()
     o_part = (ptr, n, h, r, h * r * d, r * d, d)
     lse_part = (ptr + 4 * rows * d, n, h, r, h * r, r)
@@ -257,6 +258,20 @@ def forget() -> None:
     """Drop the plans (the next calls plan again; the runtime keeps the kernels loaded)."""
     _plans.clear()
     _families.clear()
+
+
+def planned(key: tuple, args: tuple, key_blocks: int | None = None) -> Plan:
+    """The memoised plan of ``key``, else ``plan_launch(*args)`` remembered under it (with
+    ``key_blocks`` in its place in ``args`` where given)."""
+    p = _plans.get(key)
+    if p is None:
+        if key_blocks is not None:
+            args = (*args[:6], key_blocks, *args[7:])
+        p = plan_launch(*args)
+        if len(_plans) >= _PLAN_MEMO_SIZE:
+            _plans.clear()
+        _plans[key] = p
+    return p
 
 
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
@@ -278,10 +293,4 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
            precision == "fp8" and descales[1].dim() == 2,  # FP8 K descaled per head (B, H)
            kv_fp8, mask, serving.varlen, serving.page_size, serving.batch, serving.max_seqlen_q,
            num_splits, softmax_scale)
-    p = _plans.get(key)
-    if p is None:
-        p = plan_launch(*key)
-        if len(_plans) >= _PLAN_MEMO_SIZE:
-            _plans.clear()
-        _plans[key] = p
-    launch_plan(p, out, lse, qkv_args, descales, serving)
+    launch_plan(planned(key, key), out, lse, qkv_args, descales, serving)

@@ -212,6 +212,12 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, input
                              "overwrite inputs that other blocks still read")
 
 
+def out_apart(out, inputs: tuple) -> bool:
+    """The part of ``check_out`` that depends on addresses: a 16-byte aligned base and no
+    memory shared with any of ``inputs`` (for a call whose shapes and strides passed it)."""
+    return out.data_ptr() % 16 == 0 and not any(_ranges_overlap(out, t) for t in inputs)
+
+
 def check_out_meta(out, shape: tuple, dtype: torch.dtype, device: torch.device,
                    op: str = "attention") -> None:
     """The part of ``check_out`` that needs no memory addresses (also run while tracing)."""

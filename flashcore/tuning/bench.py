@@ -4,6 +4,7 @@
     python -m flashcore.bench --quick         # the mission shape, the large shapes, decode
     python -m flashcore.bench --decode        # the decode (and GQA prefill) section only
     python -m flashcore.bench --backward      # training: forward + backward, backward alone
+    python -m flashcore.bench --host          # eager host time a call, keys growing, vs SDPA
     python -m flashcore.bench --out DIR       # records go to DIR (default: ./bench-results)
 
 For each shape: kernel time (median over CUDA-graph replays of several launches, inputs rotated so
@@ -274,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the backward section only: forward + backward and the backward alone "
                          "against SDPA, FlashAttention-4 and FlexAttention, with peak memory "
                          "(--quick: three shapes)")
+    ap.add_argument("--host", action="store_true",
+                    help="the host-time section only: eager calls back to back, keys growing "
+                         "by one a call as in generation, against SDPA in the same loop")
     ap.add_argument("--bwd-variants", nargs="*", default=[], metavar="CHOICE",
                     help="--backward: also ours with each of these main-kernel choices, e.g. "
                          "'128:64x128w8s2a242;64:64x128w8s2' (FLASHCORE_BWD_CONFIG's form)")
@@ -298,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("needs a CUDA GPU")
     if a.backward:
         return backward_main(a)
+    if a.host:
+        return host_main(a)
     tile = {"tile": tuple(a.tile)} if a.tile else {}
     ours = {"flashcore": _flashcore(**tile)}
     if torch.cuda.get_device_capability() >= (9, 0):  # Hopper kernels launch with PDL
@@ -326,6 +332,17 @@ def main(argv: list[str] | None = None) -> int:
                       rounds=a.rounds)
     path = record(results, Path(a.out))
     print(table(results))
+    print(f"record: {path}")
+    return 0
+
+
+def host_main(a: argparse.Namespace) -> int:
+    """``--host``: eager host time a call (``host_bench``)."""
+    from .host_bench import host_table, measure_host, record_host
+
+    results = measure_host()
+    path = record_host(results, Path(a.out), environment())
+    print(host_table(results))
     print(f"record: {path}")
     return 0
 

@@ -1,0 +1,134 @@
+"""Host time of eager calls, as generation makes them (``python -m flashcore.bench --host``).
+
+Each case runs the same loop for flashcore and for torch SDPA (default backend, ``enable_gqa``
+where K/V have fewer heads): back-to-back calls whose key length grows by one each call (views of
+a preallocated cache, made before the loop), one synchronisation at the end. The kernels take a
+few microseconds, less than the host's work, so the loop measures the host: the median µs per
+call over several runs of it. The output-layout case writes (batch, seq, heads, head_dim), as a
+transformers attention hook returns it (flashcore with ``out=``; SDPA then transposes and copies).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..ops import attention
+
+CALLS = 400  # a run of back-to-back calls (the keys grow by one each call)
+RUNS = 15
+
+
+@dataclass(frozen=True)
+class HostCase:
+    name: str
+    batch: int
+    heads: int
+    heads_kv: int
+    seqlen_q: int
+    keys: int  # the key length of the first call
+    head_dim: int
+    causal: bool = False
+    bshd_out: bool = False  # write (batch, seq, heads, head_dim), as transformers wants it
+    grows: bool = True  # the keys grow by one each call
+
+
+CASES = (
+    HostCase("mission shape 1,8,512,64 (keys fixed)", 1, 8, 8, 512, 512, 64, grows=False),
+    HostCase("decode 1,32/8,1xS,128, S from 4096", 1, 32, 8, 1, 4096, 128),
+    HostCase("decode 1,32/8,1xS,64, S from 512", 1, 32, 8, 1, 512, 64),
+    HostCase("decode 8,28/4,1xS,128, S from 30000, causal", 8, 28, 4, 1, 30000, 128, True),
+    HostCase("decode 1,32/8,1xS,128 into (B, S, H, D)", 1, 32, 8, 1, 4096, 128, bshd_out=True),
+)
+
+
+@dataclass
+class HostResult:
+    case: HostCase
+    flashcore_us: float
+    sdpa_us: float
+
+    @property
+    def ratio(self) -> float:
+        """SDPA's host time over flashcore's (> 1: flashcore cheaper)."""
+        return self.sdpa_us / self.flashcore_us
+
+
+def _calls(case: HostCase, dtype=torch.float16) -> tuple[list, Callable, Callable]:
+    """The loop's inputs (q, and K/V views growing by one key) and the two calls."""
+    dev = "cuda"
+    grow = CALLS if case.grows else 0
+    q = torch.randn(case.batch, case.heads, case.seqlen_q, case.head_dim, device=dev, dtype=dtype)
+    cache = [torch.randn(case.batch, case.heads_kv, case.keys + grow, case.head_dim, device=dev,
+                         dtype=dtype) for _ in range(2)]
+    views = [(cache[0][:, :, :case.keys + i], cache[1][:, :, :case.keys + i])
+             for i in range(max(grow, 1))]
+    gqa = case.heads != case.heads_kv
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if case.bshd_out:
+        out = torch.empty(case.batch, case.seqlen_q, case.heads, case.head_dim, device=dev,
+                          dtype=dtype).transpose(1, 2)
+
+        def ours(k, v):
+            return attention(q, k, v, causal=case.causal, out=out)
+
+        def theirs(k, v):
+            return sdpa(q, k, v, is_causal=case.causal, enable_gqa=gqa).transpose(1, 2) \
+                .contiguous()
+    else:
+        def ours(k, v):
+            return attention(q, k, v, causal=case.causal)
+
+        def theirs(k, v):
+            return sdpa(q, k, v, is_causal=case.causal, enable_gqa=gqa)
+    return views, ours, theirs
+
+
+def per_call_us(fn: Callable, views: list, runs: int = RUNS) -> float:
+    """Median µs per call of ``len(views)``-call loops (at least ``CALLS`` calls a run)."""
+    loop = views * max(1, CALLS // len(views))
+    for k, v in loop[:50]:  # warm-up: kernels loaded, plans made
+        fn(k, v)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        for k, v in loop:
+            fn(k, v)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / len(loop) * 1e6)
+    return statistics.median(times)
+
+
+def measure_host(cases=CASES) -> list[HostResult]:
+    results = []
+    for case in cases:
+        views, ours, theirs = _calls(case)
+        # in turn, twice (ABBA): the host's clock and caches drift over a run
+        a1, b1 = per_call_us(ours, views), per_call_us(theirs, views)
+        b2, a2 = per_call_us(theirs, views), per_call_us(ours, views)
+        results.append(HostResult(case, (a1 + a2) / 2, (b1 + b2) / 2))
+    return results
+
+
+def host_table(results: list[HostResult]) -> str:
+    lines = [f"{'eager host time, µs a call':52s} {'flashcore':>10s} {'SDPA':>8s} {'SDPA/ours':>10s}"]
+    lines += [f"{r.case.name:52s} {r.flashcore_us:10.2f} {r.sdpa_us:8.2f} {r.ratio:10.2f}"
+              for r in results]
+    return "\n".join(lines)
+
+
+def record_host(results: list[HostResult], out: Path, environment: dict) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    path = out / f"host-{stamp}.json"
+    path.write_text(json.dumps({"environment": environment, "results": [
+        {**asdict(r.case), "flashcore_us": r.flashcore_us, "sdpa_us": r.sdpa_us}
+        for r in results]}, indent=1))
+    return path
