@@ -33,6 +33,7 @@ under ``torch.compile(fullgraph=True)``.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -137,16 +138,27 @@ class _Call:
 
 
 def _call(causal: bool, sliding_window, softcap, seqlen_q: int, seqlen_k: int) -> _Call:
-    window = None
     # a window only where it hides a key: the call keeps a kernel without it (and a backward)
-    if sliding_window is not None and max(seqlen_q, seqlen_k) > sliding_window:
+    hides = sliding_window is not None and max(seqlen_q, seqlen_k) > sliding_window
+    return _masks(bool(causal), sliding_window if hides else None, softcap)
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(causal: bool, sliding_window, softcap) -> _Call:
+    """The _Call of a layer's masks (memoised: every layer of every step asks)."""
+    window = None
+    if sliding_window is not None:
         window = (sliding_window - 1, 0) if causal else (sliding_window, sliding_window)
-    return _Call(bool(causal), window, None if not softcap else float(softcap))
+    return _Call(causal, window, None if not softcap else float(softcap))
+
+
+_VARLEN_NAMES = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 
 def _varlen_kwargs(kwargs: dict) -> tuple | None:
-    names = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-    got = tuple(kwargs.get(n) for n in names)
+    if kwargs.get("cu_seq_lens_q") is None:  # the usual call: no packed batch
+        return None
+    got = tuple(kwargs.get(n) for n in _VARLEN_NAMES)
     return got if all(x is not None for x in got) else None
 
 
@@ -205,9 +217,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 
 def _dense(query, key, value, scaling, call: _Call) -> torch.Tensor:
-    """Every key valid: ``attention``, writing (batch, seqlen_q, heads, head_dim) in place."""
+    """Every key valid: ``attention``, writing (batch, seqlen_q, heads, head_dim) in place (one
+    query token: (batch, heads, 1, head_dim) is that layout already, as a transposed view)."""
     same = query.shape[2] == key.shape[2]
     align = "top_left" if same or not (call.causal or call.window) else "bottom_right"
+    if query.shape[2] == 1:
+        return ops.attention(query, key, value, causal=call.causal, softmax_scale=scaling,
+                             **call.kwargs(align)).transpose(1, 2)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     ops.attention(query, key, value, causal=call.causal, softmax_scale=scaling,
                   out=out.transpose(1, 2), **call.kwargs(align))
