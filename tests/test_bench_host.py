@@ -1,0 +1,18 @@
+"""The host-time benchmark's table and record (``python -m flashcore.bench --host``), on CPU."""
+
+from __future__ import annotations
+
+import json
+
+from flashcore.tuning.host_bench import CASES, HostResult, host_table, record_host
+
+
+def test_host_table_and_record_carry_every_case(tmp_path):
+    results = [HostResult(c, 20.0 + i, 25.0, 4.0, 5.0) for i, c in enumerate(CASES)]
+    lines = host_table(results).splitlines()
+    assert len(lines) == len(CASES) + 1
+    assert lines[1].startswith(CASES[0].name) and lines[1].endswith("1.25")  # SDPA / ours
+    data = json.loads(record_host(results, tmp_path, {"gpu": "none"}).read_text())
+    assert [r["name"] for r in data["results"]] == [c.name for c in CASES]
+    assert data["results"][1]["flashcore_us"] == 21.0 and data["environment"] == {"gpu": "none"}
+    assert all(c.grows for c in CASES[1:]) and not CASES[0].grows
