@@ -486,6 +486,13 @@ def test_a_repeated_call_is_checked_and_configured_once():
             launched.clear()
             call(k, scale=-0.125)
             assert launched[0][1][0][0] != q.data_ptr()  # the query is a negated copy
+        from flashcore.tuned import table
+
+        configs.reset_mock()
+        call(k)
+        table.clear()  # a new tuned table (autotune): memoised configs are read again
+        call(k)
+        assert configs.call_count == 1
         kernels.clear()
         for sk in (1, 2, 1):  # one key: the causal diagonal hides nothing
             call(torch.randn(1, 8, sk, 64).half(), causal=True)

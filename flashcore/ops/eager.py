@@ -13,6 +13,7 @@ import torch
 
 from ..runtime.device import arch_of
 from ..specs import TileConfig
+from ..tuned import table as tuned_table
 from . import plan
 from .inputs import E4M3, prepared, readable, tensor_arg, transposed_arg
 from .launcher import forget as launcher_forget
@@ -104,7 +105,7 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                            ks[2])
             key = (qs, ks[0], ks[1], ks[3], q.dtype, k.dtype, v.dtype, q.get_device(),
                    k.get_device(), v.get_device(), q.stride(), folds, tile, config,
-                   num_splits, softmax_scale, return_lse,
+                   num_splits, softmax_scale, return_lse, tuned_table.generation,
                    None if out is None else (out.shape, out.stride(), out.dtype,
                                              out.get_device()))
             call = _calls.get(key)

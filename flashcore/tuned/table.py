@@ -201,8 +201,14 @@ def winner_specs(arch: str, build_arch: str | None = None,
     return out
 
 
+# how many times the tables were forgotten: what memoises a config read from them keys on it
+generation = 0
+
+
 def clear() -> None:
     """Forget the tables read (after writing one, or changing $FLASHCORE_TUNED)."""
+    global generation
     entries.cache_clear()
     _entry.cache_clear()
     _builds.cache_clear()
+    generation += 1
