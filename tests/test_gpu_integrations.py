@@ -123,6 +123,40 @@ def test_flash_attn_with_kvcache(paged, rotary):
         _check(out[i:i + 1], qi, keys, vals, True, (-1, -1), 0.0)
 
 
+@pytest.mark.parametrize("rotary", [False, True])
+def test_flash_attn_with_kvcache_leftpad(rotary):
+    """cache_leftpad: row b attends to its keys cache_leftpad[b] .. cache_seqlens[b] + new - 1
+    (a row whose cached keys are all padding sees only the new ones); new keys land at
+    cache_seqlens, rotary at the row's own positions."""
+    dt, b, hkv, h, d, cap = torch.float16, 3, 2, 8, 128, 512
+    lens = torch.tensor([5, 200, 449], dtype=torch.int32, device="cuda")
+    pad = torch.tensor([5, 17, 0], dtype=torch.int32, device="cuda")
+    q, knew, vnew = _qkv(b, 4, 4, h, hkv, d, dt, seed=2)
+    k_cache, v_cache = (torch.randn(b, cap, hkv, d, device="cuda", dtype=dt) for _ in range(2))
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    cos = sin = None
+    if rotary:
+        ang = torch.arange(cap, device="cuda")[:, None] * 10000.0 ** (
+            -torch.arange(32, device="cuda") / 32)
+        cos, sin = ang.cos(), ang.sin()
+    out = fa.flash_attn_with_kvcache(q, k_cache, v_cache, knew, vnew, rotary_cos=cos,
+                                     rotary_sin=sin, cache_seqlens=lens, cache_leftpad=pad,
+                                     causal=True, rotary_interleaved=False)
+    from flashcore.integrations import kv_cache
+
+    for i in range(b):
+        n, p = int(lens[i]), int(pad[i])
+        qi, ki = q[i:i + 1], knew[i:i + 1]
+        if rotary:
+            at = torch.arange(4, device="cuda")[None] + n
+            qi = kv_cache.apply_rotary(qi, cos, sin, at, False)
+            ki = kv_cache.apply_rotary(ki, cos, sin, at, False)
+        assert torch.equal(k_cache[i, n:n + 4], ki[0])
+        keys = torch.cat((k0[i:i + 1, p:n], ki), 1)
+        vals = torch.cat((v0[i:i + 1, p:n], vnew[i:i + 1]), 1)
+        _check(out[i:i + 1], qi, keys, vals, True, (-1, -1), 0.0)
+
+
 # -- transformers -------------------------------------------------------------------------------
 
 

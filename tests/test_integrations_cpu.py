@@ -296,7 +296,7 @@ def test_dense_cache_as_pages_reads_the_same_memory():
 
 
 def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=False,
-                      interleaved=True, window=(-1, -1), check_lengths=True):
+                      interleaved=True, window=(-1, -1), check_lengths=True, leftpad=None):
     b, sq, snew, cap = 2, 2, 2, 96
     kc, vc = _randn(3, cap, 2, 64, seed=1), _randn(3, cap, 2, 64, seed=2)
     kc0, _vc0 = kc.clone(), vc.clone()
@@ -305,12 +305,13 @@ def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=F
     cos, sin = _rotary_tables(cap, 16) if rotary else (None, None)
     out, lse = fa.flash_attn_with_kvcache(
         q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens,
-        cache_batch_idx=batch_idx, causal=causal, window_size=window,
+        cache_batch_idx=batch_idx, cache_leftpad=leftpad, causal=causal, window_size=window,
         rotary_interleaved=interleaved, return_softmax_lse=True, check_lengths=check_lengths)
+    pads = [0] * b if leftpad is None else kv_cache.as_lengths(leftpad, b, q.device).tolist()
     lens = kv_cache.as_lengths(cache_seqlens, b, q.device).tolist()
     rows = list(range(b)) if batch_idx is None else batch_idx.tolist()
     assert lse.shape == (b, 4, sq)
-    for i, (r, n) in enumerate(zip(rows, lens)):
+    for i, (r, n, pad) in enumerate(zip(rows, lens, pads)):
         kn, qi = k[i:i + 1], q[i:i + 1]
         if rotary:
             per_token = causal or window != (-1, -1)
@@ -321,7 +322,8 @@ def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=F
         assert torch.equal(kc[r, n:n + snew], kn[0]) and torch.equal(vc[r, n:n + snew], v[i])
         assert torch.equal(kc[r, :n], kc0[r, :n])
         assert torch.equal(kc[r, n + snew:], kc0[r, n + snew:])
-        want = _naive(qi, kc[r:r + 1, :n + snew], vc[r:r + 1, :n + snew], causal, window)
+        # the row's keys from cache_leftpad on; rotary positions stay the row's own
+        want = _naive(qi, kc[r:r + 1, pad:n + snew], vc[r:r + 1, pad:n + snew], causal, window)
         _close(out[i:i + 1], want)
     untouched = sorted(set(range(3)) - set(rows))
     assert all(torch.equal(kc[r], kc0[r]) for r in untouched)
@@ -341,6 +343,22 @@ def test_kvcache_per_row_lengths_read_the_dense_cache_as_pages(fake, rotary, int
                                        interleaved=interleaved)
     assert name == "attention_paged" and args[4].tolist() == [5, 19]
     assert args[1].shape == (9, 32, 2, 64)  # 96-key rows as three pages of 32, no copy
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_kvcache_leftpad_reads_each_row_from_its_first_key(fake, rotary):
+    """FlashAttention's cache_leftpad: row b's keys are cache_leftpad[b] .. cache_seqlens[b] +
+    new - 1 (appended at cache_seqlens, rotary at the row's own positions), read as pages of
+    one key; equal lengths too (no plain slice of the cache then)."""
+    for lens, pad, idx in ((torch.tensor([9, 17], dtype=torch.int32), torch.tensor([4, 0]), None),
+                           (6, torch.tensor([6, 1], dtype=torch.int32),
+                            torch.tensor([2, 0], dtype=torch.int32))):
+        name, args, _kw = _dense_cache_call(fake, lens, batch_idx=idx, rotary=rotary,
+                                            leftpad=pad)
+        assert name == "attention_paged" and args[1].shape == (3 * 96, 1, 2, 64)
+        starts = pad.tolist()
+        assert args[4].tolist() == [n + 2 - p for n, p in
+                                    zip(kv_cache.as_lengths(lens, 2, "cpu").tolist(), starts)]
 
 
 def test_kvcache_batch_idx_and_window(fake):
@@ -378,8 +396,16 @@ def test_kvcache_errors_name_the_argument(fake):
     kc, vc = _randn(2, 8, 2, 64), _randn(2, 8, 2, 64)
     q, k = _randn(2, 1, 2, 64), _randn(2, 1, 2, 64)
     lens = torch.tensor([1, 2], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="cache_leftpad"):
-        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens)
+    with pytest.raises(ValueError, match="cache_leftpad is for a dense cache"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens,
+                                   block_table=torch.zeros(2, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_leftpad must be in 0..cache_seqlens"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
+                                   cache_leftpad=torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cache_leftpad has shape"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens[:1])
+    with pytest.raises(TypeError, match="cache_leftpad must hold integers"):
+        fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens.float())
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
         fa.flash_attn_with_kvcache(q, kc, vc, alibi_slopes=torch.ones(2))
     with pytest.raises(ValueError, match="k and v"):

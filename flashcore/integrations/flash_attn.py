@@ -12,12 +12,13 @@ causal), ``softcap=0.0`` means none.
 
 What differs:
 
-* ``dropout_p > 0`` and ``alibi_slopes`` raise ``NotImplementedError``; so does
-  ``cache_leftpad``. Head dims flashcore does not build (``flashcore.specs.HEAD_DIMS``: 32,
+* ``dropout_p > 0`` and ``alibi_slopes`` raise ``NotImplementedError``. Head dims flashcore does not build (``flashcore.specs.HEAD_DIMS``: 32,
   64, 80, 96, 128, 256) raise flashcore's ``ValueError``.
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the LSE as FlashAttention
   lays it out ((batch, heads, seqlen_q) dense, (heads, total_q) varlen); FlashAttention's third
   value carries probabilities only with dropout, which flashcore does not do.
+* ``cache_leftpad`` (a dense cache's rows starting at those keys) reads the cache as pages of
+  one key, gathered a key at a time: slower than a call without it.
 * A bad ``block_table`` raises flashcore's ``ValueError`` naming it (FlashAttention raises a
   ``RuntimeError``); ``check_lengths`` (keyword, default True) is flashcore's device-side check
   of tables and lengths (one synchronisation; False trusts them, as FlashAttention does).
@@ -196,12 +197,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     are cache_seqlens + t when causal or windowed, else cache_seqlens), k/v (batch, seqlen_new,
     heads_kv, head_dim) written into the cache in place at cache_seqlens (its rows
     ``cache_batch_idx[b]`` for a dense cache), then attention over the first cache_seqlens +
-    seqlen_new keys of each row. ``cache_seqlens`` None means the whole cache, with nothing
-    appended. Returns out like q, with ``return_softmax_lse`` (out, lse (batch, heads,
+    seqlen_new keys of each row, or, with ``cache_leftpad`` (int32 (batch,), a dense cache), over
+    its keys cache_leftpad .. cache_seqlens + seqlen_new - 1 (positions stay those of the row,
+    as FlashAttention's rotary takes them). ``cache_seqlens`` None means the whole cache, with
+    nothing appended. Returns out like q, with ``return_softmax_lse`` (out, lse (batch, heads,
     seqlen_q))."""
     _unsupported(alibi_slopes=alibi_slopes)
-    if cache_leftpad is not None:
-        raise NotImplementedError(f"{_OP}: cache_leftpad: keys must start at position 0")
+    if cache_leftpad is not None and block_table is not None:
+        raise ValueError(f"{_OP}: cache_leftpad is for a dense cache; a paged cache's keys "
+                         "start where its block_table says")
     if (k is None) != (v is None):
         raise ValueError(f"{_OP}: give both k and v, or neither (k is {type(k).__name__}, "
                          f"v is {type(v).__name__})")
@@ -223,6 +227,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                   q.device)
     rows = (torch.arange(batch, dtype=torch.int32, device=q.device) if cache_batch_idx is None
             else cache_batch_idx)
+    start = (None if cache_leftpad is None else
+             kv_cache.as_lengths(cache_leftpad, batch, q.device, "cache_leftpad"))
+    faults = [] if start is None else kv_cache.leftpad_faults(start, lengths)
+    if k is not None:
+        faults += kv_cache.room_faults(lengths, new, capacity, block_table, pages)
+    if faults and check_lengths and _checkable():
+        kv_cache.raise_faults(faults)
 
     if rotary_cos is not None:
         if rotary_sin is None:
@@ -235,9 +246,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             k = kv_cache.apply_rotary(k, rotary_cos, rotary_sin,
                                       kv_cache.positions(lengths, new), rotary_interleaved)
     if k is not None:
-        if check_lengths and _checkable():
-            kv_cache.raise_faults(kv_cache.room_faults(lengths, new, capacity, block_table,
-                                                       pages))
         if block_table is None:
             slots = kv_cache.dense_slots(rows, lengths, new)
         else:
@@ -246,7 +254,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         kv_cache.append_(v_cache, slots, v)
 
     splits = None if num_splits in (0, None) else num_splits
-    if block_table is None and known is not None and cache_batch_idx is None:
+    if block_table is None and known is not None and cache_batch_idx is None and start is None:
         # one length for every row, known here: plain attention over a slice of the cache
         keys = known + new
         masks = fa_masks(causal, window_size, softcap, seqlen_q, keys)
@@ -255,13 +263,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return _with_lse(res, return_softmax_lse, triple=False)
     # Per-row lengths on the device: the paged kernels read them there (no synchronisation)
     # and read a dense cache in place as pages; varlen would need the keys packed (a copy).
-    if block_table is None:
+    seqlens = lengths + new
+    if start is not None:  # each row's keys from its own first one: pages of one key
+        k_pages, table = kv_cache.dense_as_key_pages(k_cache, rows, start)
+        v_pages, _ = kv_cache.dense_as_key_pages(v_cache, rows, start)
+        seqlens = seqlens - start
+    elif block_table is None:
         k_pages, table = kv_cache.dense_as_pages(k_cache, rows)
         v_pages, _ = kv_cache.dense_as_pages(v_cache, rows)
     else:
         k_pages, v_pages, table = k_cache, v_cache, block_table
     out = q.new_empty(q.shape)
-    res = ops.attention_paged(q.transpose(1, 2), k_pages, v_pages, table, lengths + new,
+    res = ops.attention_paged(q.transpose(1, 2), k_pages, v_pages, table, seqlens,
                               masks.causal, softmax_scale, return_softmax_lse,
                               num_splits=splits, out=out.transpose(1, 2),
                               check_lengths=check_lengths, **masks.kwargs())

@@ -10,20 +10,21 @@ import torch
 _FAST_PAGE_SIZES = (256, 128, 64, 32, 16)
 
 
-def as_lengths(cache_seqlens, batch: int, device: torch.device) -> torch.Tensor:
-    """``cache_seqlens`` (an int or a (batch,) integer tensor) as an int32 (batch,) tensor."""
+def as_lengths(cache_seqlens, batch: int, device: torch.device,
+               name: str = "cache_seqlens") -> torch.Tensor:
+    """``cache_seqlens`` (or the argument ``name``: an int or a (batch,) integer tensor) as an
+    int32 (batch,) tensor."""
     if isinstance(cache_seqlens, bool):
-        raise TypeError(f"cache_seqlens must be an int or a tensor, got {cache_seqlens!r}")
+        raise TypeError(f"{name} must be an int or a tensor, got {cache_seqlens!r}")
     if isinstance(cache_seqlens, int):
         return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens must be an int or a tensor, got "
+        raise TypeError(f"{name} must be an int or a tensor, got "
                         f"{type(cache_seqlens).__name__}")
     if cache_seqlens.dtype.is_floating_point or cache_seqlens.dtype == torch.bool:
-        raise TypeError(f"cache_seqlens must hold integers, got {cache_seqlens.dtype}")
+        raise TypeError(f"{name} must hold integers, got {cache_seqlens.dtype}")
     if cache_seqlens.shape != (batch,):
-        raise ValueError(f"cache_seqlens has shape {tuple(cache_seqlens.shape)}, expected "
-                         f"({batch},)")
+        raise ValueError(f"{name} has shape {tuple(cache_seqlens.shape)}, expected ({batch},)")
     return cache_seqlens.to(device=device, dtype=torch.int32)
 
 
@@ -100,6 +101,13 @@ def room_faults(lengths: torch.Tensor, seqlen: int, capacity: int,
     return faults
 
 
+def leftpad_faults(start: torch.Tensor, lengths: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """Device-side tests that each row's keys start inside it: 0 <= cache_leftpad <=
+    cache_seqlens."""
+    return [("cache_leftpad must be in 0..cache_seqlens",
+             ((start < 0) | (start > lengths)).any())]
+
+
 def raise_faults(faults: list[tuple[str, torch.Tensor]]) -> None:
     flags = torch.stack([bad.reshape(()) for _, bad in faults]).tolist()
     for (message, _), bad in zip(faults, flags):
@@ -126,5 +134,24 @@ def dense_as_pages(cache: torch.Tensor, rows: torch.Tensor
     return cache, rows.to(torch.int32)[:, None].contiguous()
 
 
-__all__ = ["append_", "apply_rotary", "as_lengths", "dense_as_pages", "dense_slots",
-           "paged_slots", "positions", "raise_faults", "room_faults"]
+def dense_as_key_pages(cache: torch.Tensor, rows: torch.Tensor, start: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense cache (batch_cache, seqlen_cache, heads, head_dim) as pages of one key each, and
+    the (batch, seqlen_cache) int32 block table whose row b lists cache row ``rows[b]``'s keys
+    from position ``start[b]`` on: ``attention_paged`` then reads each row's keys from its own
+    first one (FlashAttention's ``cache_leftpad``), a key at a time. The view shares the cache's
+    memory where its rows are contiguous with one another; else the pages are a copy. Entries
+    past a row's end point at the cache's last key (no call reads them)."""
+    n_rows, seqlen = cache.shape[:2]
+    shape = (n_rows * seqlen, 1, *cache.shape[2:])
+    pages = (cache.view(shape) if cache.stride(0) == seqlen * cache.stride(1)
+             else cache.reshape(shape))
+    first = rows.to(torch.int64) * seqlen + start.to(torch.int64)
+    keys = torch.arange(seqlen, device=cache.device)
+    table = (first[:, None] + keys).clamp_(0, n_rows * seqlen - 1).to(torch.int32)
+    return pages, table
+
+
+__all__ = ["append_", "apply_rotary", "as_lengths", "dense_as_key_pages", "dense_as_pages",
+           "dense_slots", "leftpad_faults", "paged_slots", "positions", "raise_faults",
+           "room_faults"]
