@@ -320,3 +320,70 @@ def test_through_autograd():
     sdpa = _sdpa_grads(q, k, v, dout, True, None)
     for got, want, base in zip((q.grad, k.grad, v.grad), ref, sdpa):
         assert max_abs(got, want) <= _allowed(max_abs(base, want), want, torch.float16)
+
+
+class _Block(torch.nn.Module):
+    """A pre-norm transformer block with grouped-query causal attention (``attend`` runs it)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.q = torch.nn.Linear(dim, dim, bias=False)
+        self.kv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.o = torch.nn.Linear(dim, dim, bias=False)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))
+
+    def forward(self, x, attend):
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(h).view(b, s, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        a = attend(q.bfloat16(), k.bfloat16(), v.bfloat16()).float()
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+def _train(attend, steps: int, seed: int = 0, device: str = "cuda") -> list[float]:
+    """Losses of a small GQA language model trained from ``seed`` on a synthetic task that
+    needs attention (each sequence repeats a random pattern of ``period`` tokens: a token is
+    the one ``period`` places back), attention through ``attend``."""
+    torch.manual_seed(seed)
+    vocab, dim, seq, batch, period = 97, 512, 256, 8, 7
+    emb, pos = torch.nn.Embedding(vocab, dim), torch.nn.Embedding(seq, dim)
+    blocks = torch.nn.ModuleList(_Block(dim, 8, 2) for _ in range(2))
+    head = torch.nn.Linear(dim, vocab)
+    model = torch.nn.ModuleList([emb, pos, blocks, head]).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator(device=device).manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        pattern = torch.randint(0, vocab, (batch, period), device=device, generator=g)
+        ids = pattern.repeat(1, -(-(seq + 1) // period))[:, :seq + 1]
+        x = emb(ids[:, :-1]) + pos.weight
+        for block in blocks:
+            x = block(x, attend)
+        loss = torch.nn.functional.cross_entropy(head(x).flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_loop_matches_sdpa():
+    """A small GQA transformer (8 query heads of 64 over 2 K/V heads) trained 300 steps with
+    flashcore's attention and with SDPA from the same seed: both learn the task (the loss falls below a tenth of its start), and their
+    losses stay within 2% (mean of the last 20 steps) of each other: the backward trains as
+    SDPA's does, not just differentiates. (On a CPU, SDPA's attention in bfloat16 and in float16
+    end 0.1% apart.)"""
+    from flashcore.ops import attention
+
+    ours = _train(lambda q, k, v: attention(q, k, v, causal=True), 300)
+    theirs = _train(lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, is_causal=True, enable_gqa=True), 300)
+    tail_ours, tail_theirs = (sum(x[-20:]) / 20 for x in (ours, theirs))
+    assert all(math.isfinite(x) for x in ours)
+    assert tail_theirs < 0.1 * theirs[0] and tail_ours < 0.1 * ours[0], (ours[::30], theirs[::30])
+    assert abs(tail_ours - tail_theirs) <= 0.02 * max(tail_theirs, 0.05), (tail_ours, tail_theirs)
