@@ -319,3 +319,13 @@ def test_packed_tokens_specs():
                         "not built yet: packed_tokens")):
         with pytest.raises(SpecError, match=match):
             AttentionSpec(**{"packed_tokens": True, **bad})
+
+
+def test_each_family_names_where_its_e4m3_mma_is_an_instruction():
+    """FP8 warns where a family's e4m3 MMAs are emulated (``ops.eager.run_fp8``): the L4 has
+    e4m3 mma.sync, Hopper only e4m3 wgmma."""
+    from flashcore.specs import FAMILIES
+
+    assert FAMILIES["mma_sync"].e4m3_mma_archs == ("sm_89",)
+    assert FAMILIES["wgmma_ws"].e4m3_mma_archs == ("sm_90",)
+    assert all(set(f.e4m3_mma_archs) <= set(f.archs) for f in FAMILIES.values())

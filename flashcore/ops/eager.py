@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from ..runtime.device import arch_of
-from ..specs import TileConfig
+from ..specs import DEFAULT_FAMILY, FAMILIES, TileConfig, family
 from ..tuned import table as tuned_table
 from . import plan
 from .inputs import E4M3, prepared, readable, tensor_arg, transposed_arg
@@ -259,12 +259,14 @@ def run_fp8(
     if config is None:
         config = plan.tuned_config(arch, D, causal, Sq, "fp8" if kd.dim() == 3 else "fp8khead",
                                    mask.features + _split_feature(num_splits))
-    if arch == "sm_90" and config.family != "wgmma_ws" and device not in _warned:
+    fam = family(config.family or DEFAULT_FAMILY[arch])
+    if arch not in fam.e4m3_mma_archs and device not in _warned:
         _warned.add(device)
+        fast = [f.name for f in FAMILIES.values() if arch in f.e4m3_mma_archs]
         warnings.warn(
-            f"flashcore FP8 on sm_90 with the {config.family or 'mma_sync'} family: Hopper has "
-            "no e4m3 mma.sync (ptxas emulates it with f16 MMAs), so this kernel is slower than "
-            "precision='fp16'; the wgmma_ws family (e4m3 wgmma) is fast",
+            f"flashcore FP8 on {arch} with the {fam.name} family: it has no e4m3 MMA "
+            "instruction there (ptxas emulates it with f16 MMAs), so this kernel is slower "
+            f"than precision='fp16'; fast on {arch}: {', '.join(fast) or 'none'}",
             RuntimeWarning,
             stacklevel=3,
         )

@@ -67,6 +67,7 @@ class KernelFamily(Protocol):
     producer_threads: int  # threads a CTA has beyond config.threads (a producer warpgroup)
     kernel_class: str  # the kernel traced: "module:Class" under flashcore.kernels
     loads_by_tma: bool  # takes its operands as TMA descriptors (``tensor_map_params``)
+    e4m3_mma_archs: tuple[str, ...]  # archs whose e4m3 MMAs are instructions, not emulated
 
     def dsl_arch(self, arch: str) -> str: ...
 
@@ -91,6 +92,7 @@ class MmaSync:
     producer_threads: int = 0
     kernel_class: str = "mma_sync.attention_fwd:AttentionForward"
     loads_by_tma: bool = False
+    e4m3_mma_archs: tuple[str, ...] = ("sm_89",)  # Hopper has no e4m3 mma.sync: ptxas emulates
 
     def dsl_arch(self, arch: str) -> str:
         return arch
@@ -225,6 +227,7 @@ class WgmmaWs:
     producer_threads: int = 128
     kernel_class: str = "wgmma_ws.attention_fwd:WgmmaWsAttentionForward"
     loads_by_tma: bool = True
+    e4m3_mma_archs: tuple[str, ...] = ("sm_90",)
 
     def dsl_arch(self, arch: str) -> str:
         return "sm_90a"  # wgmma and setmaxnreg are sm_90a instructions
