@@ -260,3 +260,55 @@ def test_offsets_and_tables_are_checked_as_documented():
     assert "outside 0..3" in (_fault(_table_faults(cu(1), edge, 4, 16)) or "")
     assert _fault(_table_faults(cu(1), edge - 1, 4, 16)) is None
 
+
+
+def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path():
+    """A decode-layout paged call repeated with the same layouts (a serving loop's layers) runs
+    the shape checks and the config once, launches exactly what the unmemoised path launches,
+    and still checks each call's tables with check_lengths; a negative scale still negates q."""
+    from unittest import mock
+
+    from flashcore.ops import launcher, plan, serving
+
+    launched, work = [], torch.empty(1 << 20)
+    b, h, hkv, d, ps = 3, 8, 2, 64, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, h, 1, d, generator=g).half()
+    kc, vc = (torch.randn(24, ps, hkv, d, generator=g).half() for _ in range(2))
+    table = torch.randperm(24, generator=g).to(torch.int32)[:18].view(3, 6)
+    lens = torch.tensor([5, 96, 40], dtype=torch.int32)
+    out = torch.empty_like(q)
+    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+          mock.patch.object(serving, "arch_of", return_value="sm_90"),
+          mock.patch.object(plan, "sm_count", return_value=132),
+          mock.patch.object(launcher, "loaded_kernel"),
+          mock.patch.object(launcher, "combine_kernel"),
+          mock.patch.object(launcher, "launch",
+                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
+          mock.patch.object(launcher, "scratch", side_effect=lambda like, n: work),
+          mock.patch.object(torch.Tensor, "get_device", return_value=0),
+          mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock,
+                            return_value=True),
+          mock.patch.object(serving, "_checking", side_effect=lambda op, check: check),
+          mock.patch.object(serving, "check_heads", wraps=serving.check_heads) as checks):
+        serving._paged_calls.clear()
+
+        def call(tile=(64, 64), lengths=lens, scale=None, check=False):
+            return serving.run_paged(q, kc, vc, table, lengths, True, scale, tile=tile,
+                                     out=out, check_lengths=check)
+
+        for _ in range(3):
+            assert call() is out
+        assert checks.call_count == 1
+        memoised = launched[-2:]
+        launched.clear()
+        call(tile=[64, 64])  # a list is not a memo key: the general path, every check
+        assert checks.call_count == 2 and launched == memoised
+        call(check=True)
+        with pytest.raises(ValueError, match="block table"):
+            call(lengths=torch.tensor([5, 200, 40], dtype=torch.int32), check=True)
+        for _ in range(2):  # checked, then memoised: q negated both times
+            launched.clear()
+            call(scale=-0.125)
+            assert launched[0][1][0][0] != q.data_ptr()
+        serving._paged_calls.clear()

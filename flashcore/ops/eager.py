@@ -29,6 +29,7 @@ from .validate import (
     check_out,
     check_precision,
     check_qkv,
+    exact_ints,
     out_apart,
     signed_query,
     softmax_scale_of,
@@ -98,7 +99,7 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     key = None
     if (precision == "fp16" and k_descale is None and v_descale is None
             and warps is None and stages is None and kv_splits is None
-            and _exact_ints(tile, num_splits)):
+            and exact_ints(tile, num_splits)):
         try:
             qs, ks = q.shape, k.shape
             folds = folded(causal, call_masking(causal, mask_align, window, softcap), qs[2],
@@ -117,14 +118,6 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
     return _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                     kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align,
                     window, softcap, key)
-
-
-def _exact_ints(tile, num_splits) -> bool:
-    """Whether the knobs a memoised call is keyed on are None or ints: a key matches equal
-    values (2.0 == 2), which the checks would refuse."""
-    return ((num_splits is None or type(num_splits) is int)
-            and (tile is None or (type(tile) is tuple and len(tile) == 2
-                                  and type(tile[0]) is int and type(tile[1]) is int)))
 
 
 def _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,

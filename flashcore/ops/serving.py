@@ -24,17 +24,20 @@ What is checked, and what is trusted:
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
 from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
+from ..tuned import table as tuned_table
 from .eager import resolve_config
 from .inputs import DTYPE_NAMES, E4M3, prepared, readable
-from .launcher import Serving, launch_attention
+from .launcher import Serving, launch_attention, launch_plan, planned
 from .masks import call_masking
 from .validate import (
     INT32_MAX,
@@ -44,8 +47,10 @@ from .validate import (
     check_num_splits,
     check_out,
     check_tensor,
+    exact_ints,
     int32_vector,
     op_error,
+    out_apart,
     signed_query,
     softmax_scale_of,
 )
@@ -203,6 +208,38 @@ def run_varlen(
     return _done((out, lse) if return_lse else out, given)
 
 
+class PagedCall(NamedTuple):
+    """What a checked decode-layout paged call (q (B, H, S, D), a 16-bit cache, tables used as
+    given) decides apart from its tensors' addresses and the tables' contents: its plan's
+    arguments and the kernel arguments' strides. Memoised per distinct call (``run_paged``):
+    a serving loop calls every layer with the same layouts, and then pays for the checks on
+    shapes and the config once; ``check_lengths`` still checks each call's tables."""
+
+    serial: int  # names the call's plan in the launcher's memo (never reused)
+    negate: bool  # a negative softmax_scale runs as -q
+    lse_shape: tuple | None
+    q_strides: tuple  # modes 0-2 of q, and of the caches' (pages, heads, page_size, d) views
+    kv_strides: tuple
+    table_stride: int
+    serving: tuple  # Serving's page_size, batch, max_seqlen_q, max_seqlen_k
+    plan_args: tuple  # ``launcher.plan_launch``'s arguments
+
+
+_paged_calls: dict[tuple, PagedCall] = {}
+_PAGED_MEMO_SIZE = 256
+_serials = itertools.count()
+
+
+def _paged_key(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale, return_lse,
+               mask_align, window, softcap, tile, config, num_splits, out, check_lengths):
+    """The memo key of a paged call: every argument but the tensors' addresses and contents."""
+    layout = tuple((t.shape, t.stride(), t.dtype, t.get_device())
+                   for t in (q, k_cache, v_cache, block_table, seqlens_k))
+    out_layout = None if out is None else (out.shape, out.stride(), out.dtype, out.get_device())
+    return (layout, causal, softmax_scale, return_lse, mask_align, window, softcap, tile, config,
+            num_splits, check_lengths, out_layout, tuned_table.generation)
+
+
 def run_paged(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -226,8 +263,24 @@ def run_paged(
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
 ):
-    """``flashcore.ops.attention_paged``, eager: check, plan, launch."""
+    """``flashcore.ops.attention_paged``, eager: check, plan, launch. A call in q's
+    (B, H, S, D) layout whose arguments a checked call had before takes its memoised
+    ``PagedCall`` (``_launch_paged``)."""
     op = "attention_paged"
+    key = None
+    if (cu_seqlens_q is None and max_seqlen_q is None and k_descale is None
+            and v_descale is None and exact_ints(tile, num_splits)):
+        try:
+            key = _paged_key(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
+                             return_lse, mask_align, window, softcap, tile, config, num_splits,
+                             out, check_lengths)
+            call = _paged_calls.get(key)
+        except (AttributeError, TypeError):
+            call, key = None, None  # not memoisable, or bad: the checks below name it
+        if call is not None and (out is None or out_apart(out, (q, k_cache, v_cache,
+                                                                block_table, seqlens_k))):
+            return _launch_paged(call, q, k_cache, v_cache, block_table, seqlens_k, out,
+                                 check_lengths)
     packed = cu_seqlens_q is not None
     check_tensor(op, "q", q, 3 if packed else 4, tuple(DTYPE_NAMES))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -243,6 +296,7 @@ def run_paged(
         raise op_error(op, f"the cache has no room: shape {tuple(k_cache.shape)}")
     check_tensor(op, "block_table", block_table, 2, (torch.int32,), q.device)
     batch, max_pages = block_table.shape
+    table = block_table  # the caller's (a copy below would not be)
     if block_table.stride(1) != 1:
         block_table = block_table.contiguous()
     lens = int32_vector(op, "seqlens_k", seqlens_k, q.device, batch)
@@ -290,6 +344,22 @@ def run_paged(
     _v_alive, v_arg = prepared(v_cache.permute(0, 2, 1, 3))
     descales = () if kd is None else (kd.permute(0, 2, 1), vd.permute(0, 2, 1))
     target = out if readable(out) else q.new_empty(q.shape)
+    if (key is not None and target is out and lens is seqlens_k and table is block_table
+            and k_arg[0] == k_cache.data_ptr() and v_arg[0] == v_cache.data_ptr()
+            and readable(q)):
+        # the tables and caches as given, nothing copied: remember the call
+        call = PagedCall(
+            next(_serials), scale < 0, (tuple(lse.shape) if lse is not None else None),
+            q.stride()[:3], (k_arg[4:], v_arg[4:]), block_table.stride(0),
+            (page_size, batch, max_q, max_k),
+            (q.get_device(), *q.shape, kv_heads, -(-max_k // cfg.tile_n), q.dtype, cfg,
+             causal, lse is not None, "fp16", False, False, mask, False, page_size, batch,
+             max_q, num_splits, abs(scale)))
+        if len(_paged_calls) >= _PAGED_MEMO_SIZE:
+            _paged_calls.clear()
+        _paged_calls[key] = call
+        return _launch_paged(call, q, k_cache, v_cache, block_table, lens, out, False,
+                             lse=lse)
     q, scale = signed_query(q, scale)
     if packed:
         q4, q_arg = prepared(_pack_view(q))
@@ -312,6 +382,38 @@ def run_paged(
     if target is not out:
         out.copy_(target)
     return _done((out, lse) if return_lse else out, given)
+
+
+def _launch_paged(call: PagedCall, q, k_cache, v_cache, block_table, lens, out,
+                  check_lengths: bool, lse: torch.Tensor | None = None):
+    """Bind a memoised paged call's tensors and launch it (``lse``: one the checked call made)."""
+    op = "attention_paged"
+    page_size, batch, max_q, max_k = call.serving
+    if _checking(op, check_lengths):
+        _raise_faults(op, _table_faults(lens, block_table, k_cache.shape[0], page_size))
+    given = out
+    result = q.new_empty(q.shape) if out is None else out
+    if lse is None and call.lse_shape is not None:
+        lse = q.new_empty(call.lse_shape, dtype=torch.float32)
+    if call.negate:
+        q = torch.neg(q)
+    qp, kp, vp = q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr()
+    b, h, sq, _ = q.shape
+    pages, _, heads_kv, _ = k_cache.shape
+    if call.negate or (qp | kp | vp) % 16:  # a fresh -q, or a base the kernels cannot read
+        q, q_arg = prepared(q)
+        k_cache, k_arg = prepared(k_cache.permute(0, 2, 1, 3))
+        v_cache, v_arg = prepared(v_cache.permute(0, 2, 1, 3))
+    else:
+        ks, vs = call.kv_strides
+        q_arg = (qp, b, h, sq, *call.q_strides)
+        k_arg = (kp, pages, heads_kv, page_size, *ks)
+        v_arg = (vp, pages, heads_kv, page_size, *vs)
+    tables = ((block_table.data_ptr(), batch, block_table.shape[1], call.table_stride),
+              (lens.data_ptr(), batch))
+    launch_plan(planned((call.serial,), call.plan_args), result, lse, (q_arg, k_arg, v_arg), (),
+                Serving(False, page_size, tables, batch, max_q, max_k))
+    return _done((result, lse) if call.lse_shape is not None else result, given)
 
 
 def _done(result, given: torch.Tensor | None):

@@ -212,6 +212,14 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, input
                              "overwrite inputs that other blocks still read")
 
 
+def exact_ints(tile, num_splits) -> bool:
+    """Whether the knobs a memoised call is keyed on are None or ints: a key matches equal
+    values (2.0 == 2), which the checks would refuse."""
+    return ((num_splits is None or type(num_splits) is int)
+            and (tile is None or (type(tile) is tuple and len(tile) == 2
+                                  and type(tile[0]) is int and type(tile[1]) is int)))
+
+
 def out_apart(out, inputs: tuple) -> bool:
     """The part of ``check_out`` that depends on addresses: a 16-byte aligned base and no
     memory shared with any of ``inputs`` (for a call whose shapes and strides passed it)."""
