@@ -26,6 +26,7 @@ def attention(
     mask_align: str = "top_left",
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of (B, H, S, D) inputs, computed and returned in float64.
 
@@ -41,7 +42,8 @@ def attention(
     ``mask_align="bottom_right"`` shifts the diagonal by S_k - S_q (query i sees j <= i + S_k -
     S_q); ``window=(left, right)`` keeps keys i + shift - left <= j <= i + shift + right (-1: no
     limit; right is 0 when causal); ``softcap`` turns the scaled scores s into
-    softcap * tanh(s / softcap) before the mask.
+    softcap * tanh(s / softcap) before the mask. ``alibi_slopes`` ((H,) or (B, H)) then adds
+    -slope * |i + shift - j| to each score (ALiBi; the shift as the diagonal's).
     """
     _check_shapes(q, k, v)
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -52,6 +54,14 @@ def attention(
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
+    if alibi_slopes is not None:
+        sq, sk = scores.shape[-2:]
+        shift = sk - sq if mask_align == "bottom_right" else 0
+        i = torch.arange(sq, device=dev).unsqueeze(1) + shift
+        j = torch.arange(sk, device=dev).unsqueeze(0)
+        slopes = alibi_slopes.to(device=dev, dtype=torch.float64)
+        slopes = slopes.expand(q.shape[0], q.shape[1])[:, :, None, None]
+        scores = scores - slopes * (i - j).abs().to(torch.float64)
     if causal or window is not None:
         sq, sk = scores.shape[-2:]
         shift = sk - sq if mask_align == "bottom_right" else 0

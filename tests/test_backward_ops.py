@@ -35,7 +35,7 @@ def _call(**changes):
             "softmax_scale": None, "return_lse": False, "tile": None, "warps": None,
             "stages": None, "kv_splits": None, "num_splits": None, "precision": "fp16",
             "k_descale": None, "v_descale": None, "mask_align": "top_left", "window": None,
-            "softcap": None, "config": None}
+            "softcap": None, "config": None, "alibi_slopes": None}
     args.update(changes)
     return tuple(args[name] for name in bw._input_names())
 
@@ -56,6 +56,7 @@ def test_setup_context_saves_what_the_backward_needs():
 @pytest.mark.parametrize("changes, reason", [
     ({"precision": "fp8"}, "precision"),
     ({"k": torch.empty(1, 2, 3, 64, dtype=torch.float8_e4m3fn)}, "FP8 KV cache"),
+    ({"alibi_slopes": torch.ones(2)}, "ALiBi"),
 ])
 def test_calls_without_a_backward_say_so_when_differentiated(changes, reason):
     ctx = _ctx(_call(**changes))

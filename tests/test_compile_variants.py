@@ -34,6 +34,14 @@ SPECS = [
     # registers and spilled 12-28 B
     AttentionSpec(arch="sm_89", head_dim=128, config=TileConfig((32, 64), warps=2, stages=2),
                   packed_tokens=True, causal=True, window=True, softcap=True, split_kv=True),
+    # ALiBi: a slope per (batch, head), the bias in every block (split decode, a bottom-right
+    # prefill with its LSE, two key groups beside a soft-cap)
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=128, config=DECODE, split_kv=True,
+                  alibi=True),
+    AttentionSpec(arch="sm_89", head_dim=64, causal=True, mask_align="bottom_right",
+                  return_lse=True, alibi=True),
+    AttentionSpec(arch="sm_80", head_dim=64, config=TileConfig((64, 64), warps=4, kv_splits=2),
+                  softcap=True, alibi=True),
     CombineSpec(arch="sm_89", dtype="bfloat16", head_dim=128, return_lse=True),
     CombineSpec(arch="sm_90", head_dim=64),
 ]
@@ -102,6 +110,15 @@ def test_attention_variants(artifacts, spec):
         assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", body)
         if not spec.split_kv:
             assert re.search(r"st\.global\.v4\.b32", body)
+    if spec.alibi:
+        # the slopes: a (batch, heads) float32 parameter read once; each score's distance
+        # converted to float in the key loop
+        slopes = {p.name: p for p in params_for(spec)}["alibi_slopes"]
+        assert slopes.dynamic_shapes == 2
+        text = sass(art.cubin)
+        lines = text.splitlines()
+        key_loop = max(loop_bodies(text), key=lambda fl: fl[1] - fl[0])
+        assert "I2F" in "\n".join(lines[key_loop[0]:key_loop[1]])
     if spec.arch == "sm_90":
         assert body.index("griddepcontrol.wait;") < body.index("cp.async")
 

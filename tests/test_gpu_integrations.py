@@ -123,6 +123,30 @@ def test_flash_attn_with_kvcache(paged, rotary):
         _check(out[i:i + 1], qi, keys, vals, True, (-1, -1), 0.0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq, sk", [(77, 300), (128, 128), (1, 500)])
+def test_flash_attn_func_alibi(causal, sq, sk):
+    """flash_attn_func's ALiBi (bias from the bottom-right diagonal, slopes per head) against
+    the float64 reference, within twice the error of SDPA given the same bias."""
+    dt, h, hkv, d = torch.float16, 8, 2, 128
+    q, k, v = _qkv(2, sq, sk, h, hkv, d, dt, seed=3)
+    slopes = (2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda") / h)).float()
+    out = fa.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes)
+    args = (_t(q), _t(k), _t(v))
+    ref = reference.attention(*args, causal=causal, mask_align="bottom_right",
+                              alibi_slopes=slopes, device=q.device)
+    i = torch.arange(sq, device="cuda")[:, None] + sk - sq
+    j = torch.arange(sk, device="cuda")[None, :]
+    bias = -slopes[:, None, None] * (i - j).abs().float()
+    if causal:
+        bias = bias.masked_fill(j > i, -math.inf)
+    kk, vv = (t.repeat_interleave(h // hkv, dim=1) for t in args[1:])
+    base = torch.nn.functional.scaled_dot_product_attention(args[0], kk, vv,
+                                                            attn_mask=bias.to(dt))
+    err, err_sdpa = max_abs(_t(out), ref), max_abs(base, ref)
+    assert err <= allowed_error(err_sdpa, ref, dt), (err, err_sdpa)
+
+
 @pytest.mark.parametrize("rotary", [False, True])
 def test_flash_attn_with_kvcache_leftpad(rotary):
     """cache_leftpad: row b attends to its keys cache_leftpad[b] .. cache_seqlens[b] + new - 1

@@ -87,3 +87,68 @@ def test_mask_arguments_are_refused_clearly():
         attention(q, q, q, causal=True, mask_align="bottom")
     with pytest.raises(ValueError, match="softcap"):
         attention(q, q, q, softcap=5.0, precision="fp8")
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 4]),
+    sq=st.one_of(st.just(1), st.integers(1, 16), st.integers(1, 600)),
+    sk=st.one_of(st.integers(1, 300), st.integers(1, 3000)),
+    d=head_dims(),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    per_batch=st.booleans(),
+    softcap=st.one_of(st.none(), st.floats(2.0, 50)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, group=4, sq=1, sk=2999, d=128, dtype="float16", causal=False,
+         align="bottom_right", per_batch=False, softcap=None, seed=1)  # GQA decode, split
+@example(b=2, hkv=1, group=1, sq=300, sk=1000, d=64, dtype="bfloat16", causal=True,
+         align="bottom_right", per_batch=True, softcap=30.0, seed=2)  # chunked prefill
+def test_alibi_matches_the_reference(b, hkv, group, sq, sk, d, dtype, causal, align, per_batch,
+                                     softcap, seed):
+    """ALiBi (slopes per head or per (batch, head), the geometric ones of the paper scaled
+    by a random factor) against the float64 reference; torch's error from SDPA given the same
+    bias (and mask) as a float ``attn_mask``, in q's dtype."""
+    import math
+
+    from tests.gpu_utils import allowed_error, max_abs
+
+    dt = DTYPES[dtype]
+    h = hkv * group
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, n, s, d, device="cuda", generator=gen).to(dt)
+               for n, s in ((h, sq), (hkv, sk), (hkv, sk)))
+    slopes = 2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda") / h)
+    if per_batch:
+        slopes = slopes * torch.rand(b, 1, device="cuda", generator=gen) * 2
+    slopes = slopes.float()
+    masks = {"mask_align": align, "softcap": softcap}
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
+                                       alibi_slopes=slopes, **masks)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention(q, k, v, causal=causal, return_lse=True, out=out, alibi_slopes=slopes,
+                         **masks)
+    torch.cuda.synchronize()
+    assert res is out and torch.isfinite(out).all(), "NaN or unwritten elements"
+    shift = sk - sq if align == "bottom_right" else 0
+    i = torch.arange(sq, device="cuda")[:, None] + shift
+    j = torch.arange(sk, device="cuda")[None, :]
+    bias = -slopes.expand(b, h)[:, :, None, None] * (i - j).abs().float()
+    if causal:
+        bias = bias.masked_fill(j > i, -math.inf)
+    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v))
+    s = (q.float() @ kk.float().transpose(-1, -2)) / math.sqrt(d)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    base = (torch.softmax(s + bias, -1).to(dt).float() @ vv.float()).to(dt).nan_to_num(0.0)
+    err, err_torch = max_abs(out, ref), max_abs(base, ref)
+    allowed = allowed_error(err_torch, ref, dt, q, k, v)
+    assert err <= allowed, f"max err {err:.3g} vs torch's {err_torch:.3g} (allowed {allowed:.3g})"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    if finite.any():
+        assert max_abs(lse[finite], ref_lse[finite]) < 1e-3 * max(1.0, ref_lse.abs().max().item())

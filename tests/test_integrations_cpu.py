@@ -28,9 +28,11 @@ def _store(res, out):
     return out, lse.float()
 
 
-def _ref(q, k, v, causal, scale, mask_align="top_left", window=None, softcap=None):
+def _ref(q, k, v, causal, scale, mask_align="top_left", window=None, softcap=None,
+         alibi_slopes=None):
     return reference.attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True,
-                               mask_align=mask_align, window=window, softcap=softcap)
+                               mask_align=mask_align, window=window, softcap=softcap,
+                               alibi_slopes=alibi_slopes)
 
 
 class FakeOps:
@@ -42,11 +44,12 @@ class FakeOps:
 
     def attention(self, q, k, v, tile=None, causal=False, softmax_scale=None, return_lse=False,
                   *, out=None, num_splits=None, mask_align="top_left", window=None,
-                  softcap=None, **kw):
+                  softcap=None, alibi_slopes=None, **kw):
         self.calls.append(("attention", (q, k, v), {"causal": causal, "mask_align": mask_align,
                            "window": window, "softcap": softcap, "out": out,
-                           "num_splits": num_splits}))
-        o, lse = _store(_ref(q, k, v, causal, softmax_scale, mask_align, window, softcap), out)
+                           "num_splits": num_splits, "alibi_slopes": alibi_slopes}))
+        o, lse = _store(_ref(q, k, v, causal, softmax_scale, mask_align, window, softcap,
+                             alibi_slopes), out)
         return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
 
     def attention_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal=False,
@@ -110,9 +113,10 @@ def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=g).to(DT)
 
 
-def _naive(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
+def _naive(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None, alibi=None):
     """FlashAttention's semantics written out in float64 on its (batch, seq, heads, dim)
-    layout, independent of flashcore's reference: bottom-right diagonal, GQA by head index."""
+    layout, independent of flashcore's reference: bottom-right diagonal, GQA by head index,
+    ALiBi's -slope * |i + S_k - S_q - j| after the soft-cap."""
     q, k, v = (t.double() for t in (q, k, v))
     sq, sk, h, d = q.shape[1], k.shape[1], q.shape[2], q.shape[3]
     k, v = (t.repeat_interleave(h // t.shape[2], dim=2) for t in (k, v))
@@ -121,6 +125,8 @@ def _naive(q, k, v, causal=False, window=(-1, -1), softcap=0.0, scale=None):
         s = softcap * torch.tanh(s / softcap)
     i = torch.arange(sq)[:, None] + sk - sq
     j = torch.arange(sk)[None, :]
+    if alibi is not None:
+        s = s - alibi.double().expand(q.shape[0], h)[:, :, None, None] * (i - j).abs()
     left, right = window
     right = 0 if causal else right
     hide = torch.zeros(sq, sk, dtype=torch.bool)
@@ -187,7 +193,24 @@ def test_flash_attn_func_returns_lse_and_refuses_what_flashcore_lacks(fake):
     with pytest.raises(NotImplementedError, match="dropout_p"):
         fa.flash_attn_func(q, k, v, dropout_p=0.1)
     with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa.flash_attn_func(q, k, v, alibi_slopes=torch.ones(2))
+        fa.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, 5], dtype=torch.int32),
+                                  torch.tensor([0, 5], dtype=torch.int32), 5, 5,
+                                  alibi_slopes=torch.ones(2))
+
+
+@pytest.mark.parametrize("causal, sq, sk", [(True, 3, 11), (False, 3, 11), (True, 7, 7),
+                                            (False, 9, 4)])
+def test_flash_attn_func_alibi_is_flash_attentions(fake, causal, sq, sk):
+    """ALiBi, per head or per (batch, head), measured from FlashAttention's bottom-right
+    diagonal: flashcore is asked for it with that alignment whenever S_q != S_k."""
+    q = _randn(2, sq, 4, 64, seed=1)
+    k, v = _randn(2, sk, 2, 64, seed=2), _randn(2, sk, 2, 64, seed=3)
+    for slopes in (torch.tensor([0.5, 0.25, 0.125, 0.0625]), torch.rand(2, 4) * 0.3):
+        out = fa.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes, softcap=4.0)
+        _close(out, _naive(q, k, v, causal, (-1, -1), 4.0, alibi=slopes))
+        kw = fake.calls[-1][2]
+        assert kw["alibi_slopes"] is slopes
+        assert kw["mask_align"] == ("top_left" if sq == sk else "bottom_right")
 
 
 def test_packed_functions_are_views(fake):

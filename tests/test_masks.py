@@ -210,7 +210,10 @@ def test_masking_arguments_are_checked_and_normalised():
     assert masking(False, "top_left", (-1, -1), 0) == NO_MASK  # no limit, softcap 0 = off
     assert masking(False, "bottom_right", None, None) == NO_MASK  # nothing to align
     m = masking(True, "bottom_right", (128, 0), 30)
-    assert m.spec_fields == ("bottom_right", True, True)
+    assert m.spec_fields == ("bottom_right", True, True, False)
+    alibi = masking(False, "bottom_right", None, None, True)  # ALiBi measures from the diagonal
+    assert alibi.align == "bottom_right" and alibi.features[-1] == ("alibi", True)
+    assert masking(False, "top_left", None, None, True) != NO_MASK
     assert m.scalars(0.125) == ((128,), (0,), (0.125 / 30,), (30 / 0.125,))
     for bad, what in [((True, "middle", None, None), "mask_align"),
                       ((False, "top_left", (1, 2, 3), None), "window"),
@@ -238,6 +241,17 @@ def test_spec_fields_name_validate_and_shape_the_abi():
         AttentionSpec(causal=True, mask_align="diagonal")
     with pytest.raises(SpecError, match="softcap"):
         AttentionSpec(arch="sm_89", precision="fp8", softcap=True)
+    alibi = base.replace(causal=False, mask_align="bottom_right", alibi=True)
+    assert alibi.name.endswith("_br_alibi") and [p.name for p in params_for(alibi)][-1] == (
+        "alibi_slopes")
+    assert AttentionSpec.from_json(alibi.to_json()) == alibi
+    assert "alibi" not in base.to_json()  # specs without it keep their JSON and cache keys
+    for bad in ({"precision": "fp8"}, {"kv_fp8": True}, {"packed_tokens": True}):
+        with pytest.raises(SpecError, match="alibi"):
+            AttentionSpec(arch="sm_89", head_dim=64, alibi=True, **bad)
+    with pytest.raises(SpecError, match="alibi"):
+        AttentionSpec(arch="sm_90", head_dim=128, alibi=True,
+                      config=TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"))
 
 
 MASK_SPECS = [
@@ -272,27 +286,29 @@ def test_mask_kernels_compile_with_their_abi_and_no_spills(mask_artifacts, spec)
 @given(sq=st.integers(1, 9), sk=st.integers(1, 9), causal=st.booleans(),
        align=st.sampled_from(["top_left", "bottom_right"]),
        window=st.one_of(st.none(), st.tuples(st.integers(-1, 12), st.integers(-1, 12))),
-       softcap=st.sampled_from([None, 2.0]))
-def test_folded_masks_keep_every_rows_keys(sq, sk, causal, align, window, softcap):
+       softcap=st.sampled_from([None, 2.0]), alibi=st.booleans())
+def test_folded_masks_keep_every_rows_keys(sq, sk, causal, align, window, softcap, alibi):
     """A fold never changes what any row sees: the float64 reference gives the same output and
-    LSE (-inf rows included) with the folded masks."""
+    LSE (-inf rows included) with the folded masks (ALiBi's bias too)."""
     if causal and window is not None and window[1] > 0:
         window = (window[0], 0)
-    masks = masking(causal, align, window, softcap)
+    masks = masking(causal, align, window, softcap, alibi)
     f_causal, f_masks = folded(causal, masks, sq, sk)
     g = torch.Generator().manual_seed(sq * 31 + sk)
     q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (sq, sk, sk))
+    slopes = torch.tensor([0.5, 0.125], dtype=torch.float64)
 
     def run(c, m):
         return reference.attention(q, k, v, causal=c, mask_align=m.align, window=m.window,
-                                   softcap=m.softcap, return_lse=True)
+                                   softcap=m.softcap, return_lse=True,
+                                   alibi_slopes=slopes if m.alibi else None)
 
     (out, lse), (f_out, f_lse) = run(causal, masks), run(f_causal, f_masks)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(f_lse))
     torch.testing.assert_close(f_out, out, rtol=1e-12, atol=1e-12)
     finite = torch.isfinite(lse)
     torch.testing.assert_close(f_lse[finite], lse[finite], rtol=1e-12, atol=1e-12)
-    assert f_masks.softcap == masks.softcap
+    assert (f_masks.softcap, f_masks.alibi) == (masks.softcap, masks.alibi)
 
 
 def test_folds_pick_the_canonical_masks():
@@ -304,6 +320,12 @@ def test_folds_pick_the_canonical_masks():
     wide = masking(True, "top_left", (5000, 0), None)
     assert folded(True, wide, 4096, 4096) == (True, Masking())  # wider than the keys
     assert folded(True, wide, 8192, 8192) == (True, wide)
+    alibi = masking(False, "bottom_right", None, None, True)
+    assert folded(False, alibi, 5, 9) == (False, alibi)  # the bias's diagonal stays
+    assert folded(False, alibi, 9, 9) == (False, alibi)  # (no causal: nothing folds)
+    causal_alibi = masking(True, "bottom_right", None, None, True)
+    assert folded(True, causal_alibi, 64, 64) == (True, Masking(alibi=True))
+    assert folded(True, causal_alibi, 1, 4096) == (False, alibi)
     both = masking(False, "bottom_right", (300, 300), 1.5)
     assert folded(False, both, 100, 200) == (False, Masking(softcap=1.5))
     assert folded(False, both, 100, 1000)[1].window == (300, 300)

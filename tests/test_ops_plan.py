@@ -369,7 +369,7 @@ def test_wgmma_ws_launches_pass_the_masks_sizes_in_abi_order():
           mock.patch.object(torch.Tensor, "get_device", return_value=0)):
         launcher.launch_attention(q, k, out, lse, (tensor_arg(q), tensor_arg(k), tensor_arg(k)),
                                   (), config, True, 0.125, None, mask=mask)
-    assert loaded.call_args.args[1].masks == ("bottom_right", True, True)  # the spec's fields
+    assert loaded.call_args.args[1].masks == ("bottom_right", True, True, False)  # its fields
     (args,) = launched
     assert len(args) == len(params_for(spec))
     assert args[6:8] == (tensor_arg(out), rows_arg(lse))
@@ -498,6 +498,58 @@ def test_a_repeated_call_is_checked_and_configured_once():
             call(torch.randn(1, 8, sk, 64).half(), causal=True)
         assert [key.causal for key in kernels] == [False, True]
         eager.forget()
+
+
+def test_alibi_calls_keep_a_row_per_head_and_pass_their_slopes_after_the_masks():
+    """ALiBi's slope is one per (batch, head) a CTA: a GQA decode with it packs no heads or
+    tokens; its slopes (pointer, batch, heads, batch stride 0 for one a head) follow the mask
+    arguments; what it cannot run is refused by name, and so is an input that requires grad."""
+    from unittest import mock
+
+    from flashcore.ops import attention, eager, launcher
+    from flashcore.ops.masks import masking
+
+    launched = []
+    q = torch.randn(1, 8, 1, 64).half()
+    k = torch.randn(1, 2, 300, 64).half()
+    slopes = torch.rand(8)
+    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+          mock.patch.object(eager, "arch_of", return_value="sm_90"),
+          mock.patch.object(plan, "sm_count", return_value=132),
+          mock.patch.object(launcher, "loaded_kernel"),
+          mock.patch.object(launcher, "combine_kernel"),
+          mock.patch.object(launcher, "launch",
+                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
+          mock.patch.object(launcher, "scratch", side_effect=lambda like, n: torch.empty(n)),
+          mock.patch.object(torch.Tensor, "get_device", return_value=0),
+          mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock,
+                            return_value=True)):
+        alibi = masking(True, "top_left", None, None, True)
+        for sq, d in itertools.product((1, 100, 1000, 4096), (64, 96, 128, 256)):
+            # the Hopper family builds no ALiBi: its tuned winners give way to their fallbacks
+            assert plan.tuned_config("sm_90", d, True, sq, "fp16", alibi.features).family != (
+                "wgmma_ws")
+        p = launcher.plan_launch(0, 1, 8, 1, 64, 2, 5, torch.float16, DECODE_DEFAULT, False,
+                                 False, "fp16", False, False,
+                                 masking(False, "top_left", None, None, True), False, 0, 0, 0,
+                                 None, 0.125)
+        assert p.packing == launcher.AS_IS and p.grid[0] == 8  # a CTA per (batch, head)
+        launcher.forget()
+        attention(q, k, k, causal=True, alibi_slopes=slopes)
+        split = launched[0][1]
+        assert split[-1] == (slopes.data_ptr(), 1, 8, 0)  # after the softmax scalars
+        per_batch = torch.rand(1, 8)
+        attention(q, k, k, causal=True, alibi_slopes=per_batch)
+        assert launched[-2][1][-1] == (per_batch.data_ptr(), 1, 8, 8)
+        for bad, what in (({"alibi_slopes": torch.rand(4)}, "alibi_slopes must be float32"),
+                          ({"alibi_slopes": slopes.double()}, "alibi_slopes must be float32"),
+                          ({"alibi_slopes": slopes, "softmax_scale": 0.0}, "alibi_slopes"),
+                          ({"alibi_slopes": slopes, "precision": "fp8"}, "alibi_slopes")):
+            with pytest.raises(ValueError, match=what):
+                attention(q, k, k, **bad)
+        with pytest.raises(RuntimeError, match="ALiBi"):
+            attention(q.requires_grad_(), k, k, alibi_slopes=slopes)
+        launcher.forget()
 
 
 def test_every_registered_op_reports_its_outputs_under_fake_tensors():

@@ -12,7 +12,8 @@ causal), ``softcap=0.0`` means none.
 
 What differs:
 
-* ``dropout_p > 0`` and ``alibi_slopes`` raise ``NotImplementedError``. Head dims flashcore does not build (``flashcore.specs.HEAD_DIMS``: 32,
+* ``dropout_p > 0`` raises ``NotImplementedError``; so does ``alibi_slopes`` but in
+  ``flash_attn_func`` and its packed forms (no varlen or KV-cache ALiBi yet). Head dims flashcore does not build (``flashcore.specs.HEAD_DIMS``: 32,
   64, 80, 96, 128, 256) raise flashcore's ``ValueError``.
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the LSE as FlashAttention
   lays it out ((batch, heads, seqlen_q) dense, (heads, total_q) varlen); FlashAttention's third
@@ -77,7 +78,8 @@ def _unsupported(dropout_p: float = 0.0, alibi_slopes=None) -> None:
         raise NotImplementedError(f"{_OP}: dropout_p={dropout_p}: flashcore has no attention "
                                   "dropout; pass dropout_p=0.0")
     if alibi_slopes is not None:
-        raise NotImplementedError(f"{_OP}: alibi_slopes: flashcore has no ALiBi bias")
+        raise NotImplementedError(f"{_OP}: alibi_slopes: flashcore's ALiBi is built for dense "
+                                  "calls (flash_attn_func) only")
 
 
 def _with_lse(res, want: bool, triple: bool):
@@ -88,13 +90,19 @@ def _with_lse(res, want: bool, triple: bool):
     return (out, lse, None) if triple else (out, lse)
 
 
-def _dense(q, k, v, softmax_scale, masks: Masks, return_lse: bool, num_splits=None):
+def _dense(q, k, v, softmax_scale, masks: Masks, return_lse: bool, num_splits=None,
+           alibi_slopes=None):
     """flashcore's ``attention`` on (batch, seqlen, heads, head_dim) tensors: transposed views
-    in, the kernel writing a fresh tensor of q's layout through its transposed view."""
+    in, the kernel writing a fresh tensor of q's layout through its transposed view. ALiBi's
+    bias is measured from FlashAttention's bottom-right diagonal."""
     out = q.new_empty(q.shape)
+    kw = masks.kwargs()
+    if alibi_slopes is not None and q.shape[1] != k.shape[1]:
+        kw["mask_align"] = "bottom_right"
     res = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         causal=masks.causal, softmax_scale=softmax_scale, return_lse=return_lse,
-                        num_splits=num_splits, out=out.transpose(1, 2), **masks.kwargs())
+                        num_splits=num_splits, out=out.transpose(1, 2),
+                        alibi_slopes=alibi_slopes, **kw)
     return (out, res[1]) if return_lse else out
 
 
@@ -104,9 +112,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """``flash_attn.flash_attn_func``: q (batch, seqlen_q, heads, head_dim), k and v
     (batch, seqlen_k, heads_kv, head_dim), heads a multiple of heads_kv (GQA, no copies).
     Returns out like q; with ``return_attn_probs`` (out, softmax_lse, None)."""
-    _unsupported(dropout_p, alibi_slopes)
+    _unsupported(dropout_p)
     masks = fa_masks(causal, window_size, softcap, q.shape[1], k.shape[1])
-    res = _dense(q, k, v, softmax_scale, masks, return_attn_probs)
+    res = _dense(q, k, v, softmax_scale, masks, return_attn_probs, alibi_slopes=alibi_slopes)
     return _with_lse(res, return_attn_probs, triple=True)
 
 

@@ -40,6 +40,7 @@ def attention(
     mask_align: str = "top_left",
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     allow_no_grad: bool = False,
 ):
     """softmax(scale · q kᵀ [+ causal mask]) v, like torch's SDPA, for (batch, heads, seq, head_dim).
@@ -74,6 +75,10 @@ def attention(
     ``causal_lower_right``: chunked prefill against a longer cache); ``window=(left, right)``
     lets query i see keys i - left .. i + right (-1: no limit on that side; key blocks outside
     the window are skipped); ``softcap=c`` turns the scaled logits s into c · tanh(s / c).
+    ``alibi_slopes`` (float32 (heads,) or (batch, heads)): ALiBi adds -slope · |i + offset - j|
+    to the logits (after any soft-cap), offset S_k - S_q with ``mask_align="bottom_right"``
+    (FlashAttention's) else 0; 16-bit only, no backward yet (an input that requires grad is
+    refused, as for FP8).
 
     Backward: 16-bit calls are differentiable, masks included (inputs that require grad run
     through the registered op, whose backward is ``flashcore.ops.backward``); FP8 ones and
@@ -85,9 +90,10 @@ def attention(
         if allow_no_grad or not needs_grad(q, k, v):
             return run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                        kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align,
-                       window, softcap)
-        why = why_no_backward(q, k, causal=causal, precision=precision, k_descale=k_descale,
-                              mask_align=mask_align, window=window, softcap=softcap)
+                       window, softcap, alibi_slopes)
+        why = "ALiBi" if alibi_slopes is not None else why_no_backward(
+            q, k, causal=causal, precision=precision, k_descale=k_descale,
+            mask_align=mask_align, window=window, softcap=softcap)
         if why is not None:
             check_grad(q, k, v, why)
     # tracing (torch.compile, export, fake tensors) or autograd: the registered op
@@ -95,7 +101,8 @@ def attention(
                         return_lse=return_lse, config=config, warps=warps, stages=stages,
                         kv_splits=kv_splits, num_splits=num_splits, out=out,
                         precision=precision, k_descale=k_descale, v_descale=v_descale,
-                        mask_align=mask_align, window=window, softcap=softcap)
+                        mask_align=mask_align, window=window, softcap=softcap,
+                        alibi_slopes=alibi_slopes)
 
 
 def _tracing(q) -> bool:

@@ -54,7 +54,7 @@ def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, cau
                    ) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
     """(pre, main, post): the specs of one backward pass (``warps_m`` None: the squarest warp
     tiles, ``spec.backward.default_warps_m``)."""
-    align, window, softcap = masks.spec_fields
+    align, window, softcap, _ = masks.spec_fields  # ALiBi has no backward (``why_no_backward``)
     if warps_m is None:
         warps_m = default_warps_m(head_dim, config)
     return (BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_pre"),
@@ -215,6 +215,8 @@ def why_no_backward(q: Tensor, k: Tensor, *, causal: bool = False, precision: st
 
 
 def _unsupported(args: dict) -> str | None:
+    if args.get("alibi_slopes") is not None:
+        return "ALiBi"
     return why_no_backward(args["q"], args["k"], causal=args["causal"],
                            precision=args.get("precision", "fp16"),
                            k_descale=args.get("k_descale"))

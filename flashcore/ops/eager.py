@@ -22,6 +22,7 @@ from .masks import NO_MASK, Masking, call_masking, folded
 from .quantize import run_quantize
 from .validate import (
     INT32_MAX,
+    alibi_arg,
     check_extents,
     check_fp8_call,
     check_kv_descales,
@@ -91,14 +92,14 @@ _serials = itertools.count()
 
 def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages, kv_splits,
         num_splits, out, precision, k_descale, v_descale, mask_align="top_left", window=None,
-        softcap=None):
+        softcap=None, alibi_slopes=None):
     """The eager implementation (the registered op's too): validate, plan, launch. A 16-bit
     call whose arguments a checked call had before (any key length; an ``out`` of the same
     shape and strides) takes its memoised ``Call``, checks what depends on addresses, and only
     binds and launches."""
     key = None
     if (precision == "fp16" and k_descale is None and v_descale is None
-            and warps is None and stages is None and kv_splits is None
+            and alibi_slopes is None and warps is None and stages is None and kv_splits is None
             and exact_ints(tile, num_splits)):
         try:
             qs, ks = q.shape, k.shape
@@ -117,17 +118,26 @@ def run(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
             return _launch(call, q, k, v, return_lse, out)
     return _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
                     kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align,
-                    window, softcap, key)
+                    window, softcap, key, alibi_slopes)
 
 
 def _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, stages,
              kv_splits, num_splits, out, precision, k_descale, v_descale, mask_align, window,
-             softcap, key):
+             softcap, key, alibi_slopes=None):
     """``run`` with every check; a call of ``key`` (not None: memoisable) is remembered."""
     check_qkv(q, k, v)
-    causal, mask = folded(causal, call_masking(causal, mask_align, window, softcap), q.shape[2],
-                          k.shape[2])
+    alibi = alibi_slopes is not None
+    causal, mask = folded(causal, call_masking(causal, mask_align, window, softcap, alibi),
+                          q.shape[2], k.shape[2])
     scale = softmax_scale_of(softmax_scale, q.shape[3])
+    bias: tuple = ()
+    if alibi:
+        if precision != "fp16" or k.dtype == E4M3 or scale == 0:
+            raise ValueError("attention: alibi_slopes is built for 16-bit q, k and v and a "
+                             f"softmax_scale other than 0 (got precision={precision!r}, k "
+                             f"{k.dtype}, softmax_scale {scale})")
+        alibi_slopes, slopes_arg = alibi_arg(alibi_slopes, q.shape[0], q.shape[1], q)
+        bias = (slopes_arg,)
     check_num_splits("attention", num_splits)
     dev = q.get_device()
     if precision != "fp16":
@@ -162,7 +172,7 @@ def _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, st
         v, v_arg = prepared(v)
         descales = () if kd is None else (kd, vd)
         launch_attention(q, k, result, lse, (q_arg, k_arg, v_arg), descales, config, causal,
-                         scale, num_splits, kv_fp8=kd is not None, mask=mask)
+                         scale, num_splits, kv_fp8=kd is not None, mask=mask, bias=bias)
         if out is not None:
             torch.autograd.graph.increment_version(out)
         return (result, lse) if return_lse else result

@@ -47,7 +47,7 @@ _TMA_MEMO_SIZE = 64  # TMA arguments kept per kernel (``_tma_args``)
 class KernelKey(NamedTuple):
     """What picks a call's attention kernel besides its device's arch (``loaded_kernel``):
     the ``AttentionSpec`` fields a plan decides, by name. ``masks``: (mask_align, window,
-    softcap) as the spec holds them; ``page_size`` > 0 reads a paged cache."""
+    softcap, alibi) as the spec holds them; ``page_size`` > 0 reads a paged cache."""
 
     dtype: str
     head_dim: int
@@ -69,13 +69,13 @@ def loaded_kernel(device: int, key: KernelKey) -> Any:
     runtime's one registry, ``runtime.launch.kernel_for``). A paged cache's page size is
     compiled in when the family can copy such pages whole, else the kernel gathers any page
     size."""
-    align, window, softcap = key.masks
+    align, window, softcap, alibi = key.masks
     spec = AttentionSpec(
         arch=arch_of(device), dtype=key.dtype, head_dim=key.head_dim, config=key.config,
         causal=key.causal, return_lse=key.return_lse, precision=key.precision,
         k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv, mask_align=align,
-        window=window, softcap=softcap, varlen=key.varlen, paged_kv=key.page_size > 0,
-        packed_tokens=key.packed_tokens)
+        window=window, softcap=softcap, alibi=alibi, varlen=key.varlen,
+        paged_kv=key.page_size > 0, packed_tokens=key.packed_tokens)
     if key.page_size and family(spec.family).copies_whole_pages(spec, key.page_size):
         spec = spec.replace(page_size=key.page_size)
     return kernel_for(spec, device)
@@ -173,7 +173,8 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
     all a split count depends on; ``seqs``, ``max_seqlen_q``: a packed batch's grid)."""
     fam = _family_of(config, device)
     packing, rows_heads, rows, q_group = AS_IS, heads, seqlen_q, 1
-    if not varlen and seqlen_q <= plan.DECODE_MAX_Q:  # prefill keeps its rows
+    # prefill keeps its rows; so does ALiBi, whose slope is one per (batch, head) a CTA
+    if not varlen and seqlen_q <= plan.DECODE_MAX_Q and not mask.alibi:
         if (precision != "fp8"
                 and plan.packs_tokens(seqlen_q, heads, heads_kv, config.tile_m, config.tile_n,
                                       causal and not mask.shifted)
@@ -219,8 +220,9 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
 
 
 def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
-                serving: Serving = DENSE) -> None:
-    """Launch a planned call: bind its tensors' arguments (packed as planned) and launch."""
+                serving: Serving = DENSE, bias: tuple = ()) -> None:
+    """Launch a planned call: bind its tensors' arguments (packed as planned) and launch
+    (``bias``: ALiBi's slopes argument, where the spec takes one)."""
     out_arg = tensor_arg(out)
     lse_arg = None if lse is None else rows_arg(lse)
     final = (out_arg, lse_arg)
@@ -232,7 +234,7 @@ def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
         if p.pack_q_descales:
             descales = (plan.packed(descales[0], hkv), *descales[1:])
     descale_args = tuple(_descale_arg(t, serving.paged) for t in descales) if descales else ()
-    tail = p.scalars + serving.tables
+    tail = p.scalars + bias + serving.tables
     if p.combine is None:
         if p.tma:
             qkv_args = _tma_args(p.kern, qkv_args, p.dtype, p.head_dim)
@@ -277,7 +279,8 @@ def planned(key: tuple, args: tuple, key_blocks: int | None = None) -> Plan:
 def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: TileConfig,
                      causal: bool, softmax_scale: float, num_splits: int | None, *,
                      kv_fp8: bool = False, precision: str = "fp16",
-                     mask: Masking = NO_MASK, serving: Serving = DENSE) -> None:
+                     mask: Masking = NO_MASK, serving: Serving = DENSE,
+                     bias: tuple = ()) -> None:
     """Plan (memoised per distinct call) and launch one attention (and, split over CTAs, its
     combine) into ``out``/``lse``.
 
@@ -293,4 +296,4 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
            precision == "fp8" and descales[1].dim() == 2,  # FP8 K descaled per head (B, H)
            kv_fp8, mask, serving.varlen, serving.page_size, serving.batch, serving.max_seqlen_q,
            num_splits, softmax_scale)
-    launch_plan(planned(key, key), out, lse, qkv_args, descales, serving)
+    launch_plan(planned(key, key), out, lse, qkv_args, descales, serving, bias)

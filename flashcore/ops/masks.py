@@ -22,17 +22,19 @@ class Masking:
     (left, right), query i sees keys i - left .. i + right on its diagonal, -1 for no limit on
     a side (the convention of ``flash_attn_func(window_size=...)``); with ``causal`` right is
     0. ``softcap``: logits become softcap * tanh(logits / softcap), logits being the scaled
-    scores (Gemma 2)."""
+    scores (Gemma 2). ``alibi``: ALiBi's bias -slope * |i + offset - j| is added to the logits
+    (offset: the diagonal's, by ``align``); the slopes are the call's tensor."""
 
     align: str = "top_left"
     window: tuple[int, int] | None = None
     softcap: float | None = None
+    alibi: bool = False
 
     @functools.cached_property
-    def spec_fields(self) -> tuple[str, bool, bool]:
-        """(mask_align, window, softcap) of the AttentionSpec (part of every call's kernel key:
-        worked out once per Masking)."""
-        return self.align, self.window is not None, self.softcap is not None
+    def spec_fields(self) -> tuple[str, bool, bool, bool]:
+        """(mask_align, window, softcap, alibi) of the AttentionSpec (part of every call's
+        kernel key: worked out once per Masking)."""
+        return self.align, self.window is not None, self.softcap is not None, self.alibi
 
     @property
     def shifted(self) -> bool:
@@ -43,8 +45,9 @@ class Masking:
     @functools.cached_property
     def features(self) -> tuple:
         """The spec fields as (name, value) pairs (``flashcore.tuned.table.lookup``)."""
-        align, window, softcap = self.spec_fields
-        return (("mask_align", align), ("window", window), ("softcap", softcap))
+        align, window, softcap, alibi = self.spec_fields
+        return (("mask_align", align), ("window", window), ("softcap", softcap),
+                ("alibi", alibi))
 
     def scalars(self, softmax_scale: float) -> tuple:
         """The kernel's run-time mask arguments, in ABI order (``flashcore.compiler.abi``).
@@ -68,7 +71,7 @@ NO_MASK = Masking()
 
 
 @functools.lru_cache(maxsize=256)
-def masking(causal: bool, align: str, window, softcap) -> Masking:
+def masking(causal: bool, align: str, window, softcap, alibi: bool = False) -> Masking:
     """The checked Masking of an attention call's arguments (errors name the argument)."""
     if align not in MASK_ALIGNS:
         raise ValueError(f"attention: mask_align must be one of {MASK_ALIGNS}, got {align!r}")
@@ -92,20 +95,21 @@ def masking(causal: bool, align: str, window, softcap) -> Masking:
             raise ValueError(f"attention: softcap must be a finite number > 0, got {softcap!r}")
         else:
             softcap = float(softcap)
-    if align != "top_left" and not causal and window is None:
+    if align != "top_left" and not causal and window is None and not alibi:
         align = "top_left"  # nothing to align: the same kernel as no mask
-    return Masking(align, window, softcap)
+    return Masking(align, window, softcap, alibi)
 
 
-def call_masking(causal, align: str, window, softcap) -> Masking:
-    """The Masking of one call's arguments (``causal`` checked too): NO_MASK without masks,
-    else ``masking`` of them (a window given as a list is taken as a tuple)."""
+def call_masking(causal, align: str, window, softcap, alibi: bool = False) -> Masking:
+    """The Masking of one call's arguments (``causal`` checked too; ``alibi``: the call gives
+    slopes): NO_MASK without masks, else ``masking`` of them (a window given as a list is taken
+    as a tuple)."""
     if not isinstance(causal, bool):
         raise TypeError(f"attention: causal must be a bool, got {causal!r}")
-    if align == "top_left" and window is None and softcap is None:
+    if align == "top_left" and window is None and softcap is None and not alibi:
         return NO_MASK
     return masking(causal, align, tuple(window) if isinstance(window, (list, tuple)) else window,
-                   softcap)
+                   softcap, alibi)
 
 
 def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int) -> tuple[bool, Masking]:
@@ -118,8 +122,10 @@ def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int) -> tuple[
       free means no window;
     * a diagonal at or past the last key for the first row (top-left with one key,
       bottom-right with one query) hides nothing: not causal;
-    * bottom-right with S_q = S_k is top-left; alignment without causal or window means nothing.
-    Soft-capping always changes the logits: it stays."""
+    * bottom-right with S_q = S_k is top-left; alignment without causal, a window or ALiBi
+      means nothing.
+    Soft-capping and ALiBi always change the logits: they stay (ALiBi's bias keeps the
+    diagonal it is measured from)."""
     if not (causal or masks.window is not None) or 0 in (seqlen_q, seqlen_k):
         return causal, masks
     offset = seqlen_k - seqlen_q if masks.align == "bottom_right" else 0
@@ -133,12 +139,12 @@ def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int) -> tuple[
     if causal and window is None and offset >= seqlen_k - 1:
         causal = False
     align = masks.align
-    if offset == 0 or not (causal or window is not None):
+    if offset == 0 or not (causal or window is not None or masks.alibi):
         align = "top_left"
     if (align, window) == (masks.align, masks.window):
         return causal, masks
-    if (align, window, masks.softcap) == ("top_left", None, None):
+    if (align, window, masks.softcap, masks.alibi) == ("top_left", None, None, False):
         return causal, NO_MASK
     # the memoised instance: its spec fields and features are worked out once, not per call
-    return causal, masking(causal, align, window, masks.softcap)
+    return causal, masking(causal, align, window, masks.softcap, masks.alibi)
 

@@ -84,6 +84,9 @@ class AttentionSpec(SpecData, TiledKernel):
         "help": "sliding-window attention (the window's sizes are run-time arguments)"})
     softcap: bool = field(default=False, metadata={
         "help": "soft-cap logits, cap * tanh(s / cap) (the cap is a run-time argument)"})
+    alibi: bool = field(default=False, metadata={
+        "help": "ALiBi: add -slope * |i + offset - j| to each logit, a float32 slope per "
+                "(batch, head) at run time (offset as the causal diagonal's)"})
     varlen: bool = field(default=False, metadata={
         "help": "packed variable-length batch: Q/O (and K/V unless paged) as (total, heads, d) "
                 "with cumulative sequence offsets"})
@@ -139,7 +142,7 @@ class AttentionSpec(SpecData, TiledKernel):
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
         for name in ("causal", "return_lse", "kv_fp8", "split_kv", "window", "softcap",
-                     "varlen", "paged_kv", "packed_tokens"):
+                     "alibi", "varlen", "paged_kv", "packed_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if (self.precision == "fp8" or self.kv_fp8) and self.head_dim not in FP8_HEAD_DIMS:
@@ -155,9 +158,13 @@ class AttentionSpec(SpecData, TiledKernel):
             )
         if self.mask_align not in MASK_ALIGNS:
             raise bad(f"mask_align={self.mask_align!r} is not supported; choose one of {MASK_ALIGNS}")
-        if self.mask_align != "top_left" and not (self.causal or self.window):
-            raise bad(f"mask_align={self.mask_align!r} aligns a causal mask or a window; this "
-                      "spec has neither (leave it 'top_left')")
+        if self.mask_align != "top_left" and not (self.causal or self.window or self.alibi):
+            raise bad(f"mask_align={self.mask_align!r} aligns a causal mask, a window or ALiBi; "
+                      "this spec has none (leave it 'top_left')")
+        if self.alibi and (self.precision == "fp8" or self.kv_fp8 or self.varlen
+                           or self.paged_kv or self.packed_tokens):
+            raise bad("alibi=True is built for 16-bit dense tensors, a row per (head, token): "
+                      "not with FP8, serving layouts or packed_tokens")
         if self.softcap and self.precision == "fp8":
             raise bad("softcap=True needs the true logits, which the FP8 kernel never forms "
                       "(its query descales fold into the exp2 scale); use precision='fp16'")
@@ -232,7 +239,7 @@ class AttentionSpec(SpecData, TiledKernel):
                  ("kvfp8", self.kv_fp8),
                  ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
-                 ("varlen", self.varlen),
+                 ("alibi", self.alibi), ("varlen", self.varlen),
                  (f"paged{self.page_size or ''}", self.paged_kv),
                  ("ptok", self.packed_tokens)]  # config.tag: family
         return "_".join(parts + [tag for tag, on in flags if on])
@@ -241,6 +248,8 @@ class AttentionSpec(SpecData, TiledKernel):
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         d["config"] = self.config.to_dict()
+        if not self.alibi:  # specs without it keep the JSON (and the cache keys) they had
+            del d["alibi"]
         return d
 
     @classmethod

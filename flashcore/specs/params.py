@@ -190,7 +190,7 @@ MASKS = Group("masks", (
 # ``split_kv`` O and LSE are fp32 workspaces of num_splits · batch rows of batches. Then the
 # descales, the exp2 softmax scale, the query rows per token (``q_group``: > 1 where a K/V
 # head's query heads are packed into rows) and the key shares (split-KV across CTAs; a family
-# that splits no keys takes none), the masks' sizes. Serving layouts: with ``varlen`` Q and O
+# that splits no keys takes none), the masks' sizes, ALiBi's slopes. Serving layouts: with ``varlen`` Q and O
 # (and K and V unless paged) are packed batches viewed as (1, heads, total rows, head_dim) and
 # int32 offsets (batch + 1) of each sequence's rows follow; the grid's z is the batch. With
 # ``paged_kv`` K and V are the cache's pages viewed as (pages, heads, page_size, head_dim), then
@@ -217,6 +217,8 @@ ATTENTION = Signature("attention", (
         Param("num_splits", INT, when=lambda s: family(s.family).splits_keys),
     )),
     MASKS,
+    # ALiBi's slopes: float32 (batch, heads), a batch stride of 0 for one slope per head
+    Group("bias", (Param("alibi_slopes", PER_HEAD, when=lambda s: s.alibi),)),
     Group("serving", (
         Param("cu_seqlens_q", INT_VECTOR, when=lambda s: s.varlen),
         Param("cu_seqlens_k", INT_VECTOR, when=lambda s: s.varlen and not s.paged_kv),

@@ -1,5 +1,6 @@
 """Masking scores: keys past the sequence end, and the keys a token may not see (causal,
-top-left or bottom-right, and sliding windows: ``block_info.KeyBounds``); soft-capping them."""
+top-left or bottom-right, and sliding windows: ``block_info.KeyBounds``); soft-capping them;
+ALiBi's linear bias."""
 
 
 import cutlass
@@ -40,3 +41,15 @@ def soft_cap(S: cute.Tensor, scale_in, scale_out):
     error, times a cap of 50, would move logits by 0.02."""
     for i in cutlass.range_constexpr(cute.size(S)):
         S[i] = scale_out * cute.math.tanh(S[i] * scale_in, fastmath=False)
+
+
+@cute.jit
+def alibi_bias(S: cute.Tensor, coords: cute.Tensor, slope, offset, q_group):
+    """S[r, c] -= slope * |token + offset - key|: ALiBi, token = row // q_group and ``offset``
+    the causal diagonal's (``KeyBounds.offset``). ``slope`` is in S's units (the logit slope
+    over the softmax scale), so the logits get the slope itself."""
+    for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+        token = coords[r, 0][0] // q_group
+        for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+            dist = token + offset - coords[0, c][1]
+            S[r, c] = S[r, c] - slope * cutlass.Float32(cutlass.max(dist, -dist))

@@ -104,6 +104,10 @@ class AttentionForward:
             if cta.kv_head < mK.shape[1]:
                 wait_for_previous_grid(self.spec)
         cta.softcap = (masks.softcap_in, masks.softcap_out)
+        cta.alibi = None
+        if cutlass.const_expr(self.spec.alibi):  # the head's slope in S's units: / scale
+            _, head, batch, _ = tile_coords(mQ, self.spec)
+            cta.alibi = args.bias.alibi_slopes[batch, head] * (math.log2(math.e) / scale_log2)
         # FP8: p comes out times P_SCALE (in its exp2's FMA), the row sums with it
         softmax = OnlineSoftmax(cute.size(mn_view(cta.acc_O), mode=[0]), scale_log2,
                                 form="exact" if lay.fp8 else "offset",

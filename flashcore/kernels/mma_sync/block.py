@@ -6,7 +6,7 @@ import cutlass.cute as cute
 
 from ..common.fp8 import key_descales, scale_columns
 from ..common.fragments import acc_as_fp8_operand_a, acc_as_operand_a, mn_view
-from ..common.mask import mask_scores, soft_cap
+from ..common.mask import alibi_bias, mask_scores, soft_cap
 from ..common.mma import gemm_rs, gemm_ss
 from ..common.softmax import OnlineSoftmax
 from .cta import Cta
@@ -40,6 +40,8 @@ def key_block(cta: Cta, softmax: OnlineSoftmax, n_block, slot, masked: cutlass.C
         scale_columns(S, kv_scales[0])
     if cutlass.const_expr(cta.spec.softcap):
         soft_cap(S, *cta.softcap)
+    if cutlass.const_expr(cta.spec.alibi):  # after the cap, as FlashAttention adds it
+        alibi_bias(S, cta.score_coords(n_block), cta.alibi, cta.bounds.offset, cta.q_group)
     if cutlass.const_expr(masked):
         mask_scores(S, cta.score_coords(n_block), cta.seqlen_k, cta.bounds, cta.q_group)
     if cutlass.const_expr(cta.lay.kv_fp8):
