@@ -608,6 +608,26 @@ def backward_cases():
         yield ok
 
 
+def alibi_cases():
+    # ALiBi on ragged tiles: a bottom-right prefill with its LSE, a GQA decode split over CTAs
+    # (a row per head: nothing packed), two key groups a CTA beside a soft-cap, slopes per
+    # (batch, head)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625], device="cuda")
+    q, k, v = qkv(2, 4, 2, 77, 145, 64, seed=31)
+    masks = {"mask_align": "bottom_right", "alibi_slopes": slopes}
+    out, _ = attention(q, k, v, causal=True, return_lse=True, **masks)
+    yield check("alibi prefill bottom-right d64", out, q, k, v, True, **masks)
+    q, k, v = qkv(2, 4, 2, 1, 64 * 30 - 5, 128, torch.bfloat16, seed=32)
+    out = attention(q, k, v, num_splits=5, alibi_slopes=slopes)
+    yield check("alibi decode split 5 d128", out, q, k, v, False, alibi_slopes=slopes)
+    per_batch = torch.rand(2, 4, device="cuda")
+    q, k, v = qkv(2, 4, 4, 70, 200, 64, seed=33)
+    out = attention(q, k, v, tile=(64, 64), warps=4, kv_splits=2, softcap=20.0,
+                    alibi_slopes=per_batch)
+    yield check("alibi kv_splits=2 softcap d64", out, q, k, v, False, softcap=20.0,
+                alibi_slopes=per_batch)
+
+
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
     cases = {"all": all_cases, "splits-equal": lambda: split_cases(True),
@@ -621,7 +641,8 @@ def main() -> int:
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
              "hostile": hostile_cases, "backward": backward_cases,
-             "kv-splits": kv_split_cases, "head-dims": head_dim_cases}[mode]
+             "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
+             "alibi": alibi_cases}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)
