@@ -141,9 +141,9 @@ MASK_VARIANTS = [(c, a, w, sc) for c, a, w, sc in itertools.product(
 
 
 def mask_specs(arch: str, dims=HEAD_DIMS) -> list:
-    """tile=None kernels with masks: decode (split or not) and short prefill, with LSE (a split
-    kernel writes its shares' LSE whatever the call asks: its spec has none); and the long
-    causal window of ``test_window_kernel_walks_only_the_window``."""
+    """tile=None kernels with masks (ALiBi too): decode (split or not) and short prefill, with
+    LSE (a split kernel writes its shares' LSE whatever the call asks: its spec has none); and
+    the long causal window of ``test_window_kernel_walks_only_the_window``."""
     specs = []
     for bucket, lse_split in (("decode", [(True, False), (False, True)]),
                               ("short", [(True, False)])):
@@ -157,6 +157,12 @@ def mask_specs(arch: str, dims=HEAD_DIMS) -> list:
                                 dtype=DTYPES, head_dim=d, causal=causal, return_lse=lse,
                                 split_kv=split, mask_align=align, window=window,
                                 softcap=softcap, packed_tokens=True)
+        alibi = (("alibi", True),)  # test_alibi_matches_the_reference: a row per head
+        for d, causal, align, softcap, (lse, split) in itertools.product(
+                dims, (False, True), MASK_ALIGNS, (False, True), lse_split):
+            specs += _specs(arch, [_tuned(arch, bucket, d, causal, features=alibi)],
+                            dtype=DTYPES, head_dim=d, causal=causal, return_lse=lse,
+                            split_kv=split, mask_align=align, softcap=softcap, alibi=True)
     if 64 in dims:
         window = (("window", True),)
         specs += _specs(arch, [_tuned(arch, "long", 64, True, features=window)], head_dim=64,
