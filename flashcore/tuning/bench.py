@@ -72,6 +72,8 @@ def suite(quick: bool, decode: bool = True) -> list[Shape]:
             b = max(1, 16384 // s)
             shapes.append(Shape(b, 16, s, d))
     shapes += [Shape(2, 16, 8192, 128, True), Shape(4, 16, 4096, 128, False, "bfloat16")]
+    for d in (96, 256):  # the other head dims models use (Phi's 96, Gemma's 256)
+        shapes += [Shape(4, 16, 4096, d), Shape(4, 16, 4096, d, True)]
     return shapes
 
 
