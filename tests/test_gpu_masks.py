@@ -20,19 +20,23 @@ from tests.gpu_utils import check_masked_result, head_dims, requires_cuda
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+# the calls both mask properties draw: GQA groups, decode and prefill lengths, every head dim
+CALLS = {
+    "b": st.integers(1, 2),
+    "hkv": st.integers(1, 3),
+    "group": st.sampled_from([1, 4]),
+    "sq": st.one_of(st.just(1), st.integers(1, 16), st.integers(1, 600)),
+    "sk": st.one_of(st.integers(1, 300), st.integers(1, 3000)),
+    "d": head_dims(),
+    "dtype": st.sampled_from(["float16", "bfloat16"]),
+    "causal": st.booleans(),
+    "align": st.sampled_from(["top_left", "bottom_right"]),
+}
 
 
 @settings(settings.get_profile("gpu"))
 @given(
-    b=st.integers(1, 2),
-    hkv=st.integers(1, 3),
-    group=st.sampled_from([1, 4]),
-    sq=st.one_of(st.just(1), st.integers(1, 16), st.integers(1, 600)),
-    sk=st.one_of(st.integers(1, 300), st.integers(1, 3000)),
-    d=head_dims(),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    causal=st.booleans(),
-    align=st.sampled_from(["top_left", "bottom_right"]),
+    **CALLS,
     window=st.one_of(st.none(), st.tuples(st.integers(-1, 700), st.integers(-1, 700))),
     softcap=st.one_of(st.none(), st.floats(0.5, 50)),
     seed=st.integers(0, 2**31 - 1),
@@ -91,15 +95,7 @@ def test_mask_arguments_are_refused_clearly():
 
 @settings(settings.get_profile("gpu"))
 @given(
-    b=st.integers(1, 2),
-    hkv=st.integers(1, 3),
-    group=st.sampled_from([1, 4]),
-    sq=st.one_of(st.just(1), st.integers(1, 16), st.integers(1, 600)),
-    sk=st.one_of(st.integers(1, 300), st.integers(1, 3000)),
-    d=head_dims(),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    causal=st.booleans(),
-    align=st.sampled_from(["top_left", "bottom_right"]),
+    **CALLS,
     per_batch=st.booleans(),
     softcap=st.one_of(st.none(), st.floats(2.0, 50)),
     seed=st.integers(0, 2**31 - 1),

@@ -18,6 +18,7 @@ from flashcore.ops.inputs import E4M3
 from flashcore.ops.validate import _ranges_overlap, _self_overlapping, check_qkv, signed_query
 from flashcore.specs import TileConfig
 from flashcore.tuned.table import DECODE_DEFAULT
+from tests.device_stub import stubbed_device
 
 
 @given(ctas=st.integers(1, 4000), n_blocks=st.integers(1, 2000), slots=st.integers(8, 600),
@@ -435,17 +436,7 @@ def test_a_repeated_call_is_checked_and_configured_once():
         kernels.append(key)
         return mock.Mock()
 
-    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
-          mock.patch.object(eager, "arch_of", return_value="sm_90"),
-          mock.patch.object(plan, "sm_count", return_value=132),
-          mock.patch.object(launcher, "loaded_kernel", side_effect=loaded),
-          mock.patch.object(launcher, "combine_kernel"),
-          mock.patch.object(launcher, "launch",
-                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
-          mock.patch.object(launcher, "scratch", side_effect=lambda like, n: torch.empty(n)),
-          mock.patch.object(torch.Tensor, "get_device", return_value=0),
-          mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock,
-                            return_value=True),
+    with (stubbed_device(launched, loaded=loaded),
           mock.patch.object(eager, "check_qkv", wraps=eager.check_qkv) as checks,
           mock.patch.object(eager, "resolve_config", wraps=eager.resolve_config) as configs,
           mock.patch.object(launcher, "plan_launch", wraps=launcher.plan_launch) as plans):
@@ -504,26 +495,15 @@ def test_alibi_calls_keep_a_row_per_head_and_pass_their_slopes_after_the_masks()
     """ALiBi's slope is one per (batch, head) a CTA: a GQA decode with it packs no heads or
     tokens; its slopes (pointer, batch, heads, batch stride 0 for one a head) follow the mask
     arguments; what it cannot run is refused by name, and so is an input that requires grad."""
-    from unittest import mock
 
-    from flashcore.ops import attention, eager, launcher
+    from flashcore.ops import attention, launcher
     from flashcore.ops.masks import masking
 
     launched = []
     q = torch.randn(1, 8, 1, 64).half()
     k = torch.randn(1, 2, 300, 64).half()
     slopes = torch.rand(8)
-    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
-          mock.patch.object(eager, "arch_of", return_value="sm_90"),
-          mock.patch.object(plan, "sm_count", return_value=132),
-          mock.patch.object(launcher, "loaded_kernel"),
-          mock.patch.object(launcher, "combine_kernel"),
-          mock.patch.object(launcher, "launch",
-                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
-          mock.patch.object(launcher, "scratch", side_effect=lambda like, n: torch.empty(n)),
-          mock.patch.object(torch.Tensor, "get_device", return_value=0),
-          mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock,
-                            return_value=True)):
+    with stubbed_device(launched):
         alibi = masking(True, "top_left", None, None, True)
         for sq, d in itertools.product((1, 100, 1000, 4096), (64, 96, 128, 256)):
             # the Hopper family builds no ALiBi: its tuned winners give way to their fallbacks

@@ -15,6 +15,7 @@ from flashcore import reference
 from flashcore.compiler.abi import params_for, varlen_grid
 from flashcore.errors import SpecError
 from flashcore.specs import AttentionSpec, TileConfig, family
+from tests.device_stub import stubbed_device
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 
@@ -268,7 +269,7 @@ def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path(
     and still checks each call's tables with check_lengths; a negative scale still negates q."""
     from unittest import mock
 
-    from flashcore.ops import launcher, plan, serving
+    from flashcore.ops import serving
 
     launched, work = [], torch.empty(1 << 20)
     b, h, hkv, d, ps = 3, 8, 2, 64, 16
@@ -278,17 +279,7 @@ def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path(
     table = torch.randperm(24, generator=g).to(torch.int32)[:18].view(3, 6)
     lens = torch.tensor([5, 96, 40], dtype=torch.int32)
     out = torch.empty_like(q)
-    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
-          mock.patch.object(serving, "arch_of", return_value="sm_90"),
-          mock.patch.object(plan, "sm_count", return_value=132),
-          mock.patch.object(launcher, "loaded_kernel"),
-          mock.patch.object(launcher, "combine_kernel"),
-          mock.patch.object(launcher, "launch",
-                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
-          mock.patch.object(launcher, "scratch", side_effect=lambda like, n: work),
-          mock.patch.object(torch.Tensor, "get_device", return_value=0),
-          mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock,
-                            return_value=True),
+    with (stubbed_device(launched, scratch=lambda like, n: work),
           mock.patch.object(serving, "_checking", side_effect=lambda op, check: check),
           mock.patch.object(serving, "check_heads", wraps=serving.check_heads) as checks):
         serving._paged_calls.clear()

@@ -32,8 +32,3 @@ def scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
         buf = _buffers[key] = torch.empty(max(numel, _MIN_NUMEL), dtype=torch.float32,
                                           device=torch.device("cuda", device))
     return buf
-
-
-def release() -> None:
-    """Free every kept buffer (to torch's caching allocator)."""
-    _buffers.clear()

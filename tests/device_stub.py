@@ -1,0 +1,32 @@
+"""A pretend CUDA device for the ops layer's CPU tests: launches are recorded, not run."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import torch
+
+
+@contextlib.contextmanager
+def stubbed_device(launched: list, loaded=None, scratch=None):
+    """CPU tensors pass for CUDA device 0 of an sm_90 with 132 SMs; every launch appends
+    (grid, arguments) to ``launched``; ``loaded(device, key)`` (default: a Mock) stands for
+    each attention kernel loaded, ``scratch(like, numel)`` (default: a fresh CPU tensor) for
+    the split partials' buffer."""
+    from flashcore.ops import eager, launcher, plan, serving
+
+    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+          mock.patch.object(eager, "arch_of", return_value="sm_90"),
+          mock.patch.object(serving, "arch_of", return_value="sm_90"),
+          mock.patch.object(plan, "sm_count", return_value=132),
+          mock.patch.object(launcher, "loaded_kernel", side_effect=loaded),
+          mock.patch.object(launcher, "combine_kernel"),
+          mock.patch.object(launcher, "launch",
+                            side_effect=lambda kern, grid, a, dev: launched.append((grid, a))),
+          mock.patch.object(launcher, "scratch",
+                            side_effect=scratch or (lambda like, n: torch.empty(n))),
+          mock.patch.object(torch.Tensor, "get_device", return_value=0),
+          mock.patch.object(torch.Tensor, "is_cuda", new_callable=mock.PropertyMock,
+                            return_value=True)):
+        yield
