@@ -98,7 +98,8 @@ def attention(
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
     """``attention`` of a packed batch (``flashcore.ops.attention_varlen``'s convention): q
-    (total_q, H, D), k and v (total_k, Hkv, D), sequence b in rows cu[b] .. cu[b + 1]. Returns
+    (total_q, H, D), k and v (total_k, Hkv, D), sequence b in rows cu[b] .. cu[b + 1]; ALiBi
+    slopes of shape (batch, H) give sequence b row b. Returns
     float64 out (total_q, H, D) and, with ``return_lse``, lse (H, total_q)."""
     return_lse = kw.get("return_lse", False)
     cq, ck = (c.tolist() for c in (cu_seqlens_q, cu_seqlens_k))
@@ -107,7 +108,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
         return t[cu[b]:cu[b + 1]].transpose(0, 1).unsqueeze(0)  # (1, H, S, D)
 
     for b in range(len(cq) - 1):
-        r = attention(seq(q, cq, b), seq(k, ck, b), seq(v, ck, b), **kw)
+        r = attention(seq(q, cq, b), seq(k, ck, b), seq(v, ck, b), **_sequence_kw(kw, b))
         o, lse = r if return_lse else (r, None)
         outs.append(o[0].transpose(0, 1))
         lses.append(None if lse is None else lse[0])
@@ -117,6 +118,15 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, **kw):
         return out
     lse = torch.cat(lses, dim=1) if lses else torch.zeros((q.shape[1], 0), dtype=torch.float64)
     return out, lse
+
+
+def _sequence_kw(kw: dict, b: int) -> dict:
+    """``attention``'s keywords for sequence ``b`` of a batch: its row of (batch, heads)
+    ALiBi slopes."""
+    slopes = kw.get("alibi_slopes")
+    if slopes is None or slopes.dim() == 1:
+        return kw
+    return {**kw, "alibi_slopes": slopes[b]}
 
 
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, seqlen: int, b: int):
@@ -136,7 +146,7 @@ def attention_paged(q, k_cache, v_cache, block_table, seqlens_k, **kw):
     for b, n in enumerate(seqlens_k.tolist()):
         k = gather_pages(k_cache, block_table, n, b)
         v = gather_pages(v_cache, block_table, n, b)
-        r = attention(q[b:b + 1], k, v, **kw)
+        r = attention(q[b:b + 1], k, v, **_sequence_kw(kw, b))
         o, lse = r if return_lse else (r, None)
         outs.append(o)
         lses.append(lse)

@@ -626,6 +626,41 @@ def alibi_cases():
                     alibi_slopes=per_batch)
     yield check("alibi kv_splits=2 softcap d64", out, q, k, v, False, softcap=20.0,
                 alibi_slopes=per_batch)
+    # the serving layouts: a ragged packed batch (an empty sequence, a slope row a sequence)
+    # and a paged cache's split decode, each sequence measured from its own last key
+    g = torch.Generator(device="cuda").manual_seed(34)
+    lq, lk = [77, 0, 1, 130], [145, 3, 0, 130]
+    cq, ck = ([0, *torch.tensor(n).cumsum(0).tolist()] for n in (lq, lk))
+    q = torch.randn(cq[-1], 4, 64, device="cuda", generator=g, dtype=torch.float16)
+    k, v = (torch.randn(ck[-1], 2, 64, device="cuda", generator=g, dtype=torch.float16)
+            for _ in range(2))
+    rows = torch.rand(4, 4, device="cuda", generator=g)
+    out = attention_varlen(q, k, v, *(torch.tensor(c, dtype=torch.int32, device="cuda")
+                                      for c in (cq, ck)), max(lq), max(lk), causal=True,
+                           mask_align="bottom_right", alibi_slopes=rows, tile=(64, 64))
+    ok = True
+    for b in range(4):
+        qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+        ok &= check(f"alibi varlen seq {b} {lq[b]}x{lk[b]}",
+                    *(t[r].transpose(0, 1)[None] for t, r in ((out, qs), (q, qs), (k, ks),
+                                                              (v, ks))),
+                    True, mask_align="bottom_right", alibi_slopes=rows[b])
+    yield ok
+    lens, page = [517, 0, 33], 16
+    n = -(-max(lens) // page)
+    table = torch.randperm(3 * n, device="cuda", generator=g).view(3, n).to(torch.int32)
+    kc, vc = (torch.randn(3 * n, page, 2, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+              for _ in range(2))
+    q = torch.randn(3, 8, 1, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+    per_head = (2.0 ** -torch.arange(1, 9, device="cuda")).float()
+    out = attention_paged(q, kc, vc, table, torch.tensor(lens, dtype=torch.int32, device="cuda"),
+                          num_splits=3, mask_align="bottom_right", alibi_slopes=per_head)
+    ok = True
+    for b, length in enumerate(lens):
+        kb, vb = (reference.gather_pages(c, table, length, b) for c in (kc, vc))
+        ok &= check(f"alibi paged decode split 3 len {length}", out[b:b + 1], q[b:b + 1], kb, vb,
+                    False, mask_align="bottom_right", alibi_slopes=per_head)
+    yield ok
 
 
 def main() -> int:

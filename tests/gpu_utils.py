@@ -191,17 +191,26 @@ def visible_keys(sq, sk, causal, align, window, device):
     return ok
 
 
-def torch_baseline(q, k, v, causal, align, window, softcap):
+def torch_baseline(q, k, v, causal, align, window, softcap, alibi_slopes=None):
     """torch's attention in q's dtype with the same masks: SDPA with a boolean mask, or for
-    soft-capping the capped logits by hand (fp32 logits, P rounded to q's dtype)."""
+    soft-capping and ALiBi the biased logits by hand (fp32 logits, P rounded to q's dtype)."""
     g = q.shape[1] // k.shape[1]
     k, v = (t.repeat_interleave(g, dim=1) for t in (k, v))
-    ok = visible_keys(q.shape[2], k.shape[2], causal, align, window, q.device)
-    if softcap is None:
+    sq, sk = q.shape[2], k.shape[2]
+    ok = visible_keys(sq, sk, causal, align, window, q.device)
+    if softcap is None and alibi_slopes is None:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=ok)
     else:
         s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(q.shape[-1])
-        s = (softcap * torch.tanh(s / softcap)).masked_fill(~ok, -math.inf)
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        if alibi_slopes is not None:
+            i = torch.arange(sq, device=q.device)[:, None] + (sk - sq if align == "bottom_right"
+                                                              else 0)
+            j = torch.arange(sk, device=q.device)[None, :]
+            slopes = alibi_slopes.float().expand(q.shape[0], q.shape[1])[:, :, None, None]
+            s = s - slopes * (i - j).abs().float()
+        s = s.masked_fill(~ok, -math.inf)
         out = (torch.softmax(s, -1).to(q.dtype).float() @ v.float()).to(q.dtype)
     return out.nan_to_num(0.0)  # rows that see no key: 0, as the kernel and the reference
 

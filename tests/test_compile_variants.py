@@ -42,6 +42,12 @@ SPECS = [
                   return_lse=True, alibi=True),
     AttentionSpec(arch="sm_80", head_dim=64, config=TileConfig((64, 64), warps=4, kv_splits=2),
                   softcap=True, alibi=True),
+    # ... and in the serving layouts: a slope per (sequence, head) of a packed batch, a paged
+    # cache's split decode
+    AttentionSpec(arch="sm_89", head_dim=128, config=TileConfig((64, 64)), causal=True,
+                  mask_align="bottom_right", varlen=True, return_lse=True, alibi=True),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=128, config=DECODE, paged_kv=True,
+                  split_kv=True, mask_align="bottom_right", alibi=True),
     CombineSpec(arch="sm_89", dtype="bfloat16", head_dim=128, return_lse=True),
     CombineSpec(arch="sm_90", head_dim=64),
 ]

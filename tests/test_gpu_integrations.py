@@ -21,14 +21,15 @@ def _t(x):
     return x.transpose(1, 2)
 
 
-def _check(out_bshd, q, k, v, causal, window, softcap):
+def _check(out_bshd, q, k, v, causal, window, softcap, alibi_slopes=None):
     """out (FA layout) against the float64 reference of q, k, v (FA layout), bottom-right."""
     right = 0 if causal else window[1]
     win = None if window == (-1, -1) else (window[0], right)
     args = (_t(q), _t(k), _t(v))
     ref = reference.attention(*args, causal=causal, mask_align="bottom_right", window=win,
-                              softcap=softcap or None, device=q.device)
-    base = torch_baseline(*args, causal, "bottom_right", win, softcap or None)
+                              softcap=softcap or None, device=q.device,
+                              alibi_slopes=alibi_slopes)
+    base = torch_baseline(*args, causal, "bottom_right", win, softcap or None, alibi_slopes)
     err, err_sdpa = max_abs(_t(out_bshd), ref), max_abs(base, ref)
     allowed = allowed_error(err_sdpa, ref, q.dtype)
     assert err <= allowed, f"max err {err:.3g} vs SDPA's {err_sdpa:.3g} (allowed {allowed:.3g})"
@@ -132,19 +133,39 @@ def test_flash_attn_func_alibi(causal, sq, sk):
     q, k, v = _qkv(2, sq, sk, h, hkv, d, dt, seed=3)
     slopes = (2.0 ** (-8.0 * torch.arange(1, h + 1, device="cuda") / h)).float()
     out = fa.flash_attn_func(q, k, v, causal=causal, alibi_slopes=slopes)
-    args = (_t(q), _t(k), _t(v))
-    ref = reference.attention(*args, causal=causal, mask_align="bottom_right",
-                              alibi_slopes=slopes, device=q.device)
-    i = torch.arange(sq, device="cuda")[:, None] + sk - sq
-    j = torch.arange(sk, device="cuda")[None, :]
-    bias = -slopes[:, None, None] * (i - j).abs().float()
-    if causal:
-        bias = bias.masked_fill(j > i, -math.inf)
-    kk, vv = (t.repeat_interleave(h // hkv, dim=1) for t in args[1:])
-    base = torch.nn.functional.scaled_dot_product_attention(args[0], kk, vv,
-                                                            attn_mask=bias.to(dt))
-    err, err_sdpa = max_abs(_t(out), ref), max_abs(base, ref)
-    assert err <= allowed_error(err_sdpa, ref, dt), (err, err_sdpa)
+    _check(out, q, k, v, causal, (-1, -1), 0.0, slopes)
+
+
+def test_flash_attn_varlen_and_kvcache_alibi():
+    """ALiBi through the packed and the cache functions: (batch, heads) slopes, each
+    sequence's bias from its own bottom-right diagonal; a paged cache with new keys appended."""
+    dt, h, hkv, d = torch.bfloat16, 8, 2, 128
+    g = torch.Generator(device="cuda").manual_seed(4)
+    lq, lk = [100, 1, 0, 37], [300, 64, 5, 37]
+    q = torch.randn(sum(lq), h, d, device="cuda", dtype=dt, generator=g)
+    k, v = (torch.randn(sum(lk), hkv, d, device="cuda", dtype=dt, generator=g) for _ in range(2))
+    slopes = torch.rand(len(lq), h, device="cuda", generator=g) * 0.3
+    cq, ck = _cu(lq), _cu(lk)
+    out = fa.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), causal=True,
+                                    alibi_slopes=slopes)
+    for b in range(len(lq)):
+        if lq[b]:
+            qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            _check(out[None, qs], q[None, qs], k[None, ks], v[None, ks], True, (-1, -1), 0.0,
+                   slopes[b])
+    b, cap, ps = 3, 512, 64
+    lens = torch.tensor([0, 200, 449], dtype=torch.int32, device="cuda")
+    qd, knew, vnew = _qkv(b, 4, 4, h, hkv, d, dt, seed=5)
+    table = torch.randperm(b * cap // ps, device="cuda").view(b, -1).to(torch.int32)
+    k_cache, v_cache = (torch.randn(b * cap // ps, ps, hkv, d, device="cuda", dtype=dt,
+                                    generator=g) for _ in range(2))
+    slopes = slopes[:b]
+    out = fa.flash_attn_with_kvcache(qd, k_cache, v_cache, knew, vnew, cache_seqlens=lens,
+                                     block_table=table, causal=False, alibi_slopes=slopes)
+    for i in range(b):
+        n = int(lens[i]) + 4
+        keys, vals = (c[table[i].long()].flatten(0, 1)[None, :n] for c in (k_cache, v_cache))
+        _check(out[i:i + 1], qd[i:i + 1], keys, vals, False, (-1, -1), 0.0, slopes[i])
 
 
 @pytest.mark.parametrize("rotary", [False, True])

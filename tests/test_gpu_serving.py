@@ -42,6 +42,7 @@ def _check_sequence(out, lse, q, k, v, causal, masks, dt, what):
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
                                        **masks)
     assert torch.isfinite(out).all(), f"{what}: NaN or unwritten elements"
+    slopes = masks.get("alibi_slopes")
     if out.numel() == 0:
         return
     if k.shape[2] == 0:  # no key: zeros and -inf, as for any row that sees none
@@ -49,7 +50,7 @@ def _check_sequence(out, lse, q, k, v, causal, masks, dt, what):
         return
     err = max_abs(out, ref)
     err_torch = max_abs(torch_baseline(q, k, v, causal, masks["mask_align"], masks["window"],
-                                        masks["softcap"]), ref)
+                                        masks["softcap"], slopes), ref)
     allowed = allowed_error(err_torch, ref, dt, q, k, v)
     assert err <= allowed, f"{what}: max err {err:.3g}, torch {err_torch:.3g}, allowed {allowed:.3g}"
     finite = torch.isfinite(ref_lse)
@@ -286,6 +287,99 @@ def test_paged_decode_equals_contiguous_decode():
     paged = attention_paged(q, k_cache, v_cache, table, seqlens)
     for b, (k, v) in enumerate(dense):
         torch.testing.assert_close(paged[b:b + 1], attention(q[b:b + 1], k, v), atol=2e-3, rtol=0)
+
+
+def _slopes(batch, heads, per_batch, gen):
+    """ALiBi slopes: the paper's geometric ones, per head or scaled per sequence."""
+    slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
+    if per_batch:
+        slopes = slopes * torch.rand(batch, 1, device="cuda", generator=gen) * 2
+    return slopes.float()
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    lens=st.lists(st.tuples(LENGTH, LENGTH), min_size=1, max_size=4),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 4]),
+    causal=st.booleans(),
+    per_batch=st.booleans(),
+    softcap=st.one_of(st.none(), st.floats(2.0, 50)),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(lens=[(0, 5), (300, 1100), (1, 1), (64, 0)], hkv=2, group=4, causal=True,
+         per_batch=True, softcap=None, seed=1)
+def test_varlen_alibi_matches_the_reference(lens, hkv, group, causal, per_batch, softcap, seed):
+    """ALiBi over a packed batch: each sequence measured from its own bottom-right diagonal,
+    (batch, heads) slopes a row a sequence."""
+    lq, lk = [a for a, _ in lens], [b for _, b in lens]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    h, d, dt = hkv * group, 128, torch.float16
+    q = torch.randn(sum(lq), h, d, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(sum(lk), hkv, d, device="cuda", generator=gen).to(dt) for _ in range(2))
+    slopes = _slopes(len(lens), h, per_batch, gen)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention_varlen(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
+                                return_lse=True, out=out, config=TILE, mask_align="bottom_right",
+                                softcap=softcap, alibi_slopes=slopes)
+    torch.cuda.synchronize()
+    assert res is out
+    cq, ck = _cu(lq).tolist(), _cu(lk).tolist()
+    for b in range(len(lens)):
+        rows = slice(cq[b], cq[b + 1])
+        masks = {**_masks(causal, None, softcap),
+                 "alibi_slopes": slopes[b] if per_batch else slopes}
+        _check_sequence(out[rows].transpose(0, 1)[None], lse[None, :, rows],
+                        q[rows].transpose(0, 1)[None], k[ck[b]:ck[b + 1]].transpose(0, 1)[None],
+                        v[ck[b]:ck[b + 1]].transpose(0, 1)[None], causal, masks, dt,
+                        f"sequence {b} of {lens}")
+
+
+@pytest.mark.parametrize("sq, page_size, num_splits", [(1, 16, None), (1, 1, 3), (77, 16, None)])
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_paged_alibi_matches_the_reference(sq, page_size, num_splits, per_batch):
+    """ALiBi against a paged cache: split decode (GQA unpacked: a slope a head) and chunked
+    prefill, each sequence's distances from its own last key."""
+    gen = torch.Generator(device="cuda").manual_seed(sq + page_size)
+    lens, hkv, group, d, dt = [2999, 0, 1, 700], 2, 4, 128, torch.bfloat16
+    k_cache, v_cache, table, seqlens, dense = _paged_cache(lens, page_size, hkv, d, dt, gen)
+    q = torch.randn(len(lens), hkv * group, sq, d, device="cuda", generator=gen).to(dt)
+    slopes = _slopes(len(lens), hkv * group, per_batch, gen)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention_paged(q, k_cache, v_cache, table, seqlens, causal=True, return_lse=True,
+                               out=out, num_splits=num_splits, mask_align="bottom_right",
+                               alibi_slopes=slopes)
+    torch.cuda.synchronize()
+    assert res is out
+    for b, (k, v) in enumerate(dense):
+        masks = {**_masks(True, None, None), "alibi_slopes": slopes[b] if per_batch else slopes}
+        _check_sequence(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k, v, True, masks, dt,
+                        f"sequence {b} of {lens}, page {page_size}")
+
+
+def test_repeated_paged_calls_read_their_own_lengths_and_tables():
+    """Paged decode calls of one shape (the memoised path) queued back to back, the lengths
+    growing by one and the table reshuffled between calls: each equals the contiguous call on
+    its own keys, split or not."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    k_cache, v_cache, table, seqlens, _ = _paged_cache([700, 33, 1990], 16, 2, 128,
+                                                        torch.float16, gen)
+    relabel = torch.randperm(k_cache.shape[0], device="cuda", generator=gen).to(torch.int32)
+    q = torch.randn(3, 8, 1, 128, device="cuda", generator=gen, dtype=torch.float16)
+    for splits in (1, 4):
+        calls = []
+        for step in range(4):
+            lens = seqlens + step
+            tab = torch.where(table >= 0, relabel[table.clamp(min=0).long()], table)
+            tab = tab if step % 2 else table.clone()
+            calls.append((lens, tab, attention_paged(q, k_cache, v_cache, tab, lens,
+                                                     num_splits=splits)))
+        for lens, tab, out in calls:
+            for b, n in enumerate(lens.tolist()):
+                k = reference.gather_pages(k_cache, tab, n, b)
+                v = reference.gather_pages(v_cache, tab, n, b)
+                torch.testing.assert_close(out[b:b + 1], attention(q[b:b + 1], k, v),
+                                           atol=2e-3, rtol=0)
 
 
 def test_bad_tables_are_refused_on_the_host():

@@ -178,7 +178,7 @@ def _ws_masks(causal, align, window, softcap, config, d, dtype="float16", precis
     if causal and window is not None and window[1] > 0:
         window = (window[0], 0)
     mask = masking(causal, align, window, softcap)
-    align_, windowed, capped = mask.spec_fields
+    align_, windowed, capped, _ = mask.spec_fields
     try:
         AttentionSpec(arch="sm_90", dtype=dtype, head_dim=d, config=config, causal=causal,
                       return_lse=True, mask_align=align_, window=windowed, softcap=capped,

@@ -35,6 +35,11 @@ def _ref(q, k, v, causal, scale, mask_align="top_left", window=None, softcap=Non
                                alibi_slopes=alibi_slopes)
 
 
+def _row(slopes, b: int):
+    """Sequence b's ALiBi slopes: its row of (batch, heads), or the per-head vector."""
+    return slopes if slopes is None or slopes.dim() == 1 else slopes[b]
+
+
 class FakeOps:
     """``attention``, ``attention_varlen``, ``attention_paged`` in float64 on the CPU; each
     call is recorded as (op name, args, kwargs)."""
@@ -54,17 +59,19 @@ class FakeOps:
 
     def attention_varlen(self, q, k, v, cu_q, cu_k, max_q, max_k, causal=False,
                          softmax_scale=None, return_lse=False, *, mask_align="top_left",
-                         window=None, softcap=None, out=None, check_lengths=True, **kw):
+                         window=None, softcap=None, out=None, check_lengths=True,
+                         alibi_slopes=None, **kw):
         self.calls.append(("attention_varlen", (q, k, v, cu_q, cu_k, max_q, max_k),
                            {"causal": causal, "mask_align": mask_align, "window": window,
-                                "softcap": softcap}))
+                                "softcap": softcap, "alibi_slopes": alibi_slopes}))
         o = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64)
         for b in range(cu_q.shape[0] - 1):
             qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
             assert qs.stop - qs.start <= max_q and ks.stop - ks.start <= max_k
             ob, lb = _ref(*(t[s].transpose(0, 1)[None] for t, s in ((q, qs), (k, ks), (v, ks))),
-                          causal, softmax_scale, mask_align, window, softcap)
+                          causal, softmax_scale, mask_align, window, softcap,
+                          _row(alibi_slopes, b))
             o[qs], lse[:, qs] = ob[0].transpose(0, 1), lb[0]
         o = o.to(q.dtype)
         return (o, lse.float()) if return_lse else o
@@ -72,11 +79,13 @@ class FakeOps:
     def attention_paged(self, q, k_cache, v_cache, block_table, seqlens_k, causal=False,
                         softmax_scale=None, return_lse=False, *, cu_seqlens_q=None,
                         max_seqlen_q=None, mask_align="top_left", window=None, softcap=None,
-                        num_splits=None, out=None, check_lengths=True, **kw):
+                        num_splits=None, out=None, check_lengths=True, alibi_slopes=None,
+                        **kw):
         self.calls.append(("attention_paged", (q, k_cache, v_cache, block_table, seqlens_k),
                            {"causal": causal, "mask_align": mask_align, "window": window,
                                 "softcap": softcap, "cu_seqlens_q": cu_seqlens_q, "out": out,
-                                "max_seqlen_q": max_seqlen_q, "num_splits": num_splits}))
+                                "max_seqlen_q": max_seqlen_q, "num_splits": num_splits,
+                                "alibi_slopes": alibi_slopes}))
         assert block_table.dtype == torch.int32 and seqlens_k.dtype == torch.int32
         o = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.zeros(o.shape[:-1], dtype=torch.float64)
@@ -88,11 +97,12 @@ class FakeOps:
                     for c in (k_cache, v_cache))
             if cu_seqlens_q is None:
                 o[b:b + 1], lse[b:b + 1] = _ref(q[b:b + 1], k, v, causal, softmax_scale,
-                                                mask_align, window, softcap)
+                                                mask_align, window, softcap,
+                                                _row(alibi_slopes, b))
             else:
                 qs = slice(cu_seqlens_q[b], cu_seqlens_q[b + 1])
                 ob, lb = _ref(q[qs].transpose(0, 1)[None], k, v, causal, softmax_scale,
-                              mask_align, window, softcap)
+                              mask_align, window, softcap, _row(alibi_slopes, b))
                 o[qs], lse[:, qs] = ob[0].transpose(0, 1), lb[0]
         o, lse = _store((o, lse), out)
         return (o.to(q.dtype), lse) if return_lse else o.to(q.dtype)
@@ -192,10 +202,6 @@ def test_flash_attn_func_returns_lse_and_refuses_what_flashcore_lacks(fake):
     assert lse.shape == (1, 2, 5) and lse.dtype == torch.float32 and probs is None
     with pytest.raises(NotImplementedError, match="dropout_p"):
         fa.flash_attn_func(q, k, v, dropout_p=0.1)
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa.flash_attn_varlen_func(q[0], k[0], v[0], torch.tensor([0, 5], dtype=torch.int32),
-                                  torch.tensor([0, 5], dtype=torch.int32), 5, 5,
-                                  alibi_slopes=torch.ones(2))
 
 
 @pytest.mark.parametrize("causal, sq, sk", [(True, 3, 11), (False, 3, 11), (True, 7, 7),
@@ -266,6 +272,37 @@ def test_varlen_with_block_table_runs_the_paged_op(fake):
         _close(out[qs], _naive(q[None, qs], k, v, True)[0])
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_alibi_measures_from_each_sequences_bottom_right(fake, causal):
+    """ALiBi in the packed forms: each sequence's own bottom-right diagonal (flashcore is asked
+    for that alignment: the host does not know the lengths), a (batch, heads) row a sequence;
+    through a block table too."""
+    lq, lk = [3, 0, 5], [6, 2, 5]
+    q, k, v = _randn(8, 4, 64, seed=1), _randn(13, 2, 64, seed=2), _randn(13, 2, 64, seed=3)
+    cq, ck = _cu(lq), _cu(lk)
+    for slopes in (torch.tensor([0.5, 0.25, 0.125, 0.0625]), torch.rand(3, 4) * 0.4):
+        out = fa.flash_attn_varlen_func(q, k, v, cq, ck, 5, 6, causal=causal, alibi_slopes=slopes)
+        kw = fake.calls[-1][2]
+        assert kw["mask_align"] == "bottom_right" and kw["alibi_slopes"] is slopes
+        for b in range(3):
+            qs, ks = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
+            if lq[b]:
+                _close(out[qs], _naive(q[None, qs], k[None, ks], v[None, ks], causal,
+                                       alibi=_row(slopes, b))[0])
+    kc, vc = _randn(6, 4, 2, 64, seed=4), _randn(6, 4, 2, 64, seed=5)
+    table = torch.tensor([[5, 0, 3], [1, 2, 4]], dtype=torch.int32)
+    lq, lk = [2, 3], [9, 3]
+    slopes = torch.rand(2, 4) * 0.4
+    q2, cq, ck = q[:5], _cu(lq), _cu(lk)
+    out = fa.flash_attn_varlen_func(q2, kc, vc, cq, ck, 3, 9, causal=causal, block_table=table,
+                                    alibi_slopes=slopes)
+    assert fake.calls[-1][0] == "attention_paged"
+    for b in range(2):
+        kb, vb = (c[table[b].long()].flatten(0, 1)[:lk[b]][None] for c in (kc, vc))
+        qs = slice(cq[b], cq[b + 1])
+        _close(out[qs], _naive(q2[None, qs], kb, vb, causal, alibi=slopes[b])[0])
+
+
 # -- rotary and the KV cache -------------------------------------------------------------------
 
 
@@ -319,7 +356,8 @@ def test_dense_cache_as_pages_reads_the_same_memory():
 
 
 def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=False,
-                      interleaved=True, window=(-1, -1), check_lengths=True, leftpad=None):
+                      interleaved=True, window=(-1, -1), check_lengths=True, leftpad=None,
+                      alibi=None):
     b, sq, snew, cap = 2, 2, 2, 96
     kc, vc = _randn(3, cap, 2, 64, seed=1), _randn(3, cap, 2, 64, seed=2)
     kc0, _vc0 = kc.clone(), vc.clone()
@@ -329,7 +367,8 @@ def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=F
     out, lse = fa.flash_attn_with_kvcache(
         q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=cache_seqlens,
         cache_batch_idx=batch_idx, cache_leftpad=leftpad, causal=causal, window_size=window,
-        rotary_interleaved=interleaved, return_softmax_lse=True, check_lengths=check_lengths)
+        rotary_interleaved=interleaved, return_softmax_lse=True, check_lengths=check_lengths,
+        alibi_slopes=alibi)
     pads = [0] * b if leftpad is None else kv_cache.as_lengths(leftpad, b, q.device).tolist()
     lens = kv_cache.as_lengths(cache_seqlens, b, q.device).tolist()
     rows = list(range(b)) if batch_idx is None else batch_idx.tolist()
@@ -346,7 +385,8 @@ def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=F
         assert torch.equal(kc[r, :n], kc0[r, :n])
         assert torch.equal(kc[r, n + snew:], kc0[r, n + snew:])
         # the row's keys from cache_leftpad on; rotary positions stay the row's own
-        want = _naive(qi, kc[r:r + 1, pad:n + snew], vc[r:r + 1, pad:n + snew], causal, window)
+        want = _naive(qi, kc[r:r + 1, pad:n + snew], vc[r:r + 1, pad:n + snew], causal, window,
+                      alibi=_row(alibi, i))
         _close(out[i:i + 1], want)
     untouched = sorted(set(range(3)) - set(rows))
     assert all(torch.equal(kc[r], kc0[r]) for r in untouched)
@@ -382,6 +422,20 @@ def test_kvcache_leftpad_reads_each_row_from_its_first_key(fake, rotary):
         starts = pad.tolist()
         assert args[4].tolist() == [n + 2 - p for n, p in
                                     zip(kv_cache.as_lengths(lens, 2, "cpu").tolist(), starts)]
+
+
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_kvcache_alibi_on_every_path(fake, per_batch):
+    """ALiBi against a cache: a slice of it (equal lengths), per-row lengths (pages), rows read
+    from cache_leftpad on (its distances are the row's own positions' differences)."""
+    slopes = torch.rand(2, 4) * 0.4 if per_batch else torch.tensor([0.5, 0.3, 0.2, 0.1])
+    for lens, pad, causal in ((5, None, True), (5, None, False),
+                              (torch.tensor([3, 17], dtype=torch.int32), None, False),
+                              (torch.tensor([9, 17], dtype=torch.int32), torch.tensor([4, 0]),
+                               True)):
+        _name, _args, kw = _dense_cache_call(fake, lens, causal=causal, leftpad=pad,
+                                             alibi=slopes)
+        assert kw["alibi_slopes"] is slopes
 
 
 def test_kvcache_batch_idx_and_window(fake):
@@ -429,8 +483,6 @@ def test_kvcache_errors_name_the_argument(fake):
         fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens[:1])
     with pytest.raises(TypeError, match="cache_leftpad must hold integers"):
         fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens.float())
-    with pytest.raises(NotImplementedError, match="alibi_slopes"):
-        fa.flash_attn_with_kvcache(q, kc, vc, alibi_slopes=torch.ones(2))
     with pytest.raises(ValueError, match="k and v"):
         fa.flash_attn_with_kvcache(q, kc, vc, k=k, cache_seqlens=lens)
     with pytest.raises(ValueError, match="cache_seqlens"):

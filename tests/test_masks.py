@@ -249,6 +249,8 @@ def test_spec_fields_name_validate_and_shape_the_abi():
     for bad in ({"precision": "fp8"}, {"kv_fp8": True}, {"packed_tokens": True}):
         with pytest.raises(SpecError, match="alibi"):
             AttentionSpec(arch="sm_89", head_dim=64, alibi=True, **bad)
+    for serving in ({"varlen": True}, {"paged_kv": True}, {"varlen": True, "paged_kv": True}):
+        assert AttentionSpec(arch="sm_89", head_dim=64, alibi=True, **serving).alibi
     with pytest.raises(SpecError, match="alibi"):
         AttentionSpec(arch="sm_90", head_dim=128, alibi=True,
                       config=TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"))

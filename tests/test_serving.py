@@ -303,3 +303,31 @@ def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path(
             call(scale=-0.125)
             assert launched[0][1][0][0] != q.data_ptr()
         serving._paged_calls.clear()
+
+
+def test_alibi_slopes_follow_a_packed_batch_split_over_launches():
+    """A packed batch with more sequences than the grid's z holds launches in slices; each
+    slice's (batch, heads) ALiBi slopes start at its first sequence's row (per-head slopes stay
+    one row with batch stride 0)."""
+    from flashcore.compiler.abi import MAX_GRID_Z
+    from flashcore.ops import serving
+
+    h, n = 4, MAX_GRID_Z + 3
+    q = torch.randn(n, h, 64).half()
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    for slopes, stride in ((torch.rand(n, h), h), (torch.rand(h), 0)):
+        launched: list = []
+        with stubbed_device(launched):
+            serving.run_varlen(q, q, q, cu, cu, 1, 1, True, mask_align="bottom_right",
+                               alibi_slopes=slopes, check_lengths=False,
+                               config=TileConfig((64, 64)))
+        bias = [next(a for a in args if len(a) == 4 and a[0] >= slopes.data_ptr()
+                     and a[0] < slopes.data_ptr() + 4 * slopes.numel())
+                for _, args in launched]
+        assert [grid[2] for grid, _ in launched] == [MAX_GRID_Z, 3]
+        assert bias == [(slopes.data_ptr(), MAX_GRID_Z, h, stride),
+                        (slopes.data_ptr() + 4 * MAX_GRID_Z * stride, 3, h, stride)]
+    with (stubbed_device([]),
+          pytest.raises(ValueError, match=r"alibi_slopes must be float32 of shape \(4,\)")):
+        serving.run_varlen(q, q, q, cu, cu, 1, 1, alibi_slopes=torch.rand(2, h),
+                           check_lengths=False)

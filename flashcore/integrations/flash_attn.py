@@ -12,9 +12,10 @@ causal), ``softcap=0.0`` means none.
 
 What differs:
 
-* ``dropout_p > 0`` raises ``NotImplementedError``; so does ``alibi_slopes`` but in
-  ``flash_attn_func`` and its packed forms (no varlen or KV-cache ALiBi yet). Head dims flashcore does not build (``flashcore.specs.HEAD_DIMS``: 32,
-  64, 80, 96, 128, 256) raise flashcore's ``ValueError``.
+* ``dropout_p > 0`` raises ``NotImplementedError``. Head dims flashcore does not build
+  (``flashcore.specs.HEAD_DIMS``: 32, 64, 80, 96, 128, 256) raise flashcore's ``ValueError``.
+* ``alibi_slopes`` (float32 (heads,) or (batch, heads)) works in every function, measured from
+  FlashAttention's bottom-right diagonal; with a 16-bit cache only, and without a backward.
 * ``return_attn_probs=True`` returns ``(out, softmax_lse, None)``: the LSE as FlashAttention
   lays it out ((batch, heads, seqlen_q) dense, (heads, total_q) varlen); FlashAttention's third
   value carries probabilities only with dropout, which flashcore does not do.
@@ -73,13 +74,19 @@ def fa_masks(causal: bool, window_size, softcap, seqlen_q: int | None = None,
     return Masks(bool(causal), align, window, cap)
 
 
-def _unsupported(dropout_p: float = 0.0, alibi_slopes=None) -> None:
+def _unsupported(dropout_p: float = 0.0) -> None:
     if dropout_p:
         raise NotImplementedError(f"{_OP}: dropout_p={dropout_p}: flashcore has no attention "
                                   "dropout; pass dropout_p=0.0")
+
+
+def _alibi_kwargs(masks: Masks, alibi_slopes) -> dict:
+    """The mask keywords of a call whose sequences' lengths the host does not know: ALiBi's
+    distances from FlashAttention's bottom-right diagonal."""
+    kw = masks.kwargs()
     if alibi_slopes is not None:
-        raise NotImplementedError(f"{_OP}: alibi_slopes: flashcore's ALiBi is built for dense "
-                                  "calls (flash_attn_func) only")
+        kw.update(mask_align="bottom_right", alibi_slopes=alibi_slopes)
+    return kw
 
 
 def _with_lse(res, want: bool, triple: bool):
@@ -146,18 +153,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_pages) k and v are paged caches (pages, page_size, heads_kv, head_dim) and sequence b
     has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys from its first page on (flashcore's
     ``attention_paged`` with a packed q). LSE: (heads, total_q)."""
-    _unsupported(dropout_p, alibi_slopes)
+    _unsupported(dropout_p)
     masks = fa_masks(causal, window_size, softcap)
+    kw = _alibi_kwargs(masks, alibi_slopes)
     if block_table is None:
         res = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, masks.causal, softmax_scale, return_attn_probs,
-                                   check_lengths=check_lengths, **masks.kwargs())
+                                   check_lengths=check_lengths, **kw)
     else:
         seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         res = ops.attention_paged(q, k, v, block_table, seqlens_k, masks.causal, softmax_scale,
                                   return_attn_probs, cu_seqlens_q=cu_seqlens_q,
-                                  max_seqlen_q=max_seqlen_q, check_lengths=check_lengths,
-                                  **masks.kwargs())
+                                  max_seqlen_q=max_seqlen_q, check_lengths=check_lengths, **kw)
     return _with_lse(res, return_attn_probs, triple=True)
 
 
@@ -210,7 +217,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     as FlashAttention's rotary takes them). ``cache_seqlens`` None means the whole cache, with
     nothing appended. Returns out like q, with ``return_softmax_lse`` (out, lse (batch, heads,
     seqlen_q))."""
-    _unsupported(alibi_slopes=alibi_slopes)
     if cache_leftpad is not None and block_table is not None:
         raise ValueError(f"{_OP}: cache_leftpad is for a dense cache; a paged cache's keys "
                          "start where its block_table says")
@@ -267,7 +273,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         keys = known + new
         masks = fa_masks(causal, window_size, softcap, seqlen_q, keys)
         res = _dense(q, k_cache[:batch, :keys], v_cache[:batch, :keys], softmax_scale, masks,
-                     return_softmax_lse, splits)
+                     return_softmax_lse, splits, alibi_slopes)
         return _with_lse(res, return_softmax_lse, triple=False)
     # Per-row lengths on the device: the paged kernels read them there (no synchronisation)
     # and read a dense cache in place as pages; varlen would need the keys packed (a copy).
@@ -285,7 +291,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     res = ops.attention_paged(q.transpose(1, 2), k_pages, v_pages, table, seqlens,
                               masks.causal, softmax_scale, return_softmax_lse,
                               num_splits=splits, out=out.transpose(1, 2),
-                              check_lengths=check_lengths, **masks.kwargs())
+                              check_lengths=check_lengths, **_alibi_kwargs(masks, alibi_slopes))
     return (out, res[1]) if return_softmax_lse else out
 
 

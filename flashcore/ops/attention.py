@@ -128,13 +128,15 @@ def attention_varlen(
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,
     check_lengths: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
     allow_no_grad: bool = False,
 ):
     """Attention over a packed batch: sequence ``b`` is rows ``cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1]`` of q (total_q, heads, head_dim) and rows ``cu_seqlens_k[b] ..
     cu_seqlens_k[b + 1]`` of k and v (total_k, heads_kv, head_dim); int32 offsets, batch + 1 of
     each. Zero-length sequences are legal (their rows are 0, LSE -inf). Masks and GQA as in
-    ``attention``; FlashAttention's varlen causal mask is ``mask_align="bottom_right"``. Returns
+    ``attention``; FlashAttention's varlen causal mask is ``mask_align="bottom_right"``.
+    ``alibi_slopes`` as in ``attention``, (batch, heads) giving sequence b its row. Returns
     out (total_q, heads, head_dim) and, with ``return_lse``, the float32 LSE (heads, total_q).
     ``check_lengths``: see ``flashcore.ops.serving`` (what is checked, what is trusted)."""
     if _tracing(q):
@@ -142,13 +144,13 @@ def attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, mask_align=mask_align,
             window=window, softcap=softcap, tile=tile, config=config, out=out,
-            check_lengths=check_lengths)
+            check_lengths=check_lengths, alibi_slopes=alibi_slopes)
     if not allow_no_grad:
         check_grad(q, k, v)
     return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       softmax_scale, return_lse, mask_align=mask_align, window=window,
                       softcap=softcap, tile=tile, config=config, out=out,
-                      check_lengths=check_lengths)
+                      check_lengths=check_lengths, alibi_slopes=alibi_slopes)
 
 
 def attention_paged(
@@ -174,6 +176,7 @@ def attention_paged(
     allow_no_grad: bool = False,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """Attention against a paged KV cache: k_cache and v_cache are (pages, page_size, heads_kv,
     head_dim); key ``j`` of sequence ``b`` is row ``j % page_size`` of page
@@ -188,18 +191,20 @@ def attention_paged(
     ``k_descale``/``v_descale`` of shape (pages, page_size, heads_kv), any strides (a stride-0
     broadcast of one scale per tensor or per head is fine); key j of head h is
     ``k_cache[p, j, h].float() * k_descale[p, j, h]``. ``flashcore.ops.fp8.quantize_paged_cache``
-    makes both from a 16-bit cache. The arithmetic stays in q's dtype (sm_89 and sm_90)."""
+    makes both from a 16-bit cache. The arithmetic stays in q's dtype (sm_89 and sm_90).
+    ``alibi_slopes`` (a 16-bit cache) as in ``attention``: (heads,) or (batch, heads)."""
     if _tracing(q):
         return attention_paged_op(
             q, k_cache, v_cache, block_table, seqlens_k, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, cu_seqlens_q=cu_seqlens_q,
             max_seqlen_q=max_seqlen_q, mask_align=mask_align, window=window, softcap=softcap,
             tile=tile, config=config, num_splits=num_splits, out=out,
-            check_lengths=check_lengths, k_descale=k_descale, v_descale=v_descale)
+            check_lengths=check_lengths, k_descale=k_descale, v_descale=v_descale,
+            alibi_slopes=alibi_slopes)
     if not allow_no_grad:
         check_grad(q, k_cache, v_cache)
     return run_paged(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
                      return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                      mask_align=mask_align, window=window, softcap=softcap, tile=tile,
                      config=config, num_splits=num_splits, out=out, check_lengths=check_lengths,
-                     k_descale=k_descale, v_descale=v_descale)
+                     k_descale=k_descale, v_descale=v_descale, alibi_slopes=alibi_slopes)

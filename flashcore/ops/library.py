@@ -153,13 +153,13 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                       window: list[int] | None = None, softcap: float | None = None,
                       tile: list[int] | None = None, warps: int | None = None,
                       stages: int | None = None, kv_splits: int | None = None,
-                      check_lengths: bool = True,
-                      config: str | None = None) -> tuple[Tensor, Tensor]:
+                      check_lengths: bool = True, config: str | None = None,
+                      alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     res = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                      softmax_scale, return_lse, mask_align=mask_align,
                      window=None if window is None else tuple(window), softcap=softcap,
                      config=_op_config(config, tile, warps, stages, kv_splits),
-                     check_lengths=check_lengths)
+                     check_lengths=check_lengths, alibi_slopes=alibi_slopes)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
 
@@ -175,13 +175,14 @@ def _attention_paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: T
                      stages: int | None = None, kv_splits: int | None = None,
                      num_splits: int | None = None, check_lengths: bool = True,
                      k_descale: Tensor | None = None, v_descale: Tensor | None = None,
-                     config: str | None = None) -> tuple[Tensor, Tensor]:
+                     config: str | None = None,
+                     alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
     res = run_paged(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
                     return_lse, cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q,
                     mask_align=mask_align, window=None if window is None else tuple(window),
                     softcap=softcap, config=_op_config(config, tile, warps, stages, kv_splits),
                     num_splits=num_splits, check_lengths=check_lengths, k_descale=k_descale,
-                    v_descale=v_descale)
+                    v_descale=v_descale, alibi_slopes=alibi_slopes)
     return (res[0], res[1]) if return_lse else (res, _lse_or_empty(q, None))
 
 
@@ -240,7 +241,7 @@ def quantize_fp8_op(x, *, transpose, granularity, check_finite=False):
 
 def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal, softmax_scale, return_lse, mask_align, window, softcap, tile,
-                        config, out, check_lengths):
+                        config, out, check_lengths, alibi_slopes=None):
     """``flashcore.ops.attention_varlen`` through the registered op (tracing)."""
     res, lse = torch.ops.flashcore.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
@@ -248,14 +249,14 @@ def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         window=None if window is None else list(window),
         softcap=None if softcap is None else float(softcap),
         tile=None if tile is None else list(tile), check_lengths=check_lengths,
-        config=_config_arg(config))
+        config=_config_arg(config), alibi_slopes=alibi_slopes)
     return _traced(res, lse, out, return_lse, "attention_varlen")
 
 
 def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, softmax_scale,
                        return_lse, cu_seqlens_q, max_seqlen_q, mask_align, window, softcap,
                        tile, config, num_splits, out, check_lengths, k_descale=None,
-                       v_descale=None):
+                       v_descale=None, alibi_slopes=None):
     """``flashcore.ops.attention_paged`` through the registered op (tracing)."""
     res, lse = torch.ops.flashcore.attention_paged(
         q, k_cache, v_cache, block_table, seqlens_k, causal=causal, softmax_scale=softmax_scale,
@@ -264,5 +265,5 @@ def attention_paged_op(q, k_cache, v_cache, block_table, seqlens_k, *, causal, s
         softcap=None if softcap is None else float(softcap),
         tile=None if tile is None else list(tile), num_splits=num_splits,
         check_lengths=check_lengths, k_descale=k_descale, v_descale=v_descale,
-        config=_config_arg(config))
+        config=_config_arg(config), alibi_slopes=alibi_slopes)
     return _traced(res, lse, out, return_lse, "attention_paged")

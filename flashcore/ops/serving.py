@@ -41,6 +41,7 @@ from .launcher import Serving, launch_attention, launch_plan, planned
 from .masks import call_masking
 from .validate import (
     INT32_MAX,
+    alibi_arg,
     check_heads,
     check_int32,
     check_kv_descales,
@@ -127,16 +128,30 @@ def _check_serving_out(op: str, out, q: torch.Tensor, inputs: dict) -> torch.Ten
     return out
 
 
-def _launch_batches(serving: Serving, tables, launch_one) -> None:
-    """``launch_one(serving)`` for the whole batch, or, where a packed batch has more sequences
-    than the grid's z dimension holds, for slices of it: ``tables(b0, b1)`` gives the table
-    arguments of sequences b0..b1 (views of the same memory; offsets stay absolute)."""
+def _launch_batches(serving: Serving, tables, launch_one, bias: tuple = ()) -> None:
+    """``launch_one(serving, bias)`` for the whole batch, or, where a packed batch has more
+    sequences than the grid's z dimension holds, for slices of it: ``tables(b0, b1)`` gives the
+    table arguments of sequences b0..b1 (views of the same memory; offsets stay absolute), and
+    (batch, heads) ALiBi slopes start at row b0."""
     if not serving.varlen or serving.batch <= MAX_GRID_Z:
-        launch_one(serving)
+        launch_one(serving, bias)
         return
     for b0 in range(0, serving.batch, MAX_GRID_Z):
         b1 = min(b0 + MAX_GRID_Z, serving.batch)
-        launch_one(replace(serving, tables=tables(b0, b1), batch=b1 - b0))
+        part = tuple((ptr + 4 * b0 * stride, b1 - b0, heads, stride)
+                     for ptr, _, heads, stride in bias)
+        launch_one(replace(serving, tables=tables(b0, b1), batch=b1 - b0), part)
+
+
+def _alibi(op: str, slopes, batch: int, heads: int, q: torch.Tensor, scale: float) -> tuple:
+    """(the slopes tensor the kernels read, the launch's ``bias`` arguments) of a serving
+    call's ``alibi_slopes`` (None: none)."""
+    if slopes is None:
+        return None, ()
+    if scale == 0:
+        raise op_error(op, "alibi_slopes needs a softmax_scale other than 0")
+    slopes, arg = alibi_arg(slopes, batch, heads, q, op)
+    return slopes, (arg,)
 
 
 def run_varlen(
@@ -158,6 +173,7 @@ def run_varlen(
     config=None,
     out: torch.Tensor | None = None,
     check_lengths: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """``flashcore.ops.attention_varlen``, eager: check, plan, launch."""
     op = "attention_varlen"
@@ -175,9 +191,10 @@ def run_varlen(
     max_k = check_int32(op, "max_seqlen_k", max_seqlen_k)
     if max(q.shape[0], k.shape[0]) > INT32_MAX:
         raise op_error(op, "a packed tensor has over 2**31 - 1 rows")
-    mask = call_masking(causal, mask_align, window, softcap)
+    mask = call_masking(causal, mask_align, window, softcap, alibi_slopes is not None)
     scale = softmax_scale_of(softmax_scale, q.shape[2])
     total_q, heads, d = q.shape
+    _slopes, bias = _alibi(op, alibi_slopes, cu_q.shape[0] - 1, heads, q, scale)
     given = out
     out = _check_serving_out(op, out, q, {"q": q, "k": k, "v": v, "cu_seqlens_q": cu_q,
                                           "cu_seqlens_k": cu_k})
@@ -201,8 +218,9 @@ def run_varlen(
     serving = Serving(True, 0, (_vector_arg(cu_q), _vector_arg(cu_k)), batch, max_q, max_k)
     _launch_batches(
         serving, lambda b0, b1: (_vector_arg(cu_q[b0:b1 + 1]), _vector_arg(cu_k[b0:b1 + 1])),
-        lambda part: launch_attention(q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg),
-                                      (), cfg, causal, scale, None, mask=mask, serving=part))
+        lambda part, bias_part: launch_attention(
+            q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg), (), cfg, causal, scale,
+            None, mask=mask, serving=part, bias=bias_part), bias)
     if target is not out:
         out.copy_(target)
     return _done((out, lse) if return_lse else out, given)
@@ -262,6 +280,7 @@ def run_paged(
     check_lengths: bool = True,
     k_descale: torch.Tensor | None = None,
     v_descale: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ):
     """``flashcore.ops.attention_paged``, eager: check, plan, launch. A call in q's
     (B, H, S, D) layout whose arguments a checked call had before takes its memoised
@@ -269,7 +288,7 @@ def run_paged(
     op = "attention_paged"
     key = None
     if (cu_seqlens_q is None and max_seqlen_q is None and k_descale is None
-            and v_descale is None and exact_ints(tile, num_splits)):
+            and v_descale is None and alibi_slopes is None and exact_ints(tile, num_splits)):
         try:
             key = _paged_key(q, k_cache, v_cache, block_table, seqlens_k, causal, softmax_scale,
                              return_lse, mask_align, window, softcap, tile, config, num_splits,
@@ -311,8 +330,11 @@ def run_paged(
             raise op_error(op, f"q has batch {q.shape[0]}, block_table {batch}")
         max_q = q.shape[2]
     check_num_splits(op, num_splits)
-    mask = call_masking(causal, mask_align, window, softcap)
+    mask = call_masking(causal, mask_align, window, softcap, alibi_slopes is not None)
     scale = softmax_scale_of(softmax_scale, d)
+    if alibi_slopes is not None and kd is not None:
+        raise op_error(op, "alibi_slopes is built for a 16-bit cache, not an FP8 one")
+    _slopes, bias = _alibi(op, alibi_slopes, batch, heads, q, scale)
     max_k = max_pages * page_size
     if max_k > INT32_MAX:  # the kernels bound a sequence's keys by this, in 32 bits
         raise op_error(op, f"block_table's {max_pages} pages x {page_size} keys is over 2**31 - 1 "
@@ -376,9 +398,9 @@ def run_paged(
     whole = (*((_vector_arg(cu_q),) if packed else ()), _table_arg(block_table),
              _vector_arg(lens))
     serving = Serving(packed, page_size, whole, batch, max_q, max_k)
-    _launch_batches(serving, tables, lambda part: launch_attention(
+    _launch_batches(serving, tables, lambda part, bias_part: launch_attention(
         q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), descales, cfg, causal, scale, num_splits,
-        kv_fp8=kd is not None, mask=mask, serving=part))
+        kv_fp8=kd is not None, mask=mask, serving=part, bias=bias_part), bias)
     if target is not out:
         out.copy_(target)
     return _done((out, lse) if return_lse else out, given)

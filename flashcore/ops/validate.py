@@ -212,12 +212,13 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, input
                              "overwrite inputs that other blocks still read")
 
 
-def alibi_arg(slopes, batch: int, heads: int, q: Tensor) -> tuple:
-    """ALiBi's slopes: float32 (heads,) or (batch, heads) on q's device, as (the tensor the
-    kernel reads, its argument: pointer, batch, heads, batch stride; 0 for one slope a head)."""
+def alibi_arg(slopes, batch: int, heads: int, q: Tensor, op: str = "attention") -> tuple:
+    """ALiBi's slopes: float32 (heads,) or (batch, heads) on q's device (batch: sequences of a
+    packed batch), as (the tensor the kernel reads, its argument: pointer, batch, heads, batch
+    stride; 0 for one slope a head)."""
     if (not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32
             or slopes.device != q.device or tuple(slopes.shape) not in ((heads,), (batch, heads))):
-        raise ValueError(f"attention: alibi_slopes must be float32 of shape ({heads},) or "
+        raise ValueError(f"{op}: alibi_slopes must be float32 of shape ({heads},) or "
                          f"({batch}, {heads}) on {q.device}, got "
                          f"{getattr(slopes, 'dtype', type(slopes).__name__)} "
                          f"{tuple(getattr(slopes, 'shape', ()))}")

@@ -161,10 +161,9 @@ class AttentionSpec(SpecData, TiledKernel):
         if self.mask_align != "top_left" and not (self.causal or self.window or self.alibi):
             raise bad(f"mask_align={self.mask_align!r} aligns a causal mask, a window or ALiBi; "
                       "this spec has none (leave it 'top_left')")
-        if self.alibi and (self.precision == "fp8" or self.kv_fp8 or self.varlen
-                           or self.paged_kv or self.packed_tokens):
-            raise bad("alibi=True is built for 16-bit dense tensors, a row per (head, token): "
-                      "not with FP8, serving layouts or packed_tokens")
+        if self.alibi and (self.precision == "fp8" or self.kv_fp8 or self.packed_tokens):
+            raise bad("alibi=True is built for 16-bit operands, a row per (head, token) (one "
+                      "slope a CTA): not with FP8 or packed_tokens")
         if self.softcap and self.precision == "fp8":
             raise bad("softcap=True needs the true logits, which the FP8 kernel never forms "
                       "(its query descales fold into the exp2 scale); use precision='fp16'")
