@@ -663,6 +663,52 @@ def alibi_cases():
     yield ok
 
 
+def kv_append_cases():
+    # the KV-cache append kernel: a dense cache read as its rows' pages (rows picked out of
+    # order) and a paged one, rotary half-split and interleaved, GQA, a length at the cache's
+    # end; the result against the torch formula, the cache outside the new slots untouched
+    from flashcore.integrations import kv_cache
+    from flashcore.ops.kv_append import append_kv
+
+    g = torch.Generator(device="cuda").manual_seed(35)
+    for paged, rotary_dim, interleaved in ((False, 64, False), (True, 128, True), (True, 0, False)):
+        b, sq, new, h, hkv, d, cap, ps = 3, 3, 4, 8, 2, 128, 160, 16
+        lens = torch.tensor([0, 77, cap - new], dtype=torch.int32, device="cuda")
+        q = torch.randn(b, sq, h, d, device="cuda", generator=g, dtype=torch.float16)
+        k, v = (torch.randn(b, new, hkv, d, device="cuda", generator=g, dtype=torch.float16)
+                for _ in range(2))
+        if paged:
+            kc, vc = (torch.randn(b * cap // ps, ps, hkv, d, device="cuda", generator=g,
+                                  dtype=torch.float16) for _ in range(2))
+            table = torch.randperm(b * cap // ps, device="cuda", generator=g).view(b, -1)
+            table = table.to(torch.int32)
+            kp, vp = kc, vc
+            slots = kv_cache.paged_slots(table, lens, new, ps)
+        else:
+            kc, vc = (torch.randn(b, cap, hkv, d, device="cuda", generator=g,
+                                  dtype=torch.float16) for _ in range(2))
+            rows = torch.tensor([1, 2, 0], dtype=torch.int32, device="cuda")
+            (kp, table), (vp, _) = (kv_cache.dense_as_pages(c, rows) for c in (kc, vc))
+            slots = kv_cache.dense_slots(rows, lens, new)
+        k0 = kc.clone()
+        cos = sin = None
+        if rotary_dim:
+            ang = torch.rand(cap, rotary_dim // 2, device="cuda", generator=g) * 6.3
+            cos, sin = ang.cos(), ang.sin()
+        turned = append_kv(k, v, kp, vp, table, lens, q=q, cos=cos, sin=sin,
+                           interleaved=interleaved)
+        want = k if not rotary_dim else kv_cache.apply_rotary(
+            k, cos, sin, kv_cache.positions(lens, new), interleaved)
+        moved = torch.zeros(kc.shape[:2], dtype=torch.bool, device="cuda")
+        moved[slots] = True
+        err = (kc[slots].float() - want.float()).abs().max().item()
+        ok = (err < 4e-3 and torch.equal(vc[slots], v) and torch.equal(kc[~moved], k0[~moved])
+              and (turned is None) == (rotary_dim == 0))
+        print(f"{'ok ' if ok else 'BAD'} kv append paged={paged} rotary={rotary_dim} "
+              f"interleaved={interleaved}: max err {err:.2e}", flush=True)
+        yield ok
+
+
 def main() -> int:
     mode = sys.argv[1] if len(sys.argv) > 1 else "all"
     cases = {"all": all_cases, "splits-equal": lambda: split_cases(True),
@@ -677,7 +723,7 @@ def main() -> int:
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
              "hostile": hostile_cases, "backward": backward_cases,
              "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
-             "alibi": alibi_cases}[mode]
+             "alibi": alibi_cases, "kv-append": kv_append_cases}[mode]
     results = list(cases())
     torch.cuda.synchronize()
     print(f"{sum(results)}/{len(results)} cases ok", flush=True)

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import ops
+from ..ops import kv_append as append_kv
 from . import kv_cache
 
 _OP = "flash_attn"
@@ -216,7 +217,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     its keys cache_leftpad .. cache_seqlens + seqlen_new - 1 (positions stay those of the row,
     as FlashAttention's rotary takes them). ``cache_seqlens`` None means the whole cache, with
     nothing appended. Returns out like q, with ``return_softmax_lse`` (out, lse (batch, heads,
-    seqlen_q))."""
+    seqlen_q)). On CUDA with a 16-bit cache the append and the rotary are one kernel launch
+    (``flashcore.ops.kv_append``); torch ops otherwise (and while torch.compile traces)."""
     if cache_leftpad is not None and block_table is not None:
         raise ValueError(f"{_OP}: cache_leftpad is for a dense cache; a paged cache's keys "
                          "start where its block_table says")
@@ -249,23 +251,38 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if faults and check_lengths and _checkable():
         kv_cache.raise_faults(faults)
 
+    per_token = masks.causal or masks.window is not None
     if rotary_cos is not None:
         if rotary_sin is None:
             raise ValueError(f"{_OP}: rotary_cos needs rotary_sin")
-        per_token = masks.causal or masks.window is not None
-        q = kv_cache.apply_rotary(q, rotary_cos, rotary_sin,
-                                  kv_cache.positions(lengths, seqlen_q, per_token),
-                                  rotary_interleaved)
-        if k is not None:
-            k = kv_cache.apply_rotary(k, rotary_cos, rotary_sin,
-                                      kv_cache.positions(lengths, new), rotary_interleaved)
-    if k is not None:
+        kv_cache.check_rotary(rotary_cos, rotary_sin, q.shape[-1])
+    if (k is not None and not torch.compiler.is_compiling()
+            and append_kv.fits(k, k_cache, v_cache)):
+        # one kernel: the new keys (turned) and values into the cache, q turned
         if block_table is None:
-            slots = kv_cache.dense_slots(rows, lengths, new)
+            k_pages, table = kv_cache.dense_as_pages(k_cache, rows)
+            v_pages, _ = kv_cache.dense_as_pages(v_cache, rows)
         else:
-            slots = kv_cache.paged_slots(block_table, lengths, new, k_cache.shape[1])
-        kv_cache.append_(k_cache, slots, k)
-        kv_cache.append_(v_cache, slots, v)
+            k_pages, v_pages, table = k_cache, v_cache, block_table
+        turned = append_kv.append_kv(k, v, k_pages, v_pages, table, lengths, q=q,
+                                     cos=rotary_cos, sin=rotary_sin,
+                                     interleaved=rotary_interleaved, q_per_token=per_token)
+        q = q if turned is None else turned
+    else:
+        if rotary_cos is not None:
+            q = kv_cache.apply_rotary(q, rotary_cos, rotary_sin,
+                                      kv_cache.positions(lengths, seqlen_q, per_token),
+                                      rotary_interleaved)
+            if k is not None:
+                k = kv_cache.apply_rotary(k, rotary_cos, rotary_sin,
+                                          kv_cache.positions(lengths, new), rotary_interleaved)
+        if k is not None:
+            if block_table is None:
+                slots = kv_cache.dense_slots(rows, lengths, new)
+            else:
+                slots = kv_cache.paged_slots(block_table, lengths, new, k_cache.shape[1])
+            kv_cache.append_(k_cache, slots, k)
+            kv_cache.append_(v_cache, slots, v)
 
     splits = None if num_splits in (0, None) else num_splits
     if block_table is None and known is not None and cache_batch_idx is None and start is None:

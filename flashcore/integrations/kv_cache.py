@@ -36,19 +36,27 @@ def positions(lengths: torch.Tensor, seqlen: int, per_token: bool = True) -> tor
     return start + torch.arange(seqlen, device=lengths.device)
 
 
+def check_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
+    """cos and sin: the same (positions, rotary_dim / 2) shape, rotary_dim within head_dim."""
+    if cos.dim() != 2 or sin.shape != cos.shape:
+        raise ValueError(f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} must "
+                         "both be (positions, rotary_dim / 2)")
+    if 2 * cos.shape[-1] > head_dim:
+        raise ValueError(f"rotary_cos has {cos.shape[-1]} columns: rotary dim "
+                         f"{2 * cos.shape[-1]} is over head_dim {head_dim}")
+    if cos.shape[0] == 0:
+        raise ValueError("rotary_cos has no positions")
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor,
                  interleaved: bool) -> torch.Tensor:
     """Rotary embedding of x (batch, seqlen, heads, head_dim) at ``pos`` (batch, seqlen), with
     cos/sin (max_pos, rotary_dim / 2): the first rotary_dim features turn, the rest pass.
     Interleaved pairs features (0, 1), (2, 3), ... (GPT-J); otherwise (i, i + rotary_dim / 2)
     (GPT-NeoX). Computed in float32 and rounded once, as FlashAttention's kernel does."""
+    check_rotary(cos, sin, x.shape[-1])
     half = cos.shape[-1]
     rd = 2 * half
-    if sin.shape != cos.shape:
-        raise ValueError(f"rotary_sin {tuple(sin.shape)} and rotary_cos {tuple(cos.shape)} differ")
-    if rd > x.shape[-1]:
-        raise ValueError(f"rotary_cos has {half} columns: rotary dim {rd} is over head_dim "
-                         f"{x.shape[-1]}")
     c = cos[pos].float()[:, :, None, :]  # (batch, seqlen, 1, half)
     s = sin[pos].float()[:, :, None, :]
     xr = x[..., :rd].float()
@@ -152,6 +160,6 @@ def dense_as_key_pages(cache: torch.Tensor, rows: torch.Tensor, start: torch.Ten
     return pages, table
 
 
-__all__ = ["append_", "apply_rotary", "as_lengths", "dense_as_key_pages", "dense_as_pages",
+__all__ = ["append_", "apply_rotary", "as_lengths", "check_rotary", "dense_as_key_pages", "dense_as_pages",
            "dense_slots", "leftpad_faults", "paged_slots", "positions", "raise_faults",
            "room_faults"]

@@ -23,13 +23,14 @@ from .attention import PRECISIONS, AttentionSpec
 from .backward import BACKWARD_OPS, BackwardSpec
 from .combine import MAX_SPLITS, CombineSpec
 from .families import DEFAULT_FAMILY, FAMILIES, dsl_arch, family
+from .kv_append import KvAppendSpec
 from .quantize import QuantizeSpec
 from .serial import SPEC_VERSION
 from .tile import TileConfig, default_warps, tile_config
 
-KernelSpec = AttentionSpec | QuantizeSpec | CombineSpec | BackwardSpec
+KernelSpec = AttentionSpec | QuantizeSpec | CombineSpec | BackwardSpec | KvAppendSpec
 _SPEC_CLASSES = {"attention_fwd": AttentionSpec, "quantize_fp8": QuantizeSpec,
-                 "attention_combine": CombineSpec,
+                 "attention_combine": CombineSpec, "kv_append": KvAppendSpec,
                  **{op: BackwardSpec for op in BACKWARD_OPS}}
 
 
@@ -64,6 +65,7 @@ __all__ = [
     "BackwardSpec",
     "CombineSpec",
     "KernelSpec",
+    "KvAppendSpec",
     "QuantizeSpec",
     "SpecError",
     "TileConfig",

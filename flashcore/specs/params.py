@@ -285,10 +285,40 @@ BACKWARD_POST = Signature("backward_post", (
     Group("scales", (Param("scale", FLOAT),)),
 ), kernel=_fixed("mma_sync_bwd.rows:BackwardPostprocess"))
 
+# Appending to a KV cache (``flashcore.kernels.kv_append``): the new keys and values (batch,
+# heads_kv, new tokens, head_dim), the cache's pages viewed as (pages, heads_kv, page_size,
+# head_dim) with the block table (batch, max_pages) and each sequence's length before the new
+# tokens (where they go: their positions). With rotary: q (batch, heads, seq_q, head_dim) and
+# the turned copy the attention reads, the cos and sin tables (positions, rotary_dim / 2), and
+# the queries' position step (1: token t at length + t; 0: every token at length).
+_ROTARY_TABLE = Kind("rotary_table", 2, 1)  # (positions, rotary_dim / 2), unit last stride
+
+
+def _rotates(s) -> bool:
+    return s.rotary_dim > 0
+
+
+def _table_dtype(s) -> str:
+    return F32 if s.table_dtype == "float32" else s.table_dtype
+
+
+KV_APPEND = Signature("kv_append", (
+    Group("new", (Param("k", BHSD), Param("v", BHSD))),
+    Group("cache", (Param("k_cache", BHSD), Param("v_cache", BHSD),
+                    Param("block_table", INT_MATRIX), Param("seqlens", INT_VECTOR))),
+    Group("rotary", (
+        Param("q", BHSD, when=_rotates),
+        Param("q_out", BHSD, when=_rotates),
+        Param("cos", _ROTARY_TABLE, dtype=_table_dtype, when=_rotates),
+        Param("sin", _ROTARY_TABLE, dtype=_table_dtype, when=_rotates),
+        Param("q_step", INT, when=_rotates),
+    )),
+), kernel=_fixed("kv_append:KvAppend"))
+
 SIGNATURES: dict[str, Signature] = {
     "attention_fwd": ATTENTION, "attention_combine": COMBINE, "quantize_fp8": QUANTIZE_FP8,
     "attention_bwd_pre": BACKWARD_PRE, "attention_bwd": BACKWARD,
-    "attention_bwd_post": BACKWARD_POST,
+    "attention_bwd_post": BACKWARD_POST, "kv_append": KV_APPEND,
 }
 
 
