@@ -355,6 +355,21 @@ def test_dense_cache_as_pages_reads_the_same_memory():
         assert torch.equal(pages[table[b].long()].flatten(0, 1), cache[r])
 
 
+def test_dense_caches_share_one_table_and_page_size():
+    """K and V read through one table: where either cache's rows are not contiguous with one
+    another both become a page a row; the identity table (no cache_batch_idx) is made once."""
+    k = torch.randn(3, 96, 2, 64)
+    v = torch.randn(3, 2, 96, 64).transpose(1, 2)  # rows apart: no (pages, 32, ...) view
+    kp, vp, table = kv_cache.dense_pages(k, v, None, 2)
+    assert kp is k and vp is v and table.tolist() == [[0], [1]]
+    kp, vp, table = kv_cache.dense_pages(k, k.clone(), None, 2)
+    assert kp.shape == vp.shape == (9, 32, 2, 64) and table.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert kv_cache.dense_pages(k, k, None, 2)[2] is table  # remembered
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+    _, _, picked = kv_cache.dense_pages(k, k, rows, 2)
+    assert picked.tolist() == [[6, 7, 8], [0, 1, 2]]
+
+
 def _dense_cache_call(fake, cache_seqlens, batch_idx=None, causal=True, rotary=False,
                       interleaved=True, window=(-1, -1), check_lengths=True, leftpad=None,
                       alibi=None):

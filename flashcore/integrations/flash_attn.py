@@ -241,14 +241,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         capacity if cache_seqlens is None else cache_seqlens)
     lengths = kv_cache.as_lengths(capacity if cache_seqlens is None else cache_seqlens, batch,
                                   q.device)
-    rows = (torch.arange(batch, dtype=torch.int32, device=q.device) if cache_batch_idx is None
-            else cache_batch_idx)
+    rows = cache_batch_idx  # None: batch entry b is cache row b
+
+    def row_ids() -> torch.Tensor:
+        return (torch.arange(batch, dtype=torch.int32, device=q.device) if rows is None
+                else rows)
+
     start = (None if cache_leftpad is None else
              kv_cache.as_lengths(cache_leftpad, batch, q.device, "cache_leftpad"))
-    faults = [] if start is None else kv_cache.leftpad_faults(start, lengths)
-    if k is not None:
-        faults += kv_cache.room_faults(lengths, new, capacity, block_table, pages)
-    if faults and check_lengths and _checkable():
+    if check_lengths and (start is not None or k is not None) and _checkable():
+        faults = [] if start is None else kv_cache.leftpad_faults(start, lengths)
+        if k is not None:
+            faults += kv_cache.room_faults(lengths, new, capacity, block_table, pages)
         kv_cache.raise_faults(faults)
 
     per_token = masks.causal or masks.window is not None
@@ -260,8 +264,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             and append_kv.fits(k, k_cache, v_cache)):
         # one kernel: the new keys (turned) and values into the cache, q turned
         if block_table is None:
-            k_pages, table = kv_cache.dense_as_pages(k_cache, rows)
-            v_pages, _ = kv_cache.dense_as_pages(v_cache, rows)
+            k_pages, v_pages, table = kv_cache.dense_pages(k_cache, v_cache, rows, batch)
         else:
             k_pages, v_pages, table = k_cache, v_cache, block_table
         turned = append_kv.append_kv(k, v, k_pages, v_pages, table, lengths, q=q,
@@ -278,7 +281,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                           kv_cache.positions(lengths, new), rotary_interleaved)
         if k is not None:
             if block_table is None:
-                slots = kv_cache.dense_slots(rows, lengths, new)
+                slots = kv_cache.dense_slots(row_ids(), lengths, new)
             else:
                 slots = kv_cache.paged_slots(block_table, lengths, new, k_cache.shape[1])
             kv_cache.append_(k_cache, slots, k)
@@ -294,14 +297,13 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         return _with_lse(res, return_softmax_lse, triple=False)
     # Per-row lengths on the device: the paged kernels read them there (no synchronisation)
     # and read a dense cache in place as pages; varlen would need the keys packed (a copy).
-    seqlens = lengths + new
+    seqlens = lengths + new if new else lengths
     if start is not None:  # each row's keys from its own first one: pages of one key
-        k_pages, table = kv_cache.dense_as_key_pages(k_cache, rows, start)
-        v_pages, _ = kv_cache.dense_as_key_pages(v_cache, rows, start)
+        k_pages, table = kv_cache.dense_as_key_pages(k_cache, row_ids(), start)
+        v_pages, _ = kv_cache.dense_as_key_pages(v_cache, row_ids(), start)
         seqlens = seqlens - start
     elif block_table is None:
-        k_pages, table = kv_cache.dense_as_pages(k_cache, rows)
-        v_pages, _ = kv_cache.dense_as_pages(v_cache, rows)
+        k_pages, v_pages, table = kv_cache.dense_pages(k_cache, v_cache, rows, batch)
     else:
         k_pages, v_pages, table = k_cache, v_cache, block_table
     out = q.new_empty(q.shape)

@@ -128,18 +128,45 @@ def dense_as_pages(cache: torch.Tensor, rows: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense cache (batch_cache, seqlen_cache, heads, head_dim) as ``attention_paged``'s
     (pages, page_size, heads, head_dim) view of the same memory and the (batch, pages per row)
-    int32 block table that maps batch entry b onto cache row ``rows[b]``. The largest page size
-    of the compiled-in copy passes that divides the row is used where the view exists; else a
-    row is one page (read a key at a time)."""
-    n_rows, seqlen = cache.shape[:2]
+    int32 block table that maps batch entry b onto cache row ``rows[b]`` (``dense_pages`` for
+    one cache)."""
+    pages, _, table = dense_pages(cache, cache, rows, rows.shape[0])
+    return pages, table
+
+
+_identity_tables: dict[tuple, torch.Tensor] = {}
+
+
+def dense_pages(k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor | None,
+                batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense K and V caches (batch_cache, seqlen_cache, heads, head_dim) as ``attention_paged``'s
+    (pages, page_size, heads, head_dim) views of their memory, and the (batch, pages per row)
+    int32 block table, one for both, that maps batch entry b onto cache row ``rows[b]`` (None:
+    row b). The largest page size of the compiled-in copy passes that divides a row is used where
+    both views exist; else a row is one page (read a key at a time). The table of ``rows=None``
+    is made once per device and shape (outside graph captures, whose tensors hold their values
+    only once replayed)."""
+    n_rows, seqlen = k_cache.shape[:2]
     page = next((p for p in _FAST_PAGE_SIZES if seqlen % p == 0), None)
-    if page is not None and cache.stride(0) == seqlen * cache.stride(1):
-        per_row = seqlen // page
-        pages = cache.view(n_rows * per_row, page, *cache.shape[2:])
+    if page is None or any(c.stride(0) != seqlen * c.stride(1) for c in (k_cache, v_cache)):
+        page = seqlen  # the caches themselves: a page a row
+    per_row = seqlen // page
+    k_pages, v_pages = (c.view(n_rows * per_row, page, *c.shape[2:]) if per_row > 1 else c
+                        for c in (k_cache, v_cache))
+    device = k_cache.device
+    if rows is not None:
         first = rows.to(torch.int32)[:, None] * per_row
-        table = first + torch.arange(per_row, dtype=torch.int32, device=rows.device)
-        return pages, table
-    return cache, rows.to(torch.int32)[:, None].contiguous()
+        return k_pages, v_pages, first + torch.arange(per_row, dtype=torch.int32, device=device)
+    key = (device, batch, per_row)
+    table = _identity_tables.get(key)
+    if table is None:
+        table = torch.arange(batch * per_row, dtype=torch.int32, device=device).view(batch,
+                                                                                     per_row)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            if len(_identity_tables) >= 64:
+                _identity_tables.clear()
+            _identity_tables[key] = table
+    return k_pages, v_pages, table
 
 
 def dense_as_key_pages(cache: torch.Tensor, rows: torch.Tensor, start: torch.Tensor
@@ -160,6 +187,6 @@ def dense_as_key_pages(cache: torch.Tensor, rows: torch.Tensor, start: torch.Ten
     return pages, table
 
 
-__all__ = ["append_", "apply_rotary", "as_lengths", "check_rotary", "dense_as_key_pages", "dense_as_pages",
-           "dense_slots", "leftpad_faults", "paged_slots", "positions", "raise_faults",
-           "room_faults"]
+__all__ = ["append_", "apply_rotary", "as_lengths", "check_rotary", "dense_as_key_pages",
+           "dense_as_pages", "dense_pages", "dense_slots", "leftpad_faults", "paged_slots",
+           "positions", "raise_faults", "room_faults"]
