@@ -332,3 +332,13 @@ def test_folds_pick_the_canonical_masks():
     assert folded(False, both, 100, 200) == (False, Masking(softcap=1.5))
     assert folded(False, both, 100, 1000)[1].window == (300, 300)
 
+
+
+def test_gpu_tests_mask_helpers_run_on_the_cpu():
+    """The GPU tests' mask helpers are plain host code: run here, where those tests skip, so a
+    change of the masks' fields cannot break them unseen."""
+    from tests.gpu_utils import WGMMA_MASK_CONFIGS
+    from tests.test_gpu_wgmma import _ws_masks
+
+    masks = _ws_masks(True, "bottom_right", (64, 3), 30.0, WGMMA_MASK_CONFIGS[0], 128)
+    assert masks == {"mask_align": "bottom_right", "window": (64, 0), "softcap": 30.0}
