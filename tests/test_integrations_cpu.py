@@ -466,6 +466,18 @@ def test_kvcache_without_new_keys_and_whole_cache(fake):
     assert fake.calls[-1][0] == "attention" and fake.calls[-1][1][1].shape[2] == 16
 
 
+def test_kvcache_rotary_comes_with_new_keys_only(fake):
+    """FlashAttention turns q and the new keys by rotary only when k and v are given: without
+    them the tables change nothing."""
+    kc, vc = _randn(2, 16, 2, 64, seed=1), _randn(2, 16, 2, 64, seed=2)
+    q = _randn(2, 1, 4, 64, seed=3)
+    cos, sin = _rotary_tables(16, 16)
+    out = fa.flash_attn_with_kvcache(q, kc, vc, rotary_cos=cos, rotary_sin=sin,
+                                     cache_seqlens=9, causal=True)
+    _close(out, _naive(q, kc[:, :9], vc[:, :9], True))
+    assert torch.equal(fake.calls[-1][1][0], q.transpose(1, 2))
+
+
 def test_kvcache_paged_append_goes_through_the_block_table(fake):
     pages, ps = 8, 4
     kc, vc = _randn(pages, ps, 1, 64, seed=1), _randn(pages, ps, 1, 64, seed=2)

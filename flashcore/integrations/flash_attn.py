@@ -210,7 +210,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     heads_kv, head_dim) through ``block_table`` (batch, max_pages).
 
     In order: rotary on q and on the new k (cos/sin (seqlen_ro, rotary_dim / 2); q's positions
-    are cache_seqlens + t when causal or windowed, else cache_seqlens), k/v (batch, seqlen_new,
+    are cache_seqlens + t when causal or windowed, else cache_seqlens; as in FlashAttention, only
+    when k and v are given), k/v (batch, seqlen_new,
     heads_kv, head_dim) written into the cache in place at cache_seqlens (its rows
     ``cache_batch_idx[b]`` for a dense cache), then attention over the first cache_seqlens +
     seqlen_new keys of each row, or, with ``cache_leftpad`` (int32 (batch,), a dense cache), over
@@ -272,13 +273,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                      interleaved=rotary_interleaved, q_per_token=per_token)
         q = q if turned is None else turned
     else:
-        if rotary_cos is not None:
+        if rotary_cos is not None and k is not None:  # FlashAttention's: rotary comes with k
             q = kv_cache.apply_rotary(q, rotary_cos, rotary_sin,
                                       kv_cache.positions(lengths, seqlen_q, per_token),
                                       rotary_interleaved)
-            if k is not None:
-                k = kv_cache.apply_rotary(k, rotary_cos, rotary_sin,
-                                          kv_cache.positions(lengths, new), rotary_interleaved)
+            k = kv_cache.apply_rotary(k, rotary_cos, rotary_sin,
+                                      kv_cache.positions(lengths, new), rotary_interleaved)
         if k is not None:
             if block_table is None:
                 slots = kv_cache.dense_slots(row_ids(), lengths, new)
