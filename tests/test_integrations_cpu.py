@@ -526,6 +526,16 @@ def test_kvcache_errors_name_the_argument(fake):
         fa.flash_attn_with_kvcache(q, kc, vc, rotary_cos=torch.ones(8, 4))
     with pytest.raises(ValueError, match="cache_seqlens has shape"):
         fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"k has shape \(2, 1, 1, 64\), expected"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k[:, :, :1], k[:, :, :1], cache_seqlens=lens)
+    with pytest.raises(ValueError, match="v has shape"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k, k[:1], cache_seqlens=lens)
+    with pytest.raises(ValueError, match="block_table has 1 rows for a batch of 2"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens,
+                                   block_table=torch.zeros(1, 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cache_batch_idx must be in 0\.\.1"):
+        fa.flash_attn_with_kvcache(q, kc, vc, k, k, cache_seqlens=lens,
+                                   cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32))
     assert not fake.calls  # every error comes before any attention
 
 

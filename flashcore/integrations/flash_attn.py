@@ -233,6 +233,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise ValueError(f"{_OP}: appending k and v needs cache_seqlens (where they go)")
     batch, seqlen_q = q.shape[:2]
     new = 0 if k is None else k.shape[1]
+    if k is not None:
+        kv_cache.check_new_keys(q, k, v, k_cache, v_cache)
+    if block_table is not None and block_table.shape[0] != batch:
+        raise ValueError(f"{_OP}: block_table has {block_table.shape[0]} rows for a batch of "
+                         f"{batch}")
     masks = fa_masks(causal, window_size, softcap)
     if block_table is None:
         capacity, pages = k_cache.shape[1], k_cache.shape[0]
@@ -250,8 +255,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     start = (None if cache_leftpad is None else
              kv_cache.as_lengths(cache_leftpad, batch, q.device, "cache_leftpad"))
-    if check_lengths and (start is not None or k is not None) and _checkable():
+    if (check_lengths and (start is not None or k is not None or rows is not None)
+            and _checkable()):
         faults = [] if start is None else kv_cache.leftpad_faults(start, lengths)
+        if rows is not None and block_table is None:
+            faults += kv_cache.row_faults(rows, k_cache.shape[0])
         if k is not None:
             faults += kv_cache.room_faults(lengths, new, capacity, block_table, pages)
         kv_cache.raise_faults(faults)
@@ -260,9 +268,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if rotary_cos is not None:
         if rotary_sin is None:
             raise ValueError(f"{_OP}: rotary_cos needs rotary_sin")
-        kv_cache.check_rotary(rotary_cos, rotary_sin, q.shape[-1])
+        kv_cache.check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
     if (k is not None and not torch.compiler.is_compiling()
-            and append_kv.fits(k, k_cache, v_cache)):
+            and append_kv.fits(q, k, v, k_cache, v_cache)):
         # one kernel: the new keys (turned) and values into the cache, q turned
         if block_table is None:
             k_pages, v_pages, table = kv_cache.dense_pages(k_cache, v_cache, rows, batch)

@@ -36,8 +36,32 @@ def positions(lengths: torch.Tensor, seqlen: int, per_token: bool = True) -> tor
     return start + torch.arange(seqlen, device=lengths.device)
 
 
-def check_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> None:
-    """cos and sin: the same (positions, rotary_dim / 2) shape, rotary_dim within head_dim."""
+def check_new_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> None:
+    """New keys and values (batch, seqlen_new, heads_kv, head_dim) that fit q's batch and the
+    caches' heads and head dim, on their device (what the append writes is checked here, not
+    by the kernel)."""
+    want = (q.shape[0], k.shape[1], *k_cache.shape[2:])
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4 or tuple(t.shape) != want:
+            raise ValueError(f"flash_attn_with_kvcache: {name} has shape {tuple(t.shape)}, "
+                             f"expected (batch, seqlen_new, heads_kv, head_dim) = {want}")
+        if t.device != k_cache.device:
+            raise ValueError(f"flash_attn_with_kvcache: {name} is on {t.device}, the cache on "
+                             f"{k_cache.device}")
+    if v_cache.shape != k_cache.shape or v_cache.device != k_cache.device:
+        raise ValueError(f"flash_attn_with_kvcache: v_cache {tuple(v_cache.shape)} on "
+                         f"{v_cache.device} is not like k_cache {tuple(k_cache.shape)} on "
+                         f"{k_cache.device}")
+
+
+def check_rotary(cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                 device: torch.device | None = None) -> None:
+    """cos and sin: the same (positions, rotary_dim / 2) shape, rotary_dim within head_dim, on
+    ``device`` where given."""
+    if device is not None and (cos.device != device or sin.device != device):
+        raise ValueError(f"rotary_cos ({cos.device}) and rotary_sin ({sin.device}) must be on "
+                         f"q's device, {device}")
     if cos.dim() != 2 or sin.shape != cos.shape:
         raise ValueError(f"rotary_cos {tuple(cos.shape)} and rotary_sin {tuple(sin.shape)} must "
                          "both be (positions, rotary_dim / 2)")
@@ -107,6 +131,12 @@ def room_faults(lengths: torch.Tensor, seqlen: int, capacity: int,
         faults.append((f"a block_table entry the new tokens use is outside 0..{pages - 1}",
                        (used & ((block_table < 0) | (block_table >= pages))).any()))
     return faults
+
+
+def row_faults(rows: torch.Tensor, n_rows: int) -> list[tuple[str, torch.Tensor]]:
+    """Device-side test that cache_batch_idx names rows of the cache."""
+    return [(f"cache_batch_idx must be in 0..{n_rows - 1}",
+             ((rows < 0) | (rows >= n_rows)).any())]
 
 
 def leftpad_faults(start: torch.Tensor, lengths: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -187,6 +217,6 @@ def dense_as_key_pages(cache: torch.Tensor, rows: torch.Tensor, start: torch.Ten
     return pages, table
 
 
-__all__ = ["append_", "apply_rotary", "as_lengths", "check_rotary", "dense_as_key_pages",
-           "dense_as_pages", "dense_pages", "dense_slots", "leftpad_faults", "paged_slots",
-           "positions", "raise_faults", "room_faults"]
+__all__ = ["append_", "apply_rotary", "as_lengths", "check_new_keys", "check_rotary",
+           "dense_as_key_pages", "dense_as_pages", "dense_pages", "dense_slots", "leftpad_faults",
+           "paged_slots", "positions", "raise_faults", "room_faults", "row_faults"]

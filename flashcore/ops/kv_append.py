@@ -16,11 +16,14 @@ from .inputs import DTYPE_NAMES, prepared, readable
 _kernels: dict[tuple, object] = {}  # call-site key -> loaded kernel (no spec work per call)
 
 
-def fits(k: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel takes this append: 16-bit CUDA tensors of a head dim it builds, and
-    caches whose (pages, heads, page_size, head_dim) views it can write in place."""
-    return (k.is_cuda and k.dtype in DTYPE_NAMES and k_cache.dtype == k.dtype
-            and v_cache.dtype == k.dtype and k.shape[-1] in HEAD_DIMS
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+         v_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes this append (shapes and devices checked by the caller): 16-bit
+    CUDA tensors of one dtype and a head dim it builds, and caches whose (pages, heads,
+    page_size, head_dim) views it can write in place."""
+    return (k.is_cuda and k.dtype in DTYPE_NAMES
+            and all(t.dtype == k.dtype for t in (q, v, k_cache, v_cache))
+            and k.shape[-1] in HEAD_DIMS
             and k.shape[0] <= MAX_GRID_Z
             and k_cache.shape[-1] == k.shape[-1]
             and all(readable(c.permute(0, 2, 1, 3)) for c in (k_cache, v_cache)))
@@ -52,6 +55,8 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     kc_arg = prepared(k_pages.permute(0, 2, 1, 3))[1]  # readable (``fits``): no copy
     vc_arg = prepared(v_pages.permute(0, 2, 1, 3))[1]
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
+    if seqlens.stride(0) != 1:  # the kernel reads (batch,) with a unit stride
+        seqlens = seqlens.contiguous()
     args = (k_arg, v_arg, kc_arg, vc_arg,
             (table.data_ptr(), table.shape[0], table.shape[1], table.stride(0)),
             (seqlens.data_ptr(), seqlens.shape[0]))
