@@ -11,6 +11,9 @@
 #                     /tmp/fc-ARCH; BUILD_ARGS, default "--buckets": e.g. "--only serving")
 #   tests ARCH...     the GPU tests with ARCH's kernels (sm_89 runs an L4's PTX on an H100);
 #                     PYTEST_ARGS picks files, FLASHCORE_GPU_EXAMPLES the examples a property
+#   split ARCH...     the same tests as one process per test function, SPLIT_JOBS at a time
+#                     (default: half the cores) over the host's GPUs: kernels compile on first
+#                     use, so this is the fast way without a catalog; a log per function
 #   sanitize ARCH...  memcheck, racecheck, synccheck over SANITIZE_MODES (scripts/sanitize.sh)
 #   bench             python -m flashcore.bench --quick $BENCH_ARGS: every peer in one run
 #   decode            the decode sweep (scripts/decode_sweep.py $DECODE_ARGS)
@@ -37,7 +40,8 @@ limit() {  # the phase's time limit: ${PHASE}_S, else the default given
 
 use_arch() {  # kernels of ARCH: its catalog, and FLASHCORE_ARCH unless it is this GPU's own
   export FLASHCORE_CACHE_DIR=$cache-$1
-  if [ "$1" = "$(python3 -c 'from flashcore.runtime.device import arch_of; print(arch_of(0))')" ]
+  if [ "$1" = "$(python3 -c 'from flashcore.runtime.device import arch_of; print(arch_of(0))' \
+                  2>/dev/null)" ]
   then unset FLASHCORE_ARCH; else export FLASHCORE_ARCH=$1; fi
 }
 
@@ -72,6 +76,30 @@ tests() {
   echo "tests $1 exit $rc" | tee -a "$log"
   [ $rc -ne 0 ] && status=1
   summary "$log" "passed|failed|Falsifying|^FAILED|^ERROR" 25
+}
+
+split() {
+  use_arch "$1"
+  local dir="$out/${tag}split-$1" gpus deadline
+  mkdir -p "$dir"
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$gpus" -gt 0 ] && [ -z "${GPU:-}" ] || gpus=1
+  deadline=$(( $(date +%s) + $(limit split 540) ))
+  # test functions, parametrised cases together (they share kernels)
+  python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider ${PYTEST_ARGS:-tests} \
+    2>/dev/null | grep '::' | sed 's/\[.*//' | awk '!seen[$0]++' > "$dir/functions"
+  awk -v g="$gpus" '{ print (NR - 1) % g, $0 }' "$dir/functions" \
+    | DIR=$dir DEADLINE=$deadline PINNED=${GPU:-} xargs -P "${SPLIT_JOBS:-$(( $(nproc) / 2 ))}" \
+        -L 1 bash -c '
+      node=$1; log="$DIR/$(echo "$node" | tr "/:" "__").log"
+      [ -z "$PINNED" ] && export CUDA_VISIBLE_DEVICES=$0
+      timeout -s KILL $(( DEADLINE - $(date +%s) )) python3 -m pytest -m gpu -q \
+        -p no:cacheprovider -rfEs --hypothesis-show-statistics "$node" > "$log" 2>&1
+      rc=$?
+      echo "$node rc=$rc $(grep -E "passed|failed|skipped|error" "$log" | tail -1)"
+      [ $rc -eq 0 ] || [ $rc -eq 5 ]' | tee "$dir/summary"
+  [ "${PIPESTATUS[1]}" -eq 0 ] || status=1
+  grep -hE "^(FAILED|ERROR)|Falsifying" "$dir"/*.log | head -20
 }
 
 sanitize() {
@@ -113,7 +141,7 @@ phase=""
 for word in "$@"; do
   case "$word" in
     setup) setup; phase="" ;;
-    build|tests|sanitize) phase=$word ;;
+    build|tests|split|sanitize) phase=$word ;;
     bench|decode|hostprof|ab|tune) phase=""; run_phase "$word" ;;
     *) if [ -z "$phase" ]; then echo "gpu.sh: '$word' follows no phase that takes an arch" >&2
          exit 2; fi
