@@ -22,12 +22,16 @@ from flashcore.tuning.shape import Shape
 def test_the_cases_are_the_ones_asked_for():
     labels = [s.label for s in backward_suite(quick=False)]
     assert labels == ["4,16,4096,64", "4,16,4096,64 causal", "4,16,4096,128",
-                      "4,16,4096,128 causal", "2,16,8192,128", "4,32/8,4096,128 causal"]
+                      "4,16,4096,128 causal", "2,16,8192,128", "4,32/8,4096,128 causal",
+                      "4,32,4096,128 causal",  # the GQA call and its K/V expanded
+                      "1,32,32768,128 causal"]
     quick = backward_suite(quick=True)
     assert quick and set(quick) < set(BACKWARD_SHAPES)
     assert any(s.hkv != s.heads for s in quick) and any(s.causal for s in quick)
     assert all(s.dtype == "float16" and s.sq == s.seq for s in BACKWARD_SHAPES)
-    assert _parse_shape("4,32/8,4096,128,causal") == BACKWARD_SHAPES[-1]
+    assert _parse_shape("4,32/8,4096,128,causal") == BACKWARD_SHAPES[-3]
+    gqa, expanded = BACKWARD_SHAPES[-3:-1]
+    assert (gqa.hkv, expanded.hkv) == (8, 32) and gqa.heads == expanded.heads == 32
 
 
 def test_flops_are_counted_as_the_peers_count_them():

@@ -29,10 +29,13 @@ from .timing import alternating, n_sets, time_eager, time_kernel
 BACKWARD_FLOPS = 2.5  # the backward's FLOPs over the forward's: five products against two
 STEP_FLOPS = 1.0 + BACKWARD_FLOPS
 
+# GQA 32/8 beside the same call with K/V expanded to 32 heads (its baseline: GQA's backward
+# must not be slower than attention over the pre-expanded K/V)
+_GQA = [Shape(4, 32, 4096, 128, True, kv_heads=8), Shape(4, 32, 4096, 128, True)]
 BACKWARD_SHAPES = [Shape(4, 16, 4096, d, causal) for d in (64, 128) for causal in (False, True)]
-BACKWARD_SHAPES += [Shape(2, 16, 8192, 128), Shape(4, 32, 4096, 128, True, kv_heads=8)]
-QUICK = [Shape(4, 16, 4096, 128), Shape(4, 16, 4096, 128, True),
-         Shape(4, 32, 4096, 128, True, kv_heads=8)]
+BACKWARD_SHAPES += [Shape(2, 16, 8192, 128), *_GQA]
+BACKWARD_SHAPES += [Shape(1, 32, 32768, 128, True)]  # a long sequence: the step's peak memory
+QUICK = [Shape(4, 16, 4096, 128), Shape(4, 16, 4096, 128, True), *_GQA]
 
 
 def backward_suite(quick: bool) -> list[Shape]:
