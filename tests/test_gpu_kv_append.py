@@ -124,3 +124,36 @@ def test_flash_attn_with_kvcache_appends_through_the_kernel():
     _close_to_one_rounding(kc, caches[0])
     assert torch.equal(vc, caches[1])
     torch.testing.assert_close(out, want, atol=2e-3, rtol=0)
+
+
+def test_append_paged_kv_then_attention_paged():
+    """The public op in flashcore's layout: append with rotary, then attention over the
+    appended cache equals attention over the torch formula's keys."""
+    from flashcore.ops import append_paged_kv, attention, attention_paged
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    b, h, hkv, sq, d, ps, pages = 2, 8, 2, 3, 128, 16, 20
+    lens = torch.tensor([5, 40], dtype=torch.int32, device="cuda")
+    q = torch.randn(b, h, sq, d, device="cuda", generator=gen).half()
+    k, v = (torch.randn(b, hkv, sq, d, device="cuda", generator=gen).half() for _ in range(2))
+    kc, vc = (torch.randn(pages, ps, hkv, d, device="cuda", generator=gen).half()
+              for _ in range(2))
+    table = torch.randperm(pages, device="cuda", generator=gen)[:8].view(b, 4).to(torch.int32)
+    cos, sin = _tables(128, 32, torch.float32, gen)
+    turned = append_paged_kv(k, v, kc, vc, table, lens, q=q, rotary_cos=cos, rotary_sin=sin)
+    out = attention_paged(turned, kc, vc, table, lens + sq, causal=True,
+                          mask_align="bottom_right")
+    want_q = kv_cache.apply_rotary(q.transpose(1, 2), cos, sin, kv_cache.positions(lens, sq),
+                                   False).transpose(1, 2)
+    _close_to_one_rounding(turned, want_q)
+    for i in range(b):
+        n = int(lens[i])
+        keys = kc[table[i].long()].flatten(0, 1)[:n + sq].transpose(0, 1)[None]
+        vals = vc[table[i].long()].flatten(0, 1)[:n + sq].transpose(0, 1)[None]
+        want_k = kv_cache.apply_rotary(k[i:i + 1].transpose(1, 2), cos, sin,
+                                       kv_cache.positions(lens[i:i + 1], sq), False)
+        _close_to_one_rounding(keys[0, :, n:].transpose(0, 1), want_k[0])
+        torch.testing.assert_close(out[i:i + 1], attention(turned[i:i + 1], keys, vals,
+                                                           causal=True,
+                                                           mask_align="bottom_right"),
+                                   atol=2e-3, rtol=0)

@@ -99,3 +99,70 @@ def test_launch_binds_the_caches_tables_and_rotary():
     assert c_arg == (cos.data_ptr(), 64, 32, 32) and s_arg[0] == sin.data_ptr()
     assert step == (0,)
     assert args2 == args[:6]
+
+
+def _paged_append_case(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv, sq, new, d, pages, ps = 2, 8, 2, 3, 4, 64, 6, 16
+    q = torch.randn(b, h, sq, d, generator=g).half()
+    k, v = (torch.randn(b, hkv, new, d, generator=g).half() for _ in range(2))
+    kc, vc = (torch.randn(pages, ps, hkv, d, generator=g).half() for _ in range(2))
+    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)
+    lens = torch.tensor([7, 30], dtype=torch.int32)
+    cos, sin = torch.randn(64, 16), torch.randn(64, 16)
+    return q, k, v, kc, vc, table, lens, cos, sin
+
+
+def test_append_paged_kv_launches_on_the_callers_tensors():
+    """``append_paged_kv`` in flashcore's (batch, heads, seq, head_dim) layout: the kernel reads
+    k, v and q where they are and writes the caches in place; the turned q comes back in q's
+    layout; the device-side length check names the new positions."""
+    from flashcore.ops import kv_append
+    from tests.device_stub import stubbed_device
+
+    q, k, v, kc, vc, table, lens, cos, sin = _paged_append_case()
+    launched = []
+    with (stubbed_device([]), mock.patch.object(kv_append, "arch_of", return_value="sm_90"),
+          mock.patch.object(kv_append, "kernel_for"),
+          mock.patch.object(kv_append, "launch",
+                            side_effect=lambda kern, grid, args, dev: launched.append((grid,
+                                                                                       args)))):
+        turned = kv_append.append_paged_kv(k, v, kc, vc, table, lens, q=q, rotary_cos=cos,
+                                           rotary_sin=sin, check_lengths=False)
+        assert turned.shape == q.shape and turned.dtype == q.dtype
+        (grid, args), = launched
+        assert grid == (4 + 3, 8, 2)
+        assert args[0] == (k.data_ptr(), 2, 2, 4, *k.stride()[:3])  # k as it is
+        assert args[2][0] == kc.data_ptr() and args[3][0] == vc.data_ptr()
+        assert args[6][0] == q.data_ptr() and args[7][0] == turned.data_ptr()
+        assert kv_append.append_paged_kv(k, v, kc, vc, table, lens, check_lengths=False) is None
+        with (mock.patch.object(kv_append, "_checking", return_value=True),
+              pytest.raises(ValueError, match="seqlens \\+ the 4 new tokens is over the block "
+                                              "table's 3 pages x 16")):
+            kv_append.append_paged_kv(k, v, kc, vc, table, torch.tensor([7, 45],
+                                                                         dtype=torch.int32))
+
+
+@pytest.mark.parametrize("change, what", [
+    ({"k_cache": lambda c: c[:, :, :1]}, "must be \\(pages, page_size, 2, 64\\)"),
+    ({"k_cache": lambda c: torch.cat((c.flatten(), c.flatten()[:4]))[4:].view(c.shape)},
+     "written in place"),  # a base 8 bytes off 16
+    ({"block_table": lambda t: t[:1]}, "block_table has 1 rows for a batch of 2"),
+    ({"seqlens": lambda s: s[:1]}, "seqlens has 1 entries, expected 2"),
+    ({"v": lambda x: x.float()}, "v has dtype"),
+    ({"q": lambda x: None}, "rotary takes rotary_cos, rotary_sin and q together"),
+    ({"rotary_cos": lambda c: torch.randn(64, 40)}, "rotary_dim in 2..64"),
+])
+def test_append_paged_kv_names_what_is_wrong(change, what):
+    from flashcore.ops import kv_append
+    from tests.device_stub import stubbed_device
+
+    q, k, v, kc, vc, table, lens, cos, sin = _paged_append_case()
+    kw = {"k": k, "v": v, "k_cache": kc, "v_cache": vc, "block_table": table, "seqlens": lens,
+          "q": q, "rotary_cos": cos, "rotary_sin": sin}
+    for name, fn in change.items():
+        kw[name] = fn(kw[name])
+    with stubbed_device([]), mock.patch.object(kv_append, "launch") as launched, \
+            pytest.raises((ValueError, TypeError), match=what):
+        kv_append.append_paged_kv(**kw, check_lengths=False)
+    assert not launched.called

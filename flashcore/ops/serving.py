@@ -76,15 +76,16 @@ def _cu_seqlens_faults(name: str, cu: torch.Tensor, total: int, max_len: int) ->
              (lens > max_len).any())]
 
 
-def _table_faults(lens: torch.Tensor, table: torch.Tensor, pages: int, page_size: int) -> list:
-    """Device-side tests of a paged cache's key lengths and block table, as
+def _table_faults(lens: torch.Tensor, table: torch.Tensor, pages: int, page_size: int,
+                  name: str = "seqlens_k") -> list:
+    """Device-side tests of a paged cache's key lengths (``name``) and block table, as
     ``_cu_seqlens_faults`` (64-bit): only the entries a sequence's length reaches are read."""
     max_pages = table.shape[1]
     lens = lens.to(torch.int64)
     reach = (lens.clamp(min=0) + page_size - 1) // page_size  # pages each sequence uses
     used = torch.arange(max_pages, device=table.device)[None, :] < reach[:, None]
-    return [("seqlens_k must be >= 0", (lens < 0).any()),
-            (f"seqlens_k is over the block table's {max_pages} pages x {page_size}",
+    return [(f"{name} must be >= 0", (lens < 0).any()),
+            (f"{name} is over the block table's {max_pages} pages x {page_size}",
              (lens > max_pages * page_size).any()),
             (f"a block_table entry a sequence uses is outside 0..{pages - 1}",
              (used & ((table < 0) | (table >= pages))).any())]
