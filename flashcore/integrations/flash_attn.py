@@ -199,6 +199,13 @@ def _checkable() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
+def _as_pages(k_cache, v_cache, block_table, rows, batch: int) -> tuple:
+    """(k pages, v pages, block table) of a paged cache, or of a dense one's rows."""
+    if block_table is not None:
+        return k_cache, v_cache, block_table
+    return kv_cache.dense_pages(k_cache, v_cache, rows, batch)
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
                             rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
                             cache_leftpad=None, block_table=None, softmax_scale=None,
@@ -269,14 +276,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if rotary_sin is None:
             raise ValueError(f"{_OP}: rotary_cos needs rotary_sin")
         kv_cache.check_rotary(rotary_cos, rotary_sin, q.shape[-1], q.device)
+    pages = None  # the caches as pages and their table, made once for both uses
     if (k is not None and not torch.compiler.is_compiling()
             and append_kv.fits(q, k, v, k_cache, v_cache)):
         # one kernel: the new keys (turned) and values into the cache, q turned
-        if block_table is None:
-            k_pages, v_pages, table = kv_cache.dense_pages(k_cache, v_cache, rows, batch)
-        else:
-            k_pages, v_pages, table = k_cache, v_cache, block_table
-        turned = append_kv.append_kv(k, v, k_pages, v_pages, table, lengths, q=q,
+        pages = _as_pages(k_cache, v_cache, block_table, rows, batch)
+        turned = append_kv.append_kv(k, v, *pages, lengths, q=q,
                                      cos=rotary_cos, sin=rotary_sin,
                                      interleaved=rotary_interleaved, q_per_token=per_token)
         q = q if turned is None else turned
@@ -310,10 +315,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k_pages, table = kv_cache.dense_as_key_pages(k_cache, row_ids(), start)
         v_pages, _ = kv_cache.dense_as_key_pages(v_cache, row_ids(), start)
         seqlens = seqlens - start
-    elif block_table is None:
-        k_pages, v_pages, table = kv_cache.dense_pages(k_cache, v_cache, rows, batch)
     else:
-        k_pages, v_pages, table = k_cache, v_cache, block_table
+        k_pages, v_pages, table = pages or _as_pages(k_cache, v_cache, block_table, rows, batch)
     out = q.new_empty(q.shape)
     res = ops.attention_paged(q.transpose(1, 2), k_pages, v_pages, table, seqlens,
                               masks.causal, softmax_scale, return_softmax_lse,
