@@ -67,8 +67,35 @@ def _add_spec_flags(p: argparse.ArgumentParser) -> None:
                            (None, "", dataclasses.MISSING) else help_)
 
 
-def _spec_from(a: argparse.Namespace) -> AttentionSpec:
+def _spec_from(a: argparse.Namespace):
+    """The spec of ``--spec`` (any kernel's JSON: the combine, the quantisers, the backward's,
+    the KV-cache append), else of the attention flags."""
+    if getattr(a, "spec", None):
+        return _spec_json(a.spec)
     return _spec_from_values({f.name: getattr(a, f.name) for f in _spec_fields()})
+
+
+def _spec_json(text: str):
+    """A spec from JSON text, or from the file it names (a dump's spec.json)."""
+    from .specs import spec_from_dict
+
+    source = text
+    if not text.lstrip().startswith("{"):
+        try:
+            source = Path(text).read_text()
+        except OSError as e:
+            raise SpecError(f"--spec {text!r}: not JSON and not a readable file ({e})") from None
+    try:
+        d = json.loads(source)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"--spec: not valid JSON: {e}") from None
+    return spec_from_dict(d)
+
+
+def _add_spec_json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--spec", default=None, metavar="JSON",
+                   help="any kernel's spec as JSON text or a JSON file (e.g. a dump's "
+                   "spec.json; its op picks the kernel); the attention flags are then unused")
 
 
 def _spec_from_values(values: dict) -> AttentionSpec:
@@ -455,10 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="compile one spec into the cache")
     _add_spec_flags(p)
+    _add_spec_json(p)
     p.set_defaults(fn=cmd_compile)
 
     p = sub.add_parser("dump", help="compile and write IR, PTX, cubin, SASS and resources")
     _add_spec_flags(p)
+    _add_spec_json(p)
     p.add_argument("--out", default=None, help="parent folder (default ./dump)")
     p.add_argument("--all", action="store_true", help="every spec of the catalog")
     p.add_argument("--compare", nargs=2, metavar=("A", "B"),

@@ -201,3 +201,22 @@ def test_spec_flags_come_from_the_spec(tmp_path):
     for flag in ("--kv-splits", "--stages", "--precision", "--kv-fp8", "--split-kv", "--family",
                  "--return-lse", "--lse"):
         assert flag in helps, flag
+
+
+def test_any_kernel_dumps_from_its_spec_json(tmp_path):
+    """``--spec`` takes any kernel's JSON (its op picks the kernel: here the KV-cache append),
+    or a dump's spec.json to build the same kernel again; bad JSON is a one-line error."""
+    spec = {"op": "kv_append", "arch": "sm_90", "dtype": "bfloat16", "head_dim": 64,
+            "rotary_dim": 32, "interleaved": True}
+    p = run(["dump", "--spec", json.dumps(spec), "--out", str(tmp_path / "d")], tmp_path / "c")
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "d" / "fc_kv_append_sm90_bf16_d64_r32i_f32"
+    saved = json.loads((out / "spec.json").read_text())
+    assert {k: saved[k] for k in spec} == spec and (out / "kernel.ptx").stat().st_size > 0
+    p = run(["compile", "--spec", str(out / "spec.json")], tmp_path / "c")
+    assert p.returncode == 0 and "fc_kv_append_sm90_bf16_d64_r32i_f32" in p.stdout, p.stderr
+    for bad, what in (("{not json", "not valid JSON"), (str(tmp_path / "none.json"),
+                                                        "not a readable file"),
+                      ('{"op": "frobnicate"}', "unknown kernel op")):
+        p = run(["compile", "--spec", bad], tmp_path / "c")
+        assert p.returncode == 2 and what in p.stderr and "Traceback" not in p.stderr, p.stderr
