@@ -15,6 +15,8 @@
 #                     (default: half the cores) over the host's GPUs: kernels compile on first
 #                     use, so this is the fast way without a catalog; a log per function
 #   sanitize ARCH...  memcheck, racecheck, synccheck over SANITIZE_MODES (scripts/sanitize.sh)
+#                     one after another; with SPLIT_JOBS set, each (tool, mode) as its own
+#                     process over the host's GPUs
 #   bench             python -m flashcore.bench --quick $BENCH_ARGS: every peer in one run
 #   decode            the decode sweep (scripts/decode_sweep.py $DECODE_ARGS)
 #   hostprof          eager host time per call of this tree, and of OLD_TREE if set
@@ -104,7 +106,23 @@ split() {
 
 sanitize() {
   use_arch "$1"
-  OUT="$out/${tag}sanitize" SANITIZE_S=$(limit sanitize 300) bash scripts/sanitize.sh || status=1
+  if [ -z "${SPLIT_JOBS:-}" ]; then
+    OUT="$out/${tag}sanitize" SANITIZE_S=$(limit sanitize 300) bash scripts/sanitize.sh || status=1
+    return
+  fi
+  local gpus i=0 pids=()
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [ "$gpus" -gt 0 ] && [ -z "${GPU:-}" ] || gpus=1
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    for mode in ${SANITIZE_MODES:-all splits-equal splits-unequal}; do
+      ( [ -z "${GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$(( i % gpus ))
+        OUT="$out/${tag}sanitize" SANITIZE_S=$(limit sanitize 300) SANITIZE_TOOLS=$tool \
+          SANITIZE_MODES=$mode bash scripts/sanitize.sh ) &
+      pids+=($!); i=$((i + 1))
+      if [ ${#pids[@]} -ge "$SPLIT_JOBS" ]; then wait "${pids[0]}" || status=1; pids=("${pids[@]:1}"); fi
+    done
+  done
+  for p in "${pids[@]}"; do wait "$p" || status=1; done
 }
 
 run_phase() {  # a phase without arch words
