@@ -136,7 +136,7 @@ def test_append_paged_kv_launches_on_the_callers_tensors():
         assert args[2][0] == kc.data_ptr() and args[3][0] == vc.data_ptr()
         assert args[6][0] == q.data_ptr() and args[7][0] == turned.data_ptr()
         assert kv_append.append_paged_kv(k, v, kc, vc, table, lens, check_lengths=False) is None
-        with (mock.patch.object(kv_append, "_checking", return_value=True),
+        with (mock.patch.object(kv_append, "checking", return_value=True),
               pytest.raises(ValueError, match="seqlens \\+ the 4 new tokens is over the block "
                                               "table's 3 pages x 16")):
             kv_append.append_paged_kv(k, v, kc, vc, table, torch.tensor([7, 45],

@@ -229,10 +229,10 @@ def test_registered_ops_trace_with_the_shapes_they_return():
 
 def _fault(faults):
     """The message the serving functions would raise for these checks (None: all pass)."""
-    from flashcore.ops.serving import _raise_faults
+    from flashcore.ops.table_checks import raise_faults
 
     try:
-        _raise_faults("op", faults)
+        raise_faults("op", faults)
     except ValueError as e:
         return str(e)
     return None
@@ -240,26 +240,26 @@ def _fault(faults):
 
 def test_offsets_and_tables_are_checked_as_documented():
     """The device-side checks of ``check_lengths`` (torch ops, run here on CPU tensors)."""
-    from flashcore.ops.serving import _cu_seqlens_faults, _table_faults
+    from flashcore.ops.table_checks import cu_seqlens_faults, table_faults
 
     def cu(*xs):
         return torch.tensor(xs, dtype=torch.int32)
 
-    assert _fault(_cu_seqlens_faults("cu", cu(0, 3, 3, 7), 7, 4)) is None
-    assert _fault(_cu_seqlens_faults("cu", cu(0), 0, 0)) is None  # an empty batch
+    assert _fault(cu_seqlens_faults("cu", cu(0, 3, 3, 7), 7, 4)) is None
+    assert _fault(cu_seqlens_faults("cu", cu(0), 0, 0)) is None  # an empty batch
     for bad, what in ((cu(1, 3), "cu\\[0\\] must be 0"), (cu(0, 4, 3), "must not decrease"),
                       (cu(0, 3, 9), "past the packed tensor's 7 rows"),
                       (cu(0, 5, 7), "longer than its max_seqlen \\(4\\)")):
-        assert re.search(what, _fault(_cu_seqlens_faults("cu", bad, 7, 4)) or ""), what
+        assert re.search(what, _fault(cu_seqlens_faults("cu", bad, 7, 4)) or ""), what
     table = torch.tensor([[3, 0, -1], [1, 2, 9]], dtype=torch.int32)  # 4 pages of 16
-    assert _fault(_table_faults(cu(20, 32), table, 4, 16)) is None  # -1 and 9 never reached
-    assert _fault(_table_faults(cu(0, 0), table, 4, 16)) is None
+    assert _fault(table_faults(cu(20, 32), table, 4, 16)) is None  # -1 and 9 never reached
+    assert _fault(table_faults(cu(0, 0), table, 4, 16)) is None
     for lens, what in ((cu(-1, 3), ">= 0"), (cu(49, 1), "over the block table's 3 pages x 16"),
                        (cu(33, 1), "outside 0..3"), (cu(1, 33), "outside 0..3")):
-        assert re.search(what, _fault(_table_faults(lens, table, 4, 16)) or ""), what
+        assert re.search(what, _fault(table_faults(lens, table, 4, 16)) or ""), what
     edge = torch.tensor([[4]], dtype=torch.int32)  # one past the last page
-    assert "outside 0..3" in (_fault(_table_faults(cu(1), edge, 4, 16)) or "")
-    assert _fault(_table_faults(cu(1), edge - 1, 4, 16)) is None
+    assert "outside 0..3" in (_fault(table_faults(cu(1), edge, 4, 16)) or "")
+    assert _fault(table_faults(cu(1), edge - 1, 4, 16)) is None
 
 
 
@@ -280,7 +280,7 @@ def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path(
     lens = torch.tensor([5, 96, 40], dtype=torch.int32)
     out = torch.empty_like(q)
     with (stubbed_device(launched, scratch=lambda like, n: work),
-          mock.patch.object(serving, "_checking", side_effect=lambda op, check: check),
+          mock.patch.object(serving, "checking", side_effect=lambda op, check: check),
           mock.patch.object(serving, "check_heads", wraps=serving.check_heads) as checks):
         serving._paged_calls.clear()
 

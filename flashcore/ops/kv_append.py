@@ -13,7 +13,7 @@ from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..specs import HEAD_DIMS, KvAppendSpec
 from .inputs import DTYPE_NAMES, prepared, readable
-from .serving import _checking, _raise_faults, _table_faults
+from .table_checks import checking, raise_faults, table_faults
 from .validate import check_heads, check_tensor, int32_vector, op_error
 
 _kernels: dict[tuple, object] = {}  # call-site key -> loaded kernel (no spec work per call)
@@ -152,8 +152,8 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             raise op_error(op, f"rotary_cos {tuple(rotary_cos.shape)} and rotary_sin "
                            f"{tuple(rotary_sin.shape)} must both be (positions, rotary_dim / 2), "
                            f"rotary_dim in 2..{d}")
-    if _checking(op, check_lengths):
-        _raise_faults(op, _table_faults(lens.to(torch.int64) + new, block_table,
+    if checking(op, check_lengths):
+        raise_faults(op, table_faults(lens.to(torch.int64) + new, block_table,
                                         k_cache.shape[0], k_cache.shape[1],
                                         f"seqlens + the {new} new tokens"))
     turned = append_kv(k.transpose(1, 2), v.transpose(1, 2), k_cache, v_cache, block_table, lens,

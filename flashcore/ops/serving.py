@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -39,6 +38,7 @@ from .eager import resolve_config
 from .inputs import DTYPE_NAMES, E4M3, prepared, readable
 from .launcher import Serving, launch_attention, launch_plan, planned
 from .masks import call_masking
+from .table_checks import checking, cu_seqlens_faults, raise_faults, table_faults
 from .validate import (
     INT32_MAX,
     alibi_arg,
@@ -62,62 +62,6 @@ def _pack_view(t: torch.Tensor) -> torch.Tensor:
     total, heads, d = t.shape
     st = t.stride()
     return t.as_strided((1, heads, total, d), (max(t.numel(), 1), st[1], st[0], st[2]))
-
-
-def _cu_seqlens_faults(name: str, cu: torch.Tensor, total: int, max_len: int) -> list:
-    """Device-side tests of one offsets vector: (message, bad?) pairs (read back together). In
-    64 bits: an int32 difference of wrapped offsets could pass."""
-    cu = cu.to(torch.int64)
-    lens = cu[1:] - cu[:-1]
-    return [(f"{name}[0] must be 0", cu[0] != 0),
-            (f"{name} must not decrease", (lens < 0).any()),
-            (f"{name}[-1] is past the packed tensor's {total} rows", cu[-1] > total),
-            (f"a sequence in {name} is longer than its max_seqlen ({max_len})",
-             (lens > max_len).any())]
-
-
-def _table_faults(lens: torch.Tensor, table: torch.Tensor, pages: int, page_size: int,
-                  name: str = "seqlens_k") -> list:
-    """Device-side tests of a paged cache's key lengths (``name``) and block table, as
-    ``_cu_seqlens_faults`` (64-bit): only the entries a sequence's length reaches are read."""
-    max_pages = table.shape[1]
-    lens = lens.to(torch.int64)
-    reach = (lens.clamp(min=0) + page_size - 1) // page_size  # pages each sequence uses
-    used = torch.arange(max_pages, device=table.device)[None, :] < reach[:, None]
-    return [(f"{name} must be >= 0", (lens < 0).any()),
-            (f"{name} is over the block table's {max_pages} pages x {page_size}",
-             (lens > max_pages * page_size).any()),
-            (f"a block_table entry a sequence uses is outside 0..{pages - 1}",
-             (used & ((table < 0) | (table >= pages))).any())]
-
-
-_warned_capture: set[str] = set()
-
-
-def _checking(op: str, check_lengths: bool) -> bool:
-    """Whether to run the device-side checks: asked for, and not inside a graph capture (which
-    cannot read device values back; its small kernels would also join the graph). A capture
-    that skips asked-for checks says so once per op."""
-    if not check_lengths:
-        return False
-    if not torch.cuda.is_current_stream_capturing():
-        return True
-    if op not in _warned_capture:
-        _warned_capture.add(op)
-        warnings.warn(
-            f"{op}: inside a CUDA graph capture the length tables cannot be checked, so they are "
-            "trusted: the kernels stay inside every tensor whatever the tables say and rows no "
-            "sequence computes read 0, but a wrong table gives wrong results. Check the tables "
-            "before capturing; check_lengths=False says they are trusted and silences this",
-            RuntimeWarning, stacklevel=4)
-    return False
-
-
-def _raise_faults(op: str, faults: list) -> None:
-    flags = torch.stack([torch.as_tensor(bad).reshape(()) for _, bad in faults]).tolist()
-    for (message, _), bad in zip(faults, flags):
-        if bad:
-            raise op_error(op, message + " (check_lengths=False skips these checks)")
 
 
 def _check_serving_out(op: str, out, q: torch.Tensor, inputs: dict) -> torch.Tensor:
@@ -201,9 +145,9 @@ def run_varlen(
                                           "cu_seqlens_k": cu_k})
     lse = q.new_empty((heads, total_q), dtype=torch.float32) if return_lse else None
     batch = cu_q.shape[0] - 1
-    if _checking(op, check_lengths):
-        _raise_faults(op, _cu_seqlens_faults("cu_seqlens_q", cu_q, total_q, max_q)
-                      + _cu_seqlens_faults("cu_seqlens_k", cu_k, k.shape[0], max_k))
+    if checking(op, check_lengths):
+        raise_faults(op, cu_seqlens_faults("cu_seqlens_q", cu_q, total_q, max_q)
+                      + cu_seqlens_faults("cu_seqlens_k", cu_k, k.shape[0], max_k))
     if batch == 0 or total_q == 0 or max_q == 0:
         return _done(_empty(out, lse), given)
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
@@ -345,11 +289,11 @@ def run_paged(
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table,
         "seqlens_k": lens, "cu_seqlens_q": cu_q, "k_descale": kd,
         "v_descale": vd})
-    if _checking(op, check_lengths):
-        faults = _table_faults(lens, block_table, pages, page_size)
+    if checking(op, check_lengths):
+        faults = table_faults(lens, block_table, pages, page_size)
         if packed:
-            faults += _cu_seqlens_faults("cu_seqlens_q", cu_q, q.shape[0], max_q)
-        _raise_faults(op, faults)
+            faults += cu_seqlens_faults("cu_seqlens_q", cu_q, q.shape[0], max_q)
+        raise_faults(op, faults)
     lse_shape = (heads, q.shape[0]) if packed else tuple(q.shape[:3])
     lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse else None
     if batch == 0 or q.numel() == 0 or max_q == 0:
@@ -412,8 +356,8 @@ def _launch_paged(call: PagedCall, q, k_cache, v_cache, block_table, lens, out,
     """Bind a memoised paged call's tensors and launch it (``lse``: one the checked call made)."""
     op = "attention_paged"
     page_size, batch, max_q, max_k = call.serving
-    if _checking(op, check_lengths):
-        _raise_faults(op, _table_faults(lens, block_table, k_cache.shape[0], page_size))
+    if checking(op, check_lengths):
+        raise_faults(op, table_faults(lens, block_table, k_cache.shape[0], page_size))
     given = out
     result = q.new_empty(q.shape) if out is None else out
     if lse is None and call.lse_shape is not None:
