@@ -40,3 +40,14 @@ def swizzle_line_bytes(row_bytes: int) -> int:
 def arch_tag(arch: str) -> str:
     """"sm_90" -> "sm90" (kernel names)."""
     return arch.replace("_", "")
+
+
+def check_target(bad, arch, dtype, head_dim=None) -> None:
+    """Raise ``bad(what)`` for an arch or dtype flashcore does not build, and (``head_dim``
+    given) a head dim outside the forward's."""
+    if arch not in ARCHS:
+        raise bad(f"arch={arch!r} is not supported; choose one of {ARCHS}")
+    if dtype not in DTYPES:
+        raise bad(f"dtype={dtype!r} is not supported; choose one of {DTYPES}")
+    if head_dim is not None and head_dim not in HEAD_DIMS:
+        raise bad(f"head_dim={head_dim} is not supported; choose one of {HEAD_DIMS}")

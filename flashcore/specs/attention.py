@@ -23,6 +23,7 @@ from .arch import (
     HEAD_DIMS,
     PDL_ARCHS,
     arch_tag,
+    check_target,
 )
 from .families import DEFAULT_FAMILY, family
 from .serial import SpecData
@@ -129,10 +130,7 @@ class AttentionSpec(SpecData, TiledKernel):
 
         if self.op != "attention_fwd":
             raise bad(f"op={self.op!r} is not supported (only 'attention_fwd')")
-        if self.arch not in ARCHS:
-            raise bad(f"arch={self.arch!r} is not supported; choose one of {ARCHS}")
-        if self.dtype not in DTYPES:
-            raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
+        check_target(bad, self.arch, self.dtype)
         if self.precision not in PRECISIONS:
             raise bad(f"precision={self.precision!r} is not supported; choose one of {PRECISIONS}")
         if isinstance(self.head_dim, bool) or not isinstance(self.head_dim, int):

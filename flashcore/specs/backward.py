@@ -24,14 +24,13 @@ from typing import Any
 
 from ..errors import SpecError
 from .arch import (
-    ARCHS,
     BACKWARD_HEAD_DIMS,
     DTYPE_BYTES,
     DTYPE_TAGS,
-    DTYPES,
     PDL_ARCHS,
     SMEM_PER_BLOCK,
     arch_tag,
+    check_target,
 )
 from .attention import MASK_ALIGNS
 from .serial import SpecData
@@ -114,10 +113,7 @@ class BackwardSpec(SpecData, TiledKernel):
 
         if self.op not in BACKWARD_OPS:
             raise bad(f"op={self.op!r} is not one of {BACKWARD_OPS}")
-        if self.arch not in ARCHS:
-            raise bad(f"arch={self.arch!r} is not supported; choose one of {ARCHS}")
-        if self.dtype not in DTYPES:
-            raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
+        check_target(bad, self.arch, self.dtype)
         if isinstance(self.head_dim, bool) or self.head_dim not in BACKWARD_HEAD_DIMS:
             raise bad(f"head_dim={self.head_dim!r} is not supported by the backward; choose one "
                       f"of {BACKWARD_HEAD_DIMS} (the forward builds more)")

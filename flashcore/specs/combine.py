@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SpecError
-from .arch import ARCHS, DTYPE_TAGS, DTYPES, HEAD_DIMS, PDL_ARCHS, arch_tag
+from .arch import DTYPE_TAGS, PDL_ARCHS, arch_tag, check_target
 from .serial import SpecData
 
 MAX_SPLITS = 256  # key shares a split-KV call may have: the combine keeps a weight for each
@@ -31,12 +31,7 @@ class CombineSpec(SpecData):
 
         if self.op != "attention_combine":
             raise bad(f"op={self.op!r} is not 'attention_combine'")
-        if self.arch not in ARCHS:
-            raise bad(f"arch={self.arch!r} is not supported; choose one of {ARCHS}")
-        if self.dtype not in DTYPES:
-            raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
-        if self.head_dim not in HEAD_DIMS:
-            raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
+        check_target(bad, self.arch, self.dtype, self.head_dim)
         if not isinstance(self.return_lse, bool):
             raise bad(f"return_lse must be a bool, got {self.return_lse!r}")
         if self.warps not in (1, 2, 4, 8):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import SpecError
-from .arch import ARCHS, DTYPE_TAGS, DTYPES, HEAD_DIMS, arch_tag
+from .arch import DTYPE_TAGS, DTYPES, arch_tag, check_target
 from .serial import SpecData
 
 TABLE_DTYPES = ("float32", *DTYPES)  # the rotary cos/sin tables' element type
@@ -34,12 +34,7 @@ class KvAppendSpec(SpecData):
 
         if self.op != "kv_append":
             raise bad(f"op={self.op!r} is not 'kv_append'")
-        if self.arch not in ARCHS:
-            raise bad(f"arch={self.arch!r} is not supported; choose one of {ARCHS}")
-        if self.dtype not in DTYPES:
-            raise bad(f"dtype={self.dtype!r} is not supported; choose one of {DTYPES}")
-        if self.head_dim not in HEAD_DIMS:
-            raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
+        check_target(bad, self.arch, self.dtype, self.head_dim)
         if (isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, int)
                 or self.rotary_dim < 0 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
             raise bad(f"rotary_dim={self.rotary_dim!r} must be an even int in 0..{self.head_dim}")
