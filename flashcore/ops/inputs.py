@@ -25,6 +25,18 @@ def rows_arg(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), b, h, s, sb, sh)
 
 
+def vector_arg(t: torch.Tensor) -> tuple:
+    """(pointer, length) of a (n,) tensor with a unit stride (TensorParam(1, 0): offsets,
+    lengths)."""
+    return (t.data_ptr(), t.shape[0])
+
+
+def matrix_arg(t: torch.Tensor) -> tuple:
+    """(pointer, rows, columns, row stride) of a (rows, cols) tensor with a unit last stride
+    (TensorParam(2, 1): block tables, rotary tables)."""
+    return (t.data_ptr(), t.shape[0], t.shape[1], t.stride(0))
+
+
 def readable(t: torch.Tensor) -> bool:
     """Whether the kernels can read or write ``t`` as it is: a contiguous last dim, a 16-byte
     aligned base and strides that are whole multiples of 16 bytes (the compiled kernels assume

@@ -12,7 +12,7 @@ from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..specs import HEAD_DIMS, KvAppendSpec
-from .inputs import DTYPE_NAMES, prepared, readable
+from .inputs import DTYPE_NAMES, matrix_arg, prepared, readable, vector_arg
 from .table_checks import checking, raise_faults, table_faults
 from .validate import check_heads, check_tensor, int32_vector, op_error
 
@@ -60,9 +60,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     table = block_table if block_table.stride(1) == 1 else block_table.contiguous()
     if seqlens.stride(0) != 1:  # the kernel reads (batch,) with a unit stride
         seqlens = seqlens.contiguous()
-    args = (k_arg, v_arg, kc_arg, vc_arg,
-            (table.data_ptr(), table.shape[0], table.shape[1], table.stride(0)),
-            (seqlens.data_ptr(), seqlens.shape[0]))
+    args = (k_arg, v_arg, kc_arg, vc_arg, matrix_arg(table), vector_arg(seqlens))
     batch, new, heads_kv, _ = k.shape
     if not rotary_dim:
         if new * heads_kv * batch:
@@ -71,8 +69,7 @@ def append_kv(k: torch.Tensor, v: torch.Tensor, k_pages: torch.Tensor, v_pages: 
     out = q.new_empty(q.shape)
     _q, q_arg = prepared(q.transpose(1, 2))
     out_arg = prepared(out.transpose(1, 2))[1]
-    args += (q_arg, out_arg, *((t.data_ptr(), t.shape[0], t.shape[1], t.stride(0))
-                               for t in (cos, sin)), (int(q_per_token),))
+    args += (q_arg, out_arg, matrix_arg(cos), matrix_arg(sin), (int(q_per_token),))
     grid = (new + q.shape[1], max(q.shape[2], heads_kv), batch)
     if grid[0] * grid[1] * grid[2]:
         launch(kern, grid, args, dev)

@@ -35,7 +35,7 @@ from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
 from ..tuned import table as tuned_table
 from .eager import resolve_config
-from .inputs import DTYPE_NAMES, E4M3, prepared, readable
+from .inputs import DTYPE_NAMES, E4M3, matrix_arg, prepared, readable, vector_arg
 from .launcher import Serving, launch_attention, launch_plan, planned
 from .masks import call_masking
 from .table_checks import checking, cu_seqlens_faults, raise_faults, table_faults
@@ -160,9 +160,9 @@ def run_varlen(
     _v_alive, v_arg = prepared(_pack_view(v))
     target = out if readable(out) else q.new_empty(q.shape)
     lse3 = None if lse is None else lse.view(1, heads, total_q)
-    serving = Serving(True, 0, (_vector_arg(cu_q), _vector_arg(cu_k)), batch, max_q, max_k)
+    serving = Serving(True, 0, (vector_arg(cu_q), vector_arg(cu_k)), batch, max_q, max_k)
     _launch_batches(
-        serving, lambda b0, b1: (_vector_arg(cu_q[b0:b1 + 1]), _vector_arg(cu_k[b0:b1 + 1])),
+        serving, lambda b0, b1: (vector_arg(cu_q[b0:b1 + 1]), vector_arg(cu_k[b0:b1 + 1])),
         lambda part, bias_part: launch_attention(
             q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg), (), cfg, causal, scale,
             None, mask=mask, serving=part, bias=bias_part), bias)
@@ -336,12 +336,12 @@ def run_paged(
         o4, lse_v = target, lse
 
     def tables(b0: int, b1: int) -> tuple:  # sequences b0..b1's (past the grid's z limit)
-        return (*((_vector_arg(cu_q[b0:b1 + 1]),) if packed else ()),
-                _table_arg(block_table[b0:b1]), _vector_arg(lens[b0:b1]))
+        return (*((vector_arg(cu_q[b0:b1 + 1]),) if packed else ()),
+                matrix_arg(block_table[b0:b1]), vector_arg(lens[b0:b1]))
 
     # the whole batch's arguments without slicing: a view costs an eager decode call host time
-    whole = (*((_vector_arg(cu_q),) if packed else ()), _table_arg(block_table),
-             _vector_arg(lens))
+    whole = (*((vector_arg(cu_q),) if packed else ()), matrix_arg(block_table),
+             vector_arg(lens))
     serving = Serving(packed, page_size, whole, batch, max_q, max_k)
     _launch_batches(serving, tables, lambda part, bias_part: launch_attention(
         q4, k4, o4, lse_v, (q_arg, k_arg, v_arg), descales, cfg, causal, scale, num_splits,
@@ -388,14 +388,6 @@ def _done(result, given: torch.Tensor | None):
     if given is not None:
         torch.autograd.graph.increment_version(given)
     return result
-
-
-def _vector_arg(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t.shape[0])
-
-
-def _table_arg(t: torch.Tensor) -> tuple:
-    return (t.data_ptr(), t.shape[0], t.shape[1], t.stride(0))
 
 
 def _empty(out: torch.Tensor, lse: torch.Tensor | None):
