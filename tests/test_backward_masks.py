@@ -14,6 +14,7 @@ from flashcore.kernels.common.block_info import (
     KeyBounds,
     block_needs_mask,
     ceil_div,
+    dq_turn,
     query_blocks_seeing,
     token_keys,
 )
@@ -81,3 +82,19 @@ def test_unmasked_and_top_left_causal_walks_are_the_plain_ones():
     assert query_blocks_seeing(3, 64, 128, 1000, 1000, c) == (6, 16)
     assert block_needs_mask(6, 3, 64, 128, 1000, c) > 0
     assert block_needs_mask(8, 3, 64, 128, 1000, c) <= 0
+
+
+@pytest.mark.parametrize("causal, align, window", MASKS)
+@pytest.mark.parametrize("tm, tn", [(64, 128), (64, 64), (128, 64), (32, 32)])
+def test_dq_turn_counts_the_higher_key_blocks_that_walk_the_query_block(causal, align, window,
+                                                                        tm, tn):
+    """The deterministic backward's order: key block n adds into query block m's dQ after
+    exactly ``dq_turn`` others, the higher key blocks whose walks hold m (a wrong count waits
+    forever or adds out of order)."""
+    for sq, sk in itertools.product((1, 31, 64, 100, 200, 333), (1, 33, 64, 150, 257, 400)):
+        b = _bounds(causal, align, window, sq, sk)
+        walks = [query_blocks_seeing(n, tm, tn, sq, sk, b) for n in range(ceil_div(sk, tn))]
+        for n, (lo, hi) in enumerate(walks):
+            for m in range(lo, hi):
+                above = sum(1 for lo2, hi2 in walks[n + 1:] if lo2 <= m < hi2)
+                assert dq_turn(m, n, tm, tn, sq, sk, b) == above, (sq, sk, n, m)

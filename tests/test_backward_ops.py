@@ -35,7 +35,7 @@ def _call(**changes):
             "softmax_scale": None, "return_lse": False, "tile": None, "warps": None,
             "stages": None, "kv_splits": None, "num_splits": None, "precision": "fp16",
             "k_descale": None, "v_descale": None, "mask_align": "top_left", "window": None,
-            "softcap": None, "config": None, "alibi_slopes": None}
+            "softcap": None, "config": None, "alibi_slopes": None, "deterministic": False}
     args.update(changes)
     return tuple(args[name] for name in bw._input_names())
 
@@ -79,7 +79,7 @@ def test_masked_calls_have_a_backward_that_gets_their_masks(changes, monkeypatch
 
     monkeypatch.setattr(torch.ops.flashcore, "attention_backward", fake_backward)
     bw.attention_op_backward(ctx, torch.empty(1), None)
-    *_, align, window, softcap = seen["args"]
+    *_, align, window, softcap, _ = seen["args"]
     assert align == changes.get("mask_align", "top_left")
     assert window == changes.get("window") and softcap == changes.get("softcap")
 
@@ -137,3 +137,79 @@ def test_backward_specs_of_one_pass():
     masked = bw.backward_specs("sm_89", "float16", 64, default_backward_config(64), True,
                                masking(True, "bottom_right", (8, 0), 20.0))[1]
     assert (masked.mask_align, masked.window, masked.softcap) == ("bottom_right", True, True)
+
+
+@pytest.mark.parametrize("asked, flag, want", [
+    (False, False, False), (True, False, True), (False, True, True)])
+def test_deterministic_comes_from_the_call_or_torchs_flag(asked, flag, want, monkeypatch):
+    """As FlashAttention takes it: a forward argument, or torch's deterministic mode when the
+    forward runs; the backward op gets it."""
+    monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: flag)
+    ctx = _ctx(_call(deterministic=asked))
+    seen = {}
+
+    def fake_backward(*args):
+        seen["args"] = args
+        return tuple(torch.empty(1) for _ in range(3))
+
+    monkeypatch.setattr(torch.ops.flashcore, "attention_backward", fake_backward)
+    bw.attention_op_backward(ctx, torch.empty(1), None)
+    assert seen["args"][-1] is want
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(deterministic,
+                                                                       monkeypatch):
+    """The main kernel's last argument: (pointer, batch · heads · query blocks) int32 counters
+    past the fp32 workspace, zeroed before the first launch; none without ``deterministic``."""
+    launched, loaded = [], []
+
+    def kernels(dev, dtype, d, config, causal, masks, warps_m, det):
+        loaded.append(det)
+        return tuple(SimpleNamespace(artifact=SimpleNamespace(spec=SimpleNamespace(
+            rows_per_cta=8))) for _ in range(3))
+
+    buffers = []
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **{k: v for k, v in kw.items() if k != "device"})
+        t.fill_(7.0)  # poison: the counters must be zeroed
+        buffers.append(t)
+        return t
+
+    def launch(kernel, grid, args, dev):
+        launched.append((grid, args))
+
+    monkeypatch.setattr(bw, "backward_kernels", kernels)
+    monkeypatch.setattr(bw, "launch", launch)
+    monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
+    monkeypatch.setattr(bw, "check_extents", lambda *a: None)
+    monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
+    monkeypatch.setattr(bw.torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    B, H, Hkv, S, D = 2, 4, 2, 200, 64
+    q = real_empty(B, H, S, D, dtype=torch.float16).normal_()
+    k = real_empty(B, Hkv, S, D, dtype=torch.float16).normal_()
+    lse = real_empty(B, H, S).normal_()
+    bw.attention_backward(q, q, k, k, q, lse, True, deterministic=deterministic,
+                          dq=torch.zeros_like(q), dk=torch.zeros_like(k),
+                          dv=torch.zeros_like(k))
+    assert loaded == [deterministic]
+    main_args = launched[1][1]
+    # q, k, v, dO, the three workspaces, dK, dV, the two scales (no mask sizes), the counters
+    assert len(main_args) == 11 + deterministic
+    work = buffers[0]
+    config = bw.backward_choices("sm_90", D)[0]
+    blocks = -(-S // config.tile_m)
+    rows = -(-S // bw.ROW_PAD) * bw.ROW_PAD
+    if deterministic:
+        ptr, n = main_args[-1]
+        assert n == B * H * blocks
+        first = (ptr - work.data_ptr()) // 4
+        assert first == B * H * rows * (D + 2)
+        assert work.numel() == first + n
+        assert (work[first:].view(torch.int32) == 0).all()
+    else:
+        assert work.numel() == B * H * rows * (D + 2)

@@ -112,15 +112,20 @@ def _masks(causal, align, window, softcap) -> dict:
 
 
 def _check(b, hq, hkv, sq, sk, d, dtype, causal, scale, seed, config=None, magnitude=1.0,
-           masks=None, warps_m=None):
+           masks=None, warps_m=None, deterministic=False):
+    """The three gradients against float64 within SDPA's error; returns them and the call."""
     dt = DTYPES[dtype]
     masks = masks or {}
     q, k, v, dout = _inputs(b, hq, hkv, sq, sk, d, dt, seed, magnitude)
     out, lse, *ref = _reference_grads(q, k, v, dout, causal, scale, masks)
     grads = [poison_(torch.empty_like(q)), poison_(torch.empty_like(k)),
              poison_(torch.empty_like(v))]
-    attention_backward(dout, q, k, v, out.to(dt), lse.float(), causal, scale, config=config,
-                       warps_m=warps_m, dq=grads[0], dk=grads[1], dv=grads[2], **masks)
+    def call(dq, dk, dv):
+        return attention_backward(dout, q, k, v, out.to(dt), lse.float(), causal, scale,
+                                  config=config, warps_m=warps_m, dq=dq, dk=dk, dv=dv,
+                                  deterministic=deterministic, **masks)
+
+    call(*grads)
     torch.cuda.synchronize()
     if masks:
         sdpa = _math_grads(q, k, v, dout, causal, scale, masks)
@@ -133,6 +138,7 @@ def _check(b, hq, hkv, sq, sk, d, dtype, causal, scale, seed, config=None, magni
         allowed = _allowed(err_sdpa, want, dt)
         assert err <= allowed, (f"{name}: max err {err:.3g} vs SDPA's {err_sdpa:.3g} "
                                 f"(allowed {allowed:.3g})")
+    return grads, call
 
 
 @settings(settings.get_profile("gpu"))
@@ -260,6 +266,68 @@ def test_lse_gradient():
     dq, dk, dv = attention_backward(dout, q, k, v, out.detach().half(), lse.detach().float(),
                                     dlse=dlse)
     for got, want in ((dq, q64.grad), (dk, k64.grad), (dv, v64.grad)):
+        assert max_abs(got, want) <= 1e-2 * max(1.0, want.abs().max().item())
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 2),
+    ratio=st.sampled_from([1, 3]),
+    sq=st.integers(1, 700),
+    sk=st.integers(1, 700),
+    d=st.sampled_from([64, 128]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 400), st.integers(-1, 400))),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=2, hkv=2, ratio=3, sq=700, sk=650, d=128, dtype="bfloat16", causal=True,
+         align="bottom_right", window=(300, 0), seed=0)
+def test_deterministic_gradients_are_right_and_repeat_bit_for_bit(b, hkv, ratio, sq, sk, d,
+                                                                  dtype, causal, align, window,
+                                                                  seed):
+    """``deterministic=True``: the gradients are as right as the default's, and three more runs
+    give the same bits (dQ's adds take turns per query block in key-block order; a wrong turn
+    would hang or differ)."""
+    if causal and window is not None:
+        window = (window[0], 0)
+    masks = {"mask_align": align, "window": window}
+    if not causal and window is None and align == "bottom_right":
+        masks = {}
+    first, call = _check(b, hkv * ratio, hkv, sq, sk, d, dtype, causal, None, seed,
+                         masks=masks, deterministic=True)
+    for _ in range(3):
+        again = [poison_(torch.empty_like(t)) for t in first]
+        call(*again)
+        for name, a, g in zip(("dq", "dk", "dv"), first, again):
+            assert torch.equal(a, g), f"{name} differs between deterministic runs"
+
+
+def test_deterministic_through_autograd_and_torchs_flag():
+    """``attention(..., deterministic=True)`` and torch's deterministic mode reach the kernel:
+    the same gradient bits every run, on a shape whose query blocks get 16 key blocks' adds."""
+    from flashcore.ops import attention
+
+    q, k, v, dout = _inputs(2, 8, 2, 2048, 2048, 128, torch.bfloat16, seed=21)
+
+    def grads(**kw):
+        x = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        attention(*x, causal=True, **kw).backward(dout)
+        return [t.grad for t in x]
+
+    a = grads(deterministic=True)
+    for _ in range(3):
+        assert all(torch.equal(x, y) for x, y in zip(a, grads(deterministic=True)))
+    torch.use_deterministic_algorithms(True)
+    try:
+        b = grads()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    _, _, *ref = _reference_grads(q, k, v, dout, True, None)
+    for got, want in zip(a, ref):
         assert max_abs(got, want) <= 1e-2 * max(1.0, want.abs().max().item())
 
 

@@ -24,9 +24,10 @@ What differs:
 * A bad ``block_table`` raises flashcore's ``ValueError`` naming it (FlashAttention raises a
   ``RuntimeError``); ``check_lengths`` (keyword, default True) is flashcore's device-side check
   of tables and lengths (one synchronisation; False trusts them, as FlashAttention does).
-* Backward: flashcore differentiates dense calls without a mask or with causal and
-  seqlen_q == seqlen_k; the others raise an error naming what is missing when an input
-  requires grad. ``deterministic`` is accepted (the forward is deterministic; dQ uses atomics).
+* Backward: the dense functions (``flash_attn_func`` and its packed forms) are differentiable
+  with every mask; ALiBi, the varlen functions and ``flash_attn_with_kvcache`` raise an error
+  naming what is missing when an input requires grad. ``deterministic=True`` gives the same gradients bit for bit every run (dQ's
+  adds in a fixed order), as FlashAttention's does.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ def _with_lse(res, want: bool, triple: bool):
 
 
 def _dense(q, k, v, softmax_scale, masks: Masks, return_lse: bool, num_splits=None,
-           alibi_slopes=None):
+           alibi_slopes=None, deterministic=False):
     """flashcore's ``attention`` on (batch, seqlen, heads, head_dim) tensors: transposed views
     in, the kernel writing a fresh tensor of q's layout through its transposed view. ALiBi's
     bias is measured from FlashAttention's bottom-right diagonal."""
@@ -110,7 +111,7 @@ def _dense(q, k, v, softmax_scale, masks: Masks, return_lse: bool, num_splits=No
     res = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                         causal=masks.causal, softmax_scale=softmax_scale, return_lse=return_lse,
                         num_splits=num_splits, out=out.transpose(1, 2),
-                        alibi_slopes=alibi_slopes, **kw)
+                        alibi_slopes=alibi_slopes, deterministic=deterministic, **kw)
     return (out, res[1]) if return_lse else out
 
 
@@ -122,7 +123,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     Returns out like q; with ``return_attn_probs`` (out, softmax_lse, None)."""
     _unsupported(dropout_p)
     masks = fa_masks(causal, window_size, softcap, q.shape[1], k.shape[1])
-    res = _dense(q, k, v, softmax_scale, masks, return_attn_probs, alibi_slopes=alibi_slopes)
+    res = _dense(q, k, v, softmax_scale, masks, return_attn_probs, alibi_slopes=alibi_slopes,
+                 deterministic=deterministic)
     return _with_lse(res, return_attn_probs, triple=True)
 
 

@@ -42,6 +42,7 @@ def attention(
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
     allow_no_grad: bool = False,
+    deterministic: bool = False,
 ):
     """softmax(scale · q kᵀ [+ causal mask]) v, like torch's SDPA, for (batch, heads, seq, head_dim).
 
@@ -84,7 +85,9 @@ def attention(
     through the registered op, whose backward is ``flashcore.ops.backward``); FP8 ones and
     the FP8 KV cache raise an error when an input requires grad (under
     ``torch.no_grad()`` they do not) unless ``allow_no_grad=True``, which returns a result that
-    carries no gradient.
+    carries no gradient. ``deterministic=True`` (or ``torch.use_deterministic_algorithms(True)``
+    when the forward runs) makes the backward add dQ in a fixed order: the same gradients, bit
+    for bit, every run (dK and dV always are).
     """
     if not _tracing(q):  # eager: the kernels directly, unless autograd needs the op
         if allow_no_grad or not needs_grad(q, k, v):
@@ -102,7 +105,7 @@ def attention(
                         kv_splits=kv_splits, num_splits=num_splits, out=out,
                         precision=precision, k_descale=k_descale, v_descale=v_descale,
                         mask_align=mask_align, window=window, softcap=softcap,
-                        alibi_slopes=alibi_slopes)
+                        alibi_slopes=alibi_slopes, deterministic=deterministic)
 
 
 def _tracing(q) -> bool:

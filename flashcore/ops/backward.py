@@ -9,7 +9,9 @@ per key block: dK and dV in registers, dQ by fp32 atomics) and the post kernel (
 dtype). What it builds: fp16/bf16, head_dim 64 and 128, any lengths, the forward's masks (causal
 top-left as torch's ``is_causal`` or bottom-right, sliding windows, soft-capping), any softmax
 scale, grouped-query attention (dK and dV summed over a K/V head's query heads inside one CTA:
-deterministic). Not yet: FP8, an FP8 KV cache, the serving layouts.
+deterministic). dQ's adds run in any order unless ``deterministic`` (or
+``torch.use_deterministic_algorithms(True)``) asks for key-block order: the same bits every
+run, for some speed. Not yet: FP8, an FP8 KV cache, the serving layouts.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ _choices_override: list[str] = []
 
 def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, causal: bool,
                    masks: Masking = NO_MASK, warps_m: tuple[int, ...] | None = None,
+                   deterministic: bool = False,
                    ) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
     """(pre, main, post): the specs of one backward pass (``warps_m`` None: the squarest warp
     tiles, ``spec.backward.default_warps_m``)."""
@@ -60,7 +63,7 @@ def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, cau
     return (BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_pre"),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, config=config,
                          causal=causal, mask_align=align, window=window, softcap=softcap,
-                         warps_m=warps_m),
+                         warps_m=warps_m, deterministic=deterministic),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_post"))
 
 
@@ -92,13 +95,14 @@ def backward_choices_override(text: str) -> Iterator[None]:
 
 def backward_kernels(device: int, dtype: str, head_dim: int, config: TileConfig,
                      causal: bool, masks: Masking = NO_MASK,
-                     warps_m: tuple[int, ...] | None = None) -> tuple:
+                     warps_m: tuple[int, ...] | None = None,
+                     deterministic: bool = False) -> tuple:
     """The loaded (pre, main, post) kernels on CUDA device ``device``, built once."""
-    key = (device, dtype, head_dim, config, warps_m, causal, masks.spec_fields)
+    key = (device, dtype, head_dim, config, warps_m, causal, masks.spec_fields, deterministic)
     ks = _kernels.get(key)
     if ks is None:
         specs = backward_specs(arch_of(device), dtype, head_dim, config, causal, masks,
-                               warps_m)
+                               warps_m, deterministic)
         ks = _kernels[key] = tuple(kernel_for(s, device) for s in specs)
     return ks
 
@@ -110,7 +114,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
                        config: TileConfig | None = None,
                        warps_m: tuple[int, ...] | None = None, dlse: Tensor | None = None,
                        dq: Tensor | None = None, dk: Tensor | None = None,
-                       dv: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                       dv: Tensor | None = None, deterministic: bool | None = None,
+                       ) -> tuple[Tensor, Tensor, Tensor]:
     """(dq, dk, dv) of ``out = attention(q, k, v, causal, softmax_scale)`` for the output
     gradient ``dout``, from the forward's ``out`` and natural-log ``lse`` (float32 (B, H,
     S_q)). ``mask_align``, ``window`` and ``softcap``: the forward call's masks (as
@@ -121,8 +126,12 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     contributes no gradient. ``config``: the main kernel's tile (default
     ``backward_choices``: the arch's ``spec.backward.default_backward_config``); ``warps_m``:
     its warps along the rows of each product (``BackwardSpec.warps_m``; default the squarest
-    warp tiles)."""
+    warp tiles). ``deterministic``: dQ's fp32 adds in a fixed order, so every run gives the
+    same bits (None: ``torch.are_deterministic_algorithms_enabled()``); dK and dV are always
+    deterministic."""
     masks = call_masking(causal, mask_align, window, softcap)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     check_qkv(q, k, v)
     causal, masks = folded(causal, masks, q.shape[2], k.shape[2])
     if k.dtype != q.dtype:
@@ -150,7 +159,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if config is None:
         config, chosen = backward_choices(arch_of(dev), D)
         warps_m = chosen if warps_m is None else warps_m
-    pre, main, post = backward_kernels(dev, dtype, D, config, causal, masks, warps_m)
+    pre, main, post = backward_kernels(dev, dtype, D, config, causal, masks, warps_m,
+                                       bool(deterministic))
     # keep any copies prepared() makes alive until the launches are queued
     q, q_arg = prepared(q)
     k, k_arg = prepared(k)
@@ -158,23 +168,29 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     dout, do_arg = prepared(dout)
     out, o_arg = prepared(out)
 
-    # one fp32 workspace: dQ's accumulator (B, H, rows, D), then the log2 LSE and D (B, H, rows)
+    # one 4-byte workspace: dQ's accumulator (B, H, rows, D), the log2 LSE and D (B, H, rows),
+    # and with ``deterministic`` the int32 turn counters (B, H, query blocks), zeroed here
     rows = -(-Sq // ROW_PAD) * ROW_PAD
     n = B * H * rows
-    work = torch.empty(n * (D + 2), dtype=torch.float32, device=q.device)
+    blocks = -(-Sq // config.tile_m) if deterministic else 0
+    work = torch.empty(n * (D + 2) + B * H * blocks, dtype=torch.float32, device=q.device)
     ptr = work.data_ptr()
     dq_acc = (ptr, B, H, rows, H * rows * D, rows * D, D)
     lse2 = (ptr + 4 * n * D, B, H, rows, H * rows, rows)
     dpsum = (ptr + 4 * n * (D + 1), B, H, rows, H * rows, rows)
+    turns = ()
+    if deterministic:
+        work[n * (D + 2):].zero_()  # 0.0 is int32 0
+        turns = ((ptr + 4 * n * (D + 2), B * H * blocks),)
 
     launch(pre, backward_rows_grid(rows, H, B, pre.artifact.spec.rows_per_cta),
            (o_arg, do_arg, rows_arg(lse), lse2, dpsum, dq_acc), dev)
     if dlse is not None:
         # d lse_i / d s_ij = P_ij: dS = P ∘ (dP − (D − dlse))
-        work[n * (D + 1):].view(B, H, rows)[:, :, :Sq].sub_(dlse)
+        work[n * (D + 1):n * (D + 2)].view(B, H, rows)[:, :, :Sq].sub_(dlse)
     launch(main, backward_grid(Sk, Hkv, B, config.tile_n),
            (q_arg, k_arg, v_arg, do_arg, lse2, dpsum, dq_acc, tensor_arg(dk), tensor_arg(dv),
-            (scale * LOG2_E,), (scale,), *masks.scalars(scale)), dev)
+            (scale * LOG2_E,), (scale,), *masks.scalars(scale), *turns), dev)
     launch(post, backward_rows_grid(Sq, H, B, post.artifact.spec.rows_per_cta),
            (dq_acc, tensor_arg(dq), (scale,)), dev)
     if negate:
@@ -187,16 +203,17 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
 def _attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                         causal: bool = False, softmax_scale: float | None = None,
                         dlse: Tensor | None = None, mask_align: str = "top_left",
-                        window: list[int] | None = None,
-                        softcap: float | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        window: list[int] | None = None, softcap: float | None = None,
+                        deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     return attention_backward(dout, q, k, v, out, lse, causal, softmax_scale, dlse=dlse,
                               mask_align=mask_align,
-                              window=None if window is None else tuple(window), softcap=softcap)
+                              window=None if window is None else tuple(window), softcap=softcap,
+                              deterministic=deterministic)
 
 
 @_attention_backward.register_fake
 def _(dout, q, k, v, out, lse, causal=False, softmax_scale=None, dlse=None,
-      mask_align="top_left", window=None, softcap=None):
+      mask_align="top_left", window=None, softcap=None, deterministic=False):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -244,6 +261,9 @@ def setup_attention_context(ctx, inputs: tuple, output: tuple) -> None:
     ctx.window = args.get("window")
     ctx.softcap = args.get("softcap")
     ctx.return_lse = args["return_lse"]
+    # asked of the call, or of torch, when the forward runs (as FlashAttention takes it)
+    ctx.deterministic = bool(args.get("deterministic")) or (
+        torch.are_deterministic_algorithms_enabled())
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse)
 
 
@@ -257,7 +277,7 @@ def attention_op_backward(ctx, dout: Tensor, dlse: Tensor | None):
     window = None if ctx.window is None else list(ctx.window)
     dq, dk, dv = torch.ops.flashcore.attention_backward(
         dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, dlse, ctx.mask_align, window,
-        ctx.softcap)
+        ctx.softcap, ctx.deterministic)
     return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
 
 

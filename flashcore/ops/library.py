@@ -105,8 +105,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False,
                k_descale: Tensor | None = None,
                v_descale: Tensor | None = None, mask_align: str = "top_left",
                window: list[int] | None = None, softcap: float | None = None,
-               config: str | None = None,
-               alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               config: str | None = None, alibi_slopes: Tensor | None = None,
+               deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    # ``deterministic`` shapes the backward only (``backward.setup_attention_context``)
     res = run(q, k, v, None if tile is None else tuple(tile), causal, softmax_scale, return_lse,
               _op_config(config, None, None, None, None), warps, stages, kv_splits, num_splits,
               None, precision, k_descale, v_descale, mask_align,
@@ -211,7 +212,8 @@ def _traced(res, lse, out, return_lse, op: str = "attention"):
 
 def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, warps, stages,
                  kv_splits, num_splits, out, precision, k_descale, v_descale,
-                 mask_align="top_left", window=None, softcap=None, alibi_slopes=None):
+                 mask_align="top_left", window=None, softcap=None, alibi_slopes=None,
+                 deterministic=False):
     """``flashcore.ops.attention`` through the registered op (tracing, tensor subclasses,
     autograd). Under grad the op always computes the LSE: its backward needs it."""
     keep_lse = return_lse or needs_grad(q, k, v)
@@ -221,7 +223,8 @@ def attention_op(q, k, v, *, tile, causal, softmax_scale, return_lse, config, wa
         kv_splits=kv_splits, num_splits=num_splits, config=_config_arg(config),
         precision=precision, k_descale=k_descale, v_descale=v_descale, mask_align=mask_align,
         window=None if window is None else list(window),
-        softcap=None if softcap is None else float(softcap), alibi_slopes=alibi_slopes)
+        softcap=None if softcap is None else float(softcap), alibi_slopes=alibi_slopes,
+        deterministic=deterministic)
     return _traced(res, lse, out, return_lse)
 
 

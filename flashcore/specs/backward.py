@@ -10,6 +10,9 @@ Three kernels make one backward pass, each a spec of its own (``op``):
   stay in registers (written once, deterministic), dQ is added into the fp32 accumulator with
   atomics. Masks as the forward's (``AttentionSpec``): ``mask_align``, ``window`` (sizes at run
   time), ``softcap`` (logits s -> c·tanh(s / c); dS gets the factor 1 − tanh²).
+  ``deterministic``: the key blocks add into each query block's dQ rows one after another,
+  the highest first (a counter per (batch, head, query block)), so dQ's sums are the same every
+  run.
 * ``attention_bwd_post``: dQ = accumulator · softmax_scale in the input dtype.
 
 The workspaces have ``ROW_PAD``-aligned rows per (batch, head), so the main kernel's query
@@ -98,6 +101,8 @@ class BackwardSpec(SpecData, TiledKernel):
     mask_align: str = "top_left"
     window: bool = False
     softcap: bool = False
+    # dQ adds in key-block order (``kernels/mma_sync_bwd/turns.py``): bit-identical runs
+    deterministic: bool = False
     # warps along the rows of the S/dP (query rows), dK/dV (keys) and dQ (query rows) products;
     # () spreads each over 16-row strips first (``warp_grid``)
     warps_m: tuple[int, ...] = ()
@@ -117,7 +122,7 @@ class BackwardSpec(SpecData, TiledKernel):
         if isinstance(self.head_dim, bool) or self.head_dim not in BACKWARD_HEAD_DIMS:
             raise bad(f"head_dim={self.head_dim!r} is not supported by the backward; choose one "
                       f"of {BACKWARD_HEAD_DIMS} (the forward builds more)")
-        for name in ("causal", "window", "softcap"):
+        for name in ("causal", "window", "softcap", "deterministic"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mask_align not in MASK_ALIGNS:
@@ -126,9 +131,10 @@ class BackwardSpec(SpecData, TiledKernel):
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
         if self.op != "attention_bwd":
-            if self.config != TileConfig() or self.causal or self.masked or self.warps_m:
-                raise bad(f"{self.op} takes no config, causal or mask (they shape the main "
-                          "kernel)")
+            if (self.config != TileConfig() or self.causal or self.masked or self.warps_m
+                    or self.deterministic):
+                raise bad(f"{self.op} takes no config, causal, mask or deterministic (they "
+                          "shape the main kernel)")
             return
         if self.mask_align != "top_left" and not (self.causal or self.window):
             raise bad(f"mask_align={self.mask_align!r} aligns a causal mask or a window; this "
@@ -215,7 +221,8 @@ class BackwardSpec(SpecData, TiledKernel):
         if self.op != "attention_bwd":
             return base
         flags = (("causal", self.causal), ("br", self.mask_align == "bottom_right"),
-                 ("window", self.window), ("softcap", self.softcap))
+                 ("window", self.window), ("softcap", self.softcap),
+                 ("det", self.deterministic))
         layout = "_a" + "".join(map(str, self.warps_m)) if self.warps_m else ""
         return (base + f"_{self.config.tag}" + layout
                 + "".join(f"_{n}" for n, on in flags if on))
@@ -228,6 +235,8 @@ class BackwardSpec(SpecData, TiledKernel):
             d["warps_m"] = list(self.warps_m)
         else:  # the default leaves no trace: older keys and names hold
             d.pop("warps_m", None)
+        if not self.deterministic:
+            d.pop("deterministic", None)
         return d
 
 

@@ -66,12 +66,14 @@ class BackwardResult:
 
 
 def backward_implementations() -> dict[str, Impl]:
-    """Differentiable (q, k, v, causal) -> out: ours, SDPA forced to each backend,
-    FlashAttention-4 where ``flash_attn.cute`` imports, FlexAttention compiled."""
+    """Differentiable (q, k, v, causal) -> out: ours (and ours with ``deterministic=True``: the
+    cost of dQ's ordered adds), SDPA forced to each backend, FlashAttention-4 where
+    ``flash_attn.cute`` imports, FlexAttention compiled."""
     from torch.nn.attention import SDPBackend
 
     impls: dict[str, Impl | None] = {
         "flashcore": _flashcore(),
+        "flashcore-det": _flashcore(deterministic=True),
         "sdpa-flash": _sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": _sdpa(SDPBackend.CUDNN_ATTENTION),
         "sdpa-efficient": _sdpa(SDPBackend.EFFICIENT_ATTENTION),

@@ -114,6 +114,25 @@ def query_blocks_seeing(n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k,
     return lo, hi
 
 
+
+def dq_turn(m_block, n_block, tile_m: int, tile_n: int, seqlen_q, seqlen_k, bounds: KeyBounds,
+            minimum=min):
+    """How many key blocks above ``n_block`` walk query block ``m_block`` (which ``n_block``
+    walks): its place in the order the deterministic backward adds into that block's dQ, the
+    highest key block first. Under a causal diagonal that is the order in which the walks reach
+    a query block (a higher key block starts its walk higher), so no CTA waits long. The walks'
+    starts (``query_blocks_seeing``) never fall as the key block rises, and every block above
+    ``n_block`` ends its walk past ``m_block``: the blocks above that walk it are those up to
+    the last whose first row can see the block, key (m + 1)·tile_m − 1 + offset + right (or
+    the last query's, if that is lower)."""
+    n_blocks = ceil_div(seqlen_k, tile_n)
+    last = n_blocks
+    if bounds.bounded_above:  # positive: this key block sees some row of the query block
+        reach = minimum((m_block + 1) * tile_m, seqlen_q) + bounds.offset + bounds.right_edge
+        last = minimum(ceil_div(reach, tile_n), n_blocks)
+    return last - 1 - n_block
+
+
 def block_needs_mask(m_block, n_block, tile_m: int, tile_n: int, seqlen_k, bounds: KeyBounds,
                      maximum=max):
     """> 0 where some score of (query block, key block) is hidden: a key past the sequence end

@@ -7,7 +7,8 @@ group's heads one after another, so dK and dV sum over them in registers, with n
 the same result every run), each step one ``query_block``. Query blocks that see no key of the
 block (above a causal diagonal, top-left or bottom-right, or outside a window) are skipped
 (``block_info.query_blocks_seeing``). dQ goes to an fp32 accumulator through
-``red.global.add``; the post kernel scales and converts it.
+``red.global.add`` (``deterministic``: key blocks take turns per query block, ``turns.py``);
+the post kernel scales and converts it.
 
 Inputs: Q, K, V, dO (batch, heads, seq, head_dim) 16-bit; the pre kernel's log2 LSE and D
 (batch, heads, padded rows) fp32; outputs dK, dV (K's shape). ABI:
@@ -54,6 +55,7 @@ class AttentionBackward:
         cta = BackwardCta(lay, storage, mQ, inputs.k, inputs.v, masks.window_left,
                           masks.window_right)
         cta.softcap = (masks.softcap_in, masks.softcap_out)
+        cta.dq_turns = args.order.dq_turns  # None unless deterministic
         wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
         lo, hi = cta.query_blocks()
         per_head = cutlass.max(hi - lo, 0)

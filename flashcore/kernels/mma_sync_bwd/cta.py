@@ -11,12 +11,17 @@ from ..common.mma import SmemOperand
 from .layouts import BackwardLayouts, transposed
 
 
-def key_block_coords(mK: cute.Tensor, tile_n: int):
-    """(key block, K/V head, batch) of this CTA: the grid's x walks them, key block fastest."""
+def key_block_coords(mK: cute.Tensor, tile_n: int, highest_first: bool = False):
+    """(key block, K/V head, batch) of this CTA: the grid's x walks them, key block fastest
+    (``highest_first``: from the last key block down, so a deterministic CTA's turn never waits
+    on one launched after it: ``turns.py``)."""
     lin, _, _ = cute.arch.block_idx()
     n_blocks = cute.ceil_div(mK.shape[2], tile_n)
     heads = mK.shape[1]
-    return lin % n_blocks, (lin // n_blocks) % heads, lin // n_blocks // heads
+    n_block = lin % n_blocks
+    if cutlass.const_expr(highest_first):
+        n_block = n_blocks - 1 - n_block
+    return n_block, (lin // n_blocks) % heads, lin // n_blocks // heads
 
 
 class BackwardCta:
@@ -28,7 +33,8 @@ class BackwardCta:
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
         self.tidx, _, _ = cute.arch.thread_idx()
-        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn)
+        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn, spec.deterministic)
+        self.heads = mQ.shape[1]
         self.q_group = mQ.shape[1] // mK.shape[1]
         self.seqlen_q, self.seqlen_k = mQ.shape[2], mK.shape[2]
         self.bounds = self.key_bounds(window_left, window_right)

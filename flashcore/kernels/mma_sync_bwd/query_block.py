@@ -1,5 +1,6 @@
 """One query block against the CTA's key block: recompute P from the forward's LSE, then
-dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − D), dK += dSᵀ·Q, dQ += dS·K (fp32 atomics). With a
+dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ∘ (dP − D), dK += dSᵀ·Q, dQ += dS·K (fp32 atomics; with
+``deterministic``, in key-block order: ``turns.py``). With a
 soft-cap, P comes from the capped scores and dS gets its slope: dS = P ∘ (dP − D) ∘ (1 − tanh²).
 
 One stage: the next block's dO is copied in as soon as dV is done with this one's, and its Q
@@ -12,13 +13,14 @@ needs one barrier of its own (P and dS written) instead of three."""
 import cutlass
 import cutlass.cute as cute
 
-from ..common.block_info import block_needs_mask
+from ..common.block_info import block_needs_mask, dq_turn
 from ..common.copies import load_block
 from ..common.fragments import mn_view
 from ..common.mask import mask_scores, soft_cap
 from ..common.mma import gemm_ss
 from .atomics import add_into
 from .cta import BackwardCta
+from .turns import pass_turn, wait_turn
 
 
 @cute.jit
@@ -97,6 +99,14 @@ def capped_slopes(S: cute.Tensor, dP: cute.Tensor, dpsum, scale_in):
 
 
 @cute.jit
+def turn_index(cta: BackwardCta, head, m_block):
+    """Where (batch, head, query block)'s counter sits among the flat counters: only their
+    base pointer stays live through the kernel."""
+    blocks = cute.ceil_div(cta.seqlen_q, cta.config.tile_m)
+    return ((cta.batch * cta.heads + head) * blocks + m_block)
+
+
+@cute.jit
 def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, scale_log2,
                 has_next, next_head, next_m, slot):
     """Block ``m_block`` of query head ``head``, whose Q and dO (two stages: and rows) have
@@ -170,4 +180,10 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
     acc_dQ.fill(0.0)
     gemm_ss(cta.lay.mma_dq, acc_dQ, cta.ds, cta.ds.smem, cta.kt, cta.kt.smem)
     gdQ = cute.local_tile(mdQacc[cta.batch, head, None, None], (tm, d), (m_block, 0))
+    if cutlass.const_expr(cta.spec.deterministic):
+        wait_turn(cta.dq_turns, turn_index(cta, head, m_block),
+                  dq_turn(m_block, cta.n_block, tm, tn, cta.seqlen_q, cta.seqlen_k, cta.bounds,
+                          cutlass.min), cta.tidx)
     add_into(acc_dQ, cta.thr_dq.partition_C(gdQ), cta.spec.arch == "sm_90")
+    if cutlass.const_expr(cta.spec.deterministic):
+        pass_turn(cta.dq_turns, turn_index(cta, head, m_block), cta.tidx)
