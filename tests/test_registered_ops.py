@@ -92,3 +92,43 @@ def test_the_config_string_holds_every_field_and_traces():
     f = torch.compile(lambda x: x + len(library._config_arg(odd)), backend="eager",
                       fullgraph=True)
     assert f(torch.zeros(1)).item() == len("192,64,12,4,2,wgmma_ws")
+
+
+def test_ops_run_with_fresh_scratch_and_eager_calls_reuse_it(monkeypatch):
+    """Inside a registered op every scratch tensor is fresh (torch.compile's CUDA graphs run the
+    op in their own memory pool, where a kept buffer would outlive the graph's ownership);
+    outside, the per-stream buffer is reused."""
+    from flashcore.runtime import scratch as scratch_mod
+
+    depths = []
+
+    def fake_run(*args, **kwargs):
+        depths.append(getattr(scratch_mod._fresh, "depth", 0))
+        return args[0].new_empty(args[0].shape)
+
+    monkeypatch.setattr(library, "run", fake_run)
+    q, k, v = _qkv()
+    torch.ops.flashcore.attention(q, k, v)
+    assert depths == [1] and getattr(scratch_mod._fresh, "depth", 0) == 0
+
+    class FakeCuda:  # a tensor on "CUDA device 0" of the current device
+        is_cuda = True
+        device = "cpu"
+
+        def get_device(self):
+            return 0
+
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: False,
+                        raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 7, raising=False)
+    monkeypatch.setattr(scratch_mod.torch, "empty",
+                        lambda n, dtype=None, device=None: torch.zeros(n, dtype=dtype))
+    monkeypatch.setattr(scratch_mod, "_buffers", {})
+    like = FakeCuda()
+    a, b = scratch_mod.scratch(like, 10), scratch_mod.scratch(like, 10)
+    assert a is b
+    with scratch_mod.fresh_scratch():
+        c, d = scratch_mod.scratch(like, 10), scratch_mod.scratch(like, 10)
+    assert c is not d and c is not a and d is not a
+    assert scratch_mod.scratch(like, 10) is a

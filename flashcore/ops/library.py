@@ -21,11 +21,13 @@ never trains silently through attention.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 from torch import Tensor
 
+from ..runtime.scratch import fresh_scratch
 from ..specs import TileConfig
 from .backward import needs_grad, register_attention_backward
 from .eager import explicit_config, run, run_fp8
@@ -82,9 +84,16 @@ def _fake_of(impl, outputs):
 
 
 def _registered(name: str, outputs):
-    """``impl`` registered as ``flashcore::name``, with its fake made by ``_fake_of``."""
+    """``impl`` registered as ``flashcore::name``, with its fake made by ``_fake_of``. Inside
+    the op every scratch tensor is fresh (``runtime.scratch.fresh_scratch``): compiled code may
+    run it in a CUDA graph's memory pool."""
     def register(impl):
-        op = torch.library.custom_op(f"flashcore::{name}", mutates_args=())(impl)
+        @functools.wraps(impl)
+        def body(*args, **kwargs):
+            with fresh_scratch():
+                return impl(*args, **kwargs)
+
+        op = torch.library.custom_op(f"flashcore::{name}", mutates_args=())(body)
         op.register_fake(_fake_of(impl, outputs))
         return op
 
