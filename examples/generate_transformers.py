@@ -1,7 +1,10 @@
 """Greedy generation with a random-init Llama-style transformers model, on torch's SDPA and on
-flashcore, with tokens/s for each (needs a CUDA GPU and ``pip install flashcore[transformers]``).
+flashcore, with tokens/s and the prompt's prefill time for each (needs a CUDA GPU and
+``pip install flashcore[transformers]``).
 
     python examples/generate_transformers.py --layers 4 --batch 8 --prompt 512 --new 128
+    python examples/generate_transformers.py --compile   # a static cache: generate compiles
+                                                         # the decode step
 """
 
 from __future__ import annotations
@@ -26,15 +29,34 @@ def build(args: argparse.Namespace, name: str) -> transformers.PreTrainedModel:
     return model
 
 
-def tokens_per_second(model, ids: torch.Tensor, new: int) -> tuple[float, torch.Tensor]:
+def tokens_per_second(model, ids: torch.Tensor, new: int,
+                      compiled: bool = False) -> tuple[float, torch.Tensor]:
     kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+    if compiled:  # transformers compiles the decode step of a static cache itself
+        kw["cache_implementation"] = "static"
     with torch.no_grad():
-        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        warm = 4 if not compiled else new  # a compiled step traces once per cache length
+        model.generate(ids, **{**kw, "max_new_tokens": warm, "min_new_tokens": warm})
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = model.generate(ids, **kw)
         torch.cuda.synchronize()
     return ids.shape[0] * new / (time.perf_counter() - start), out
+
+
+def prefill_ms(model, ids: torch.Tensor, reps: int = 10) -> float:
+    """Median time of the forward over the whole prompt (no cache kept), CUDA events."""
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 2):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            model(ids, use_cache=False)
+            end.record()
+            torch.cuda.synchronize()
+            if i >= 2:
+                times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -45,14 +67,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--reverse", action="store_true",
+                   help="run flashcore first (the order's effect on the timings)")
+    p.add_argument("--compile", action="store_true",
+                   help="a static cache, whose decode step transformers compiles")
     args = p.parse_args()
     ids = torch.randint(0, 32000, (args.batch, args.prompt), device="cuda")
     name = fc_transformers.register()
     results = {}
-    for backend in ("sdpa", name):
-        rate, out = tokens_per_second(build(args, backend), ids, args.new)
+    for backend in (name, "sdpa") if args.reverse else ("sdpa", name):
+        model = build(args, backend)
+        rate, out = tokens_per_second(model, ids, args.new, args.compile)
         results[backend] = out
-        print(f"{backend:>16}: {rate:9.1f} tokens/s")
+        print(f"{backend:>16}: {rate:9.1f} tokens/s, prefill {prefill_ms(model, ids):7.2f} ms")
     same = (results["sdpa"] == results[name]).float().mean().item()
     print(f"tokens equal to SDPA's: {same:.1%}; torch fallbacks: "
           f"{fc_transformers.fallback_reasons() or 'none'}")
