@@ -63,7 +63,8 @@ class FakeOps:
                          alibi_slopes=None, **kw):
         self.calls.append(("attention_varlen", (q, k, v, cu_q, cu_k, max_q, max_k),
                            {"causal": causal, "mask_align": mask_align, "window": window,
-                                "softcap": softcap, "alibi_slopes": alibi_slopes}))
+                                "softcap": softcap, "alibi_slopes": alibi_slopes,
+                                "check_lengths": check_lengths}))
         o = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float64)
         for b in range(cu_q.shape[0] - 1):
@@ -85,7 +86,7 @@ class FakeOps:
                            {"causal": causal, "mask_align": mask_align, "window": window,
                                 "softcap": softcap, "cu_seqlens_q": cu_seqlens_q, "out": out,
                                 "max_seqlen_q": max_seqlen_q, "num_splits": num_splits,
-                                "alibi_slopes": alibi_slopes}))
+                                "alibi_slopes": alibi_slopes, "check_lengths": check_lengths}))
         assert block_table.dtype == torch.int32 and seqlens_k.dtype == torch.int32
         o = torch.zeros(q.shape, dtype=torch.float64)
         lse = torch.zeros(o.shape[:-1], dtype=torch.float64)
@@ -606,6 +607,8 @@ def test_transformers_padding_unpads_to_varlen(fake, llama_pair):
     assert {c[0] for c in fake.calls} == {"attention_varlen"} and fc_tf.fallback_count() == 0
     cu_q = fake.calls[0][1][3]
     assert cu_q.tolist() == [0, 6, 16]
+    # offsets made here from the mask: no device check (a synchronisation per layer)
+    assert not any(c[2]["check_lengths"] for c in fake.calls)
 
 
 def test_transformers_greedy_generation_agrees(fake, llama_pair):
@@ -629,6 +632,8 @@ def test_transformers_static_cache_passes_row_lengths(fake, llama_pair):
     assert torch.equal(a, b)
     paged = [c for c in fake.calls if c[0] == "attention_paged"]
     assert paged and paged[-1][1][4].tolist() == [7]  # 5 prompt + 2 generated keys valid
+    # its own table and lengths: no device check (none can run inside a CUDA graph anyway)
+    assert not any(c[2]["check_lengths"] for c in paged)
 
 
 def test_transformers_four_d_mask_falls_back_counted(fake, llama_pair):

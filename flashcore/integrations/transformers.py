@@ -140,7 +140,8 @@ class _Call:
 def _call(causal: bool, sliding_window, softcap, seqlen_q: int, seqlen_k: int) -> _Call:
     # a window only where it hides a key: the call keeps a kernel without it (and a backward)
     hides = sliding_window is not None and max(seqlen_q, seqlen_k) > sliding_window
-    return _masks(bool(causal), sliding_window if hides else None, softcap)
+    masks = _masks.__wrapped__ if torch.compiler.is_compiling() else _masks  # dynamo: no cache
+    return masks(bool(causal), sliding_window if hides else None, softcap)
 
 
 @functools.lru_cache(maxsize=64)
@@ -232,12 +233,13 @@ def _dense(query, key, value, scaling, call: _Call) -> torch.Tensor:
 
 def _prefix(query, key, value, lengths, scaling, call: _Call) -> torch.Tensor:
     """The first lengths[b] keys of row b valid: ``attention_paged`` with each row of the K/V
-    tensors as one page (its transposed view is the cache layout; no copy, no sync)."""
+    tensors as one page (its transposed view is the cache layout; no copy, no sync). The table
+    and the lengths are this module's own (``attention_mask_function``): no device check."""
     batch = query.shape[0]
     table = torch.arange(batch, dtype=torch.int32, device=query.device)[:, None]
     out = query.new_empty(batch, query.shape[2], query.shape[1], query.shape[3])
     ops.attention_paged(query, key.transpose(1, 2), value.transpose(1, 2), table, lengths,
-                        call.causal, scaling, out=out.transpose(1, 2),
+                        call.causal, scaling, out=out.transpose(1, 2), check_lengths=False,
                         **call.kwargs("bottom_right"))
     return out
 
@@ -271,7 +273,7 @@ def _unpadded(query, key, value, pad, scaling, call: _Call) -> torch.Tensor:
     idx_q, cu_q, max_q = packed_offsets(pad[:, length - seqlen_q:])
     q = query.transpose(1, 2).reshape(batch * seqlen_q, heads, dim)[idx_q]
     res = ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, call.causal, scaling,
-                               **call.kwargs("bottom_right"))
+                               check_lengths=False, **call.kwargs("bottom_right"))
     out = query.new_zeros(batch * seqlen_q, heads, dim)
     out[idx_q] = res
     return out.view(batch, seqlen_q, heads, dim)
