@@ -4,14 +4,15 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
                                       fp8-paged|wgmma|wgmma-fp8|wgmma-masks|fp8-khead|serving|
-                                      hostile|backward|backward-deterministic|kv-splits|
-                                      head-dims]
+                                      hostile|backward|backward-deterministic|
+                                      backward-varlen|kv-splits|head-dims]
 
 ``hostile``: misaligned and strided views, and serving tables that lie with their checks off
 (offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
 table): memcheck must see no access outside the tensors, and each output stays finite.
 ``backward``: the backward kernels on ragged shapes, against float64 autograd;
-``backward-deterministic``: the same and more key blocks per query block, dQ's adds in turns.
+``backward-deterministic``: the same and more key blocks per query block, dQ's adds in turns;
+``backward-varlen``: a packed batch's backward (empty sequences, blocks past a sequence's end).
 ``head-dims``: the head dims only the 16-bit forward builds (32, 80, 96, 256) on ragged shapes:
 prefill (tuned and explicit tiles), GQA decode split over CTAs and its combine, masks, varlen
 and paged.
@@ -617,6 +618,43 @@ def backward_cases(deterministic: bool = False):
         yield ok
 
 
+def backward_varlen_cases():
+    """The packed batch's backward through autograd: sequences empty on either side, a query
+    block running past its sequence into the next, GQA, bottom-right causal and a window."""
+    lengths = [(77, 145), (0, 30), (130, 130), (1, 0), (45, 20)]
+    for d, causal, window in ((64, True, None), (128, True, (40, 0)), (128, False, None)):
+        cu_q = torch.tensor([0, *itertools.accumulate(a for a, _ in lengths)], dtype=torch.int32,
+                            device="cuda")
+        cu_k = torch.tensor([0, *itertools.accumulate(b for _, b in lengths)], dtype=torch.int32,
+                            device="cuda")
+        hq, hkv = 4, 2
+        q = torch.randn(int(cu_q[-1]), hq, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(int(cu_k[-1]), hkv, d, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        dout = torch.randn_like(q)
+        mask = {"mask_align": "bottom_right" if causal else "top_left", "window": window}
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        attention_varlen(*leaves, cu_q, cu_k, 130, 145, causal, **mask).backward(dout)
+        worst = 0.0
+        for b in range(len(lengths)):
+            qs = slice(int(cu_q[b]), int(cu_q[b + 1]))
+            ks = slice(int(cu_k[b]), int(cu_k[b + 1]))
+            if qs.start == qs.stop or ks.start == ks.stop:
+                continue
+            parts = [t[s].transpose(0, 1)[None].double().requires_grad_()
+                     for t, s in ((q, qs), (k, ks), (v, ks))]
+            ref = reference.attention(*parts, causal=causal, device=q.device, **mask)
+            ref.backward(dout[qs].transpose(0, 1)[None].double())
+            for leaf, s, r in zip(leaves, (qs, ks, ks), parts):
+                g = leaf.grad[s].transpose(0, 1)[None].double()
+                worst = max(worst, ((g - r.grad).abs().max() / max(1.0, r.grad.abs().max()))
+                            .item())
+        ok = bool(all(torch.isfinite(t.grad).all() for t in leaves)) and worst < 5e-2
+        print(f"{'ok ' if ok else 'BAD'} backward varlen d={d} causal={causal} window={window}: "
+              f"rel err {worst:.2e}", flush=True)
+        yield ok
+
+
 def alibi_cases():
     # ALiBi on ragged tiles: a bottom-right prefill with its LSE, a GQA decode split over CTAs
     # (a row per head: nothing packed), two key groups a CTA beside a soft-cap, slopes per
@@ -732,6 +770,7 @@ def main() -> int:
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),
              "hostile": hostile_cases, "backward": backward_cases,
              "backward-deterministic": lambda: backward_cases(True),
+             "backward-varlen": backward_varlen_cases,
              "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
              "alibi": alibi_cases, "kv-append": kv_append_cases}[mode]
     results = list(cases())

@@ -363,9 +363,9 @@ def backward_variant_specs(arch: str) -> list:
 
 
 def backward_specs(arch: str) -> list:
-    """The backward's kernels: pre, main (the arch's default config, both dtypes, every mask;
-    the tests' explicit tiles; the benchmark's variants) and post, of every head dim; those
-    that fit ``arch``."""
+    """The backward's kernels: pre, main (the arch's default config, both dtypes, every mask,
+    also deterministic and for a packed batch; the tests' explicit tiles; the benchmark's
+    variants) and post, of every head dim; those that fit ``arch``."""
     from flashcore.ops.backward import backward_specs as one_pass
     from flashcore.ops.masks import Masking
     from flashcore.specs.backward import default_backward_config
@@ -381,6 +381,12 @@ def backward_specs(arch: str) -> list:
         except SpecError:
             pass
     specs += backward_variant_specs(arch)
+    # the deterministic and the packed-batch (varlen) main kernels of every mask
+    for dtype, d, (causal, align, window, cap), variant in itertools.product(
+            DTYPES, HEAD_DIMS, BACKWARD_MASKS, ({"deterministic": True}, {"varlen": True})):
+        masks = Masking(align, (1, 0) if window else None, 1.0 if cap else None)
+        main = one_pass(arch, dtype, d, default_backward_config(d, arch), causal, masks)[1]
+        specs.append(main.replace(**variant))
     return list(dict.fromkeys(specs))
 
 

@@ -66,6 +66,14 @@ DETERMINISTIC = [
     _main("sm_89", "bfloat16", 128, True, window=True, deterministic=True),
     _main("sm_90", "bfloat16", 128, True, mask_align="bottom_right", deterministic=True),
 ]
+# a packed batch: the offsets of Q's and K's rows, the batch in the grid's z
+VARLEN = [
+    _main("sm_80", "bfloat16", 128, False, softcap=True, varlen=True),
+    _main("sm_89", "float16", 64, False, varlen=True),
+    _main("sm_89", "bfloat16", 128, True, mask_align="bottom_right", window=True, varlen=True),
+    _main("sm_90", "float16", 128, True, mask_align="bottom_right", varlen=True),
+]
+MAINS += VARLEN
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
                          ("sm_90", "float16", 128))
@@ -229,8 +237,8 @@ def test_resources_within_budget(artifacts, spec):
     assert 0 < r.registers <= 255
     assert r.registers * spec.threads <= 64 * 1024  # one CTA's registers fit an SM
     assert_no_spills_in_loops(art, spec.name)
-    if not spec.deterministic:  # its counter's pointer may be parked across the loop at d128
-        assert r.spill_store_bytes in (0, None) and r.stack_frame_bytes == 0, r
+    if not (spec.deterministic or spec.varlen):  # their extra pointers may be parked across
+        assert r.spill_store_bytes in (0, None) and r.stack_frame_bytes == 0, r  # the loop
     assert art.smem_dynamic == spec.smem_bytes <= SMEM_PER_BLOCK[spec.arch]
     assert art.block == (spec.threads, 1, 1)
     assert art.entry.startswith(spec.name) and "cutlass" not in art.entry
@@ -280,3 +288,17 @@ def test_deterministic_is_the_main_kernels_alone():
     assert "deterministic" not in BackwardSpec().to_dict()  # older keys hold
     spec = BackwardSpec(deterministic=True)
     assert spec_from_dict(spec.to_dict()) == spec
+
+
+@pytest.mark.parametrize("spec", VARLEN, ids=lambda s: s.name)
+def test_varlen_kernels_take_the_offsets_after_the_masks(artifacts, spec):
+    """Two int32 offset vectors more than the dense kernel, after the masks' sizes; the batch
+    from the grid's z (the x extent sizes the key blocks: the longest sequence's)."""
+    dense = spec.replace(varlen=False)
+    names = [p.name for p in params_for(spec)]
+    assert names == [p.name for p in params_for(dense)] + ["cu_seqlens_q", "cu_seqlens_k"]
+    body = artifacts[spec].ptx[artifacts[spec].ptx.index(".entry"):]
+    assert "%ctaid.z" in body and "%nctaid.x" in body
+    assert spec.name.endswith("_varlen")
+    with pytest.raises(SpecError, match="deterministic"):
+        spec.replace(deterministic=True)

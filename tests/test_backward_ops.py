@@ -10,6 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import flashcore.ops.backward as bw
+import flashcore.ops.backward_varlen as bwv
 from flashcore.ops.masks import masking
 from flashcore.specs import BackwardSpec, TileConfig
 from flashcore.specs.backward import default_backward_config
@@ -164,7 +165,7 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
     past the fp32 workspace, zeroed before the first launch; none without ``deterministic``."""
     launched, loaded = [], []
 
-    def kernels(dev, dtype, d, config, causal, masks, warps_m, det):
+    def kernels(dev, dtype, d, config, causal, masks, warps_m, det, varlen=False):
         loaded.append(det)
         return tuple(SimpleNamespace(artifact=SimpleNamespace(spec=SimpleNamespace(
             rows_per_cta=8))) for _ in range(3))
@@ -213,3 +214,110 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
         assert (work[first:].view(torch.int32) == 0).all()
     else:
         assert work.numel() == B * H * rows * (D + 2)
+
+
+def test_varlen_fake_implementation_gives_the_gradients_shapes():
+    with FakeTensorMode():
+        q = torch.empty(300, 8, 64, dtype=torch.float16)
+        k = torch.empty(250, 2, 64, dtype=torch.float16)
+        lse = torch.empty(8, 300)
+        cu = torch.empty(4, dtype=torch.int32)
+        dq, dk, dv = torch.ops.flashcore.attention_varlen_backward(
+            q, q, k, k, q, lse, cu, cu, 120, 100, True, None, None, "bottom_right", [16, 0])
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+
+
+def _varlen_call(**changes):
+    args = {"q": torch.empty(10, 2, 64, dtype=torch.float16),
+            "k": torch.empty(9, 1, 64, dtype=torch.float16),
+            "v": torch.empty(9, 1, 64, dtype=torch.float16),
+            "cu_seqlens_q": torch.tensor([0, 4, 10], dtype=torch.int32),
+            "cu_seqlens_k": torch.tensor([0, 5, 9], dtype=torch.int32),
+            "max_seqlen_q": 6, "max_seqlen_k": 5, "causal": True, "softmax_scale": 0.3,
+            "return_lse": False, "mask_align": "bottom_right", "window": [3, 0],
+            "softcap": None, "tile": None, "warps": None, "stages": None, "kv_splits": None,
+            "check_lengths": False, "config": None, "alibi_slopes": None}
+    args.update(changes)
+    return tuple(args[name] for name in bwv._varlen_input_names())
+
+
+def _varlen_ctx(inputs, lse_rows: int = 20):
+    ctx = SimpleNamespace(save_for_backward=lambda *t: setattr(ctx, "saved_tensors", t))
+    out = torch.empty(10, 2, 64, dtype=torch.float16)
+    bwv.setup_varlen_context(ctx, inputs, (out, torch.empty(lse_rows)))
+    return ctx
+
+
+def test_varlen_autograd_hands_the_backward_the_call(monkeypatch):
+    """The packed batch's offsets, lengths, masks and check_lengths reach the backward op;
+    ALiBi, a forward without its LSE and wide head dims say what is missing."""
+    ctx = _varlen_ctx(_varlen_call())
+    assert ctx.why_not is None and len(ctx.saved_tensors) == 7
+    seen = {}
+
+    def fake_backward(*args):
+        seen["args"] = args
+        return tuple(torch.empty(1) for _ in range(3))
+
+    monkeypatch.setattr(torch.ops.flashcore, "attention_varlen_backward", fake_backward)
+    grads = bwv.varlen_op_backward(ctx, torch.empty(1), torch.empty(1))
+    assert len(grads) == len(bwv._varlen_input_names())
+    a = seen["args"]
+    assert a[6].tolist() == [0, 4, 10] and a[7].tolist() == [0, 5, 9] and a[8:10] == (6, 5)
+    assert a[10:] == (True, 0.3, None, "bottom_right", [3, 0], None, False)
+    for changes, reason in (({"alibi_slopes": torch.ones(2)}, "ALiBi"),
+                            ({"q": torch.empty(10, 2, 96, dtype=torch.float16)}, "head_dim")):
+        with pytest.raises(RuntimeError, match=reason):
+            bwv.varlen_op_backward(_varlen_ctx(_varlen_call(**changes)), torch.empty(1), None)
+    with pytest.raises(RuntimeError, match="without its LSE"):
+        bwv.varlen_op_backward(_varlen_ctx(_varlen_call(), lse_rows=0), torch.empty(1), None)
+
+
+def test_varlen_backward_launches_with_the_offsets_and_the_batch_in_z(monkeypatch):
+    """The main launch: (longest keys' blocks x K/V heads, 1, batch), the offsets after the
+    masks' sizes; the workspace rows cover a query block running past the last sequence; k's
+    rows outside every sequence are 0; deterministic is refused by name."""
+    launched, loaded, buffers = [], [], []
+
+    def kernels(dev, dtype, d, config, causal, masks, warps_m, det, varlen):
+        loaded.append((det, varlen, masks.spec_fields))
+        return tuple(SimpleNamespace(artifact=SimpleNamespace(spec=SimpleNamespace(
+            rows_per_cta=8))) for _ in range(3))
+
+    real_empty = torch.empty
+
+    def empty(*shape, **kw):
+        t = real_empty(*shape, **{k: v for k, v in kw.items() if k != "device"})
+        buffers.append(t)
+        return t
+
+    monkeypatch.setattr(bw, "backward_kernels", kernels)
+    monkeypatch.setattr(bw, "launch", lambda kern, grid, args, dev: launched.append((grid, args)))
+    monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
+    monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
+    monkeypatch.setattr(bw.torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    H, Hkv, D = 4, 2, 64
+    cu_q = torch.tensor([0, 100, 100, 230], dtype=torch.int32)
+    cu_k = torch.tensor([0, 150, 160, 290], dtype=torch.int32)
+    q = real_empty(230, H, D, dtype=torch.float16).normal_()
+    k = real_empty(300, Hkv, D, dtype=torch.float16).normal_()  # 10 rows in no sequence
+    lse = real_empty(H, 230).normal_()
+    dq, dk, dv = bwv.attention_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 150, True,
+                                              mask_align="bottom_right", check_lengths=False)
+    assert loaded == [(False, True, ("bottom_right", False, False, False))]
+    config = bw.backward_choices("sm_90", D)[0]
+    grid, args = launched[1]
+    assert grid == (-(-150 // config.tile_n) * Hkv, 1, 3)
+    assert [a[0] for a in args[-2:]] == [cu_q.data_ptr(), cu_k.data_ptr()]
+    assert [a[1] for a in args[-2:]] == [4, 4]
+    rows = buffers[0].numel() // (H * (D + 2))
+    assert rows % bw.ROW_PAD == 0 and rows >= 230 + config.tile_m - 1
+    assert launched[0][0] == (rows // 8 * H, 1, 1) and launched[2][0] == (-(-230 // 8) * H, 1, 1)
+    assert (dk[290:] == 0).all() and (dv[290:] == 0).all() and dq.shape == q.shape
+    with pytest.raises(RuntimeError, match="deterministic"):
+        bwv.attention_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 150,
+                                     deterministic=True)
+    with pytest.raises(ValueError, match="lse"):
+        bwv.attention_varlen_backward(q, q, k, k, q, lse.t(), cu_q, cu_k, 130, 150)

@@ -89,6 +89,19 @@ def backward_grid(seqlen_k: int, heads_kv: int, batch: int, tile_n: int) -> tupl
     return (x, 1, 1)
 
 
+
+def varlen_backward_grid(max_seqlen_k: int, heads_kv: int, batch: int,
+                         tile_n: int) -> tuple[int, int, int]:
+    """main, packed batch: x walks (K/V head, key block) up to the longest sequence's keys, z
+    the batch."""
+    x = (max_seqlen_k + tile_n - 1) // tile_n * heads_kv
+    if x > MAX_GRID_X or batch > MAX_GRID_Z:
+        raise ValueError(f"{batch} sequences of up to {max_seqlen_k} keys x {heads_kv} heads do "
+                         f"not fit the grid (x {MAX_GRID_X}, z {MAX_GRID_Z})")
+    return (max(x, 1), 1, batch)
+
+
 __all__ = ["LOG2_E", "MAX_GRID_X", "MAX_GRID_Z", "CoordParam", "ScalarParam", "TensorMapParam",
            "TensorParam", "attention_grid", "backward_grid", "backward_rows_grid",
-           "check_against_entry", "combine_grid", "params_for", "varlen_grid"]
+           "check_against_entry", "combine_grid", "params_for", "varlen_backward_grid",
+           "varlen_grid"]

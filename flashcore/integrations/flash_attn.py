@@ -24,10 +24,11 @@ What differs:
 * A bad ``block_table`` raises flashcore's ``ValueError`` naming it (FlashAttention raises a
   ``RuntimeError``); ``check_lengths`` (keyword, default True) is flashcore's device-side check
   of tables and lengths (one synchronisation; False trusts them, as FlashAttention does).
-* Backward: the dense functions (``flash_attn_func`` and its packed forms) are differentiable
-  with every mask; ALiBi, the varlen functions and ``flash_attn_with_kvcache`` raise an error
-  naming what is missing when an input requires grad. ``deterministic=True`` gives the same gradients bit for bit every run (dQ's
-  adds in a fixed order), as FlashAttention's does.
+* Backward: the dense and varlen functions (and their packed forms) are differentiable with
+  every mask; ALiBi, a paged ``block_table`` and ``flash_attn_with_kvcache`` raise an error
+  naming what is missing when an input requires grad. ``deterministic=True`` gives the same
+  gradients bit for bit every run (dQ's adds in a fixed order), as FlashAttention's does, for
+  the dense functions; the varlen ones raise for it when an input requires grad.
 """
 
 from __future__ import annotations
@@ -157,6 +158,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys from its first page on (flashcore's
     ``attention_paged`` with a packed q). LSE: (heads, total_q)."""
     _unsupported(dropout_p)
+    if deterministic and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
+                                                      or v.requires_grad):
+        raise NotImplementedError("flash_attn_varlen_func: flashcore's varlen backward has no "
+                                  "deterministic form yet; pass deterministic=False")
     masks = fa_masks(causal, window_size, softcap)
     kw = _alibi_kwargs(masks, alibi_slopes)
     if block_table is None:

@@ -141,15 +141,21 @@ def attention_varlen(
     ``attention``; FlashAttention's varlen causal mask is ``mask_align="bottom_right"``.
     ``alibi_slopes`` as in ``attention``, (batch, heads) giving sequence b its row. Returns
     out (total_q, heads, head_dim) and, with ``return_lse``, the float32 LSE (heads, total_q).
+    Differentiable (16-bit, head dims 64 and 128, every mask; not with ALiBi) through the
+    registered op, whose backward is ``flashcore.ops.backward.attention_varlen_backward``; no
+    deterministic form yet.
     ``check_lengths``: see ``flashcore.ops.serving`` (what is checked, what is trusted)."""
-    if _tracing(q):
+    grad = not allow_no_grad and needs_grad(q, k, v)
+    if grad:
+        why = "ALiBi" if alibi_slopes is not None else why_no_backward(q, k)
+        if why is not None:
+            check_grad(q, k, v, why)
+    if _tracing(q) or grad:  # tracing or autograd: the registered op
         return attention_varlen_op(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, mask_align=mask_align,
             window=window, softcap=softcap, tile=tile, config=config, out=out,
             check_lengths=check_lengths, alibi_slopes=alibi_slopes)
-    if not allow_no_grad:
-        check_grad(q, k, v)
     return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       softmax_scale, return_lse, mask_align=mask_align, window=window,
                       softcap=softcap, tile=tile, config=config, out=out,

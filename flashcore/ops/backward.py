@@ -11,7 +11,8 @@ top-left as torch's ``is_causal`` or bottom-right, sliding windows, soft-capping
 scale, grouped-query attention (dK and dV summed over a K/V head's query heads inside one CTA:
 deterministic). dQ's adds run in any order unless ``deterministic`` (or
 ``torch.use_deterministic_algorithms(True)``) asks for key-block order: the same bits every
-run, for some speed. Not yet: FP8, an FP8 KV cache, the serving layouts.
+run, for some speed. A packed batch: ``flashcore.ops.backward_varlen``. Not yet: FP8, an FP8 KV cache, a paged
+cache, ALiBi.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..compiler.abi import LOG2_E, backward_grid, backward_rows_grid
+from ..compiler.abi import LOG2_E, backward_grid, backward_rows_grid, varlen_backward_grid
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..specs import BACKWARD_HEAD_DIMS, BackwardSpec, TileConfig
@@ -33,7 +35,7 @@ from ..specs.backward import (
     default_warps_m,
     parse_backward_choices,
 )
-from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg
+from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg, vector_arg
 from .masks import NO_MASK, Masking, call_masking, folded
 from .validate import (
     check_extents,
@@ -53,7 +55,7 @@ _choices_override: list[str] = []
 
 def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, causal: bool,
                    masks: Masking = NO_MASK, warps_m: tuple[int, ...] | None = None,
-                   deterministic: bool = False,
+                   deterministic: bool = False, varlen: bool = False,
                    ) -> tuple[BackwardSpec, BackwardSpec, BackwardSpec]:
     """(pre, main, post): the specs of one backward pass (``warps_m`` None: the squarest warp
     tiles, ``spec.backward.default_warps_m``)."""
@@ -63,7 +65,7 @@ def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, cau
     return (BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_pre"),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, config=config,
                          causal=causal, mask_align=align, window=window, softcap=softcap,
-                         warps_m=warps_m, deterministic=deterministic),
+                         warps_m=warps_m, deterministic=deterministic, varlen=varlen),
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_post"))
 
 
@@ -96,13 +98,14 @@ def backward_choices_override(text: str) -> Iterator[None]:
 def backward_kernels(device: int, dtype: str, head_dim: int, config: TileConfig,
                      causal: bool, masks: Masking = NO_MASK,
                      warps_m: tuple[int, ...] | None = None,
-                     deterministic: bool = False) -> tuple:
+                     deterministic: bool = False, varlen: bool = False) -> tuple:
     """The loaded (pre, main, post) kernels on CUDA device ``device``, built once."""
-    key = (device, dtype, head_dim, config, warps_m, causal, masks.spec_fields, deterministic)
+    key = (device, dtype, head_dim, config, warps_m, causal, masks.spec_fields, deterministic,
+           varlen)
     ks = _kernels.get(key)
     if ks is None:
         specs = backward_specs(arch_of(device), dtype, head_dim, config, causal, masks,
-                               warps_m, deterministic)
+                               warps_m, deterministic, varlen)
         ks = _kernels[key] = tuple(kernel_for(s, device) for s in specs)
     return ks
 
@@ -143,8 +146,8 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if dlse is not None:
         dlse = check_rows("dlse", dlse, q)
     scale = softmax_scale_of(softmax_scale, q.shape[3])
-    B, H, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
     dq = grad_buffer("dq", dq, q)
     dk = grad_buffer("dk", dk, k)
     dv = grad_buffer("dv", dv, k)
@@ -154,13 +157,36 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if negate:  # the kernels take scale >= 0: -q with |scale| has the same logits
         q, scale = torch.neg(q), -scale
     check_extents(q, k, dout)
+    launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale, causal, masks, config,
+                warps_m, bool(deterministic))
+    if negate:
+        dq.neg_()
+    return dq, dk, dv
+
+
+class Packed(NamedTuple):
+    """A packed batch's tables as the main kernel takes them."""
+
+    cu_seqlens_q: Tensor
+    cu_seqlens_k: Tensor
+    max_seqlen_k: int
+
+
+def launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale: float, causal: bool,
+                masks: Masking, config, warps_m, deterministic: bool,
+                packed: Packed | None = None) -> None:
+    """The three launches of one backward pass over (batch, heads, seq, head_dim) tensors (a
+    packed batch: (1, heads, total rows, head_dim) views and its ``packed`` tables); ``lse``,
+    ``dlse``: (batch, heads, seq) float32; ``scale`` >= 0."""
+    B, H, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
     dtype = DTYPE_NAMES[q.dtype]
     dev = q.get_device()
     if config is None:
         config, chosen = backward_choices(arch_of(dev), D)
         warps_m = chosen if warps_m is None else warps_m
     pre, main, post = backward_kernels(dev, dtype, D, config, causal, masks, warps_m,
-                                       bool(deterministic))
+                                       deterministic, packed is not None)
     # keep any copies prepared() makes alive until the launches are queued
     q, q_arg = prepared(q)
     k, k_arg = prepared(k)
@@ -169,8 +195,9 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     out, o_arg = prepared(out)
 
     # one 4-byte workspace: dQ's accumulator (B, H, rows, D), the log2 LSE and D (B, H, rows),
-    # and with ``deterministic`` the int32 turn counters (B, H, query blocks), zeroed here
-    rows = -(-Sq // ROW_PAD) * ROW_PAD
+    # and with ``deterministic`` the int32 turn counters (B, H, query blocks), zeroed here. A
+    # packed batch's last query block may reach tile_m - 1 rows past its end: padding rows.
+    rows = -(-(Sq + (config.tile_m if packed else 0)) // ROW_PAD) * ROW_PAD
     n = B * H * rows
     blocks = -(-Sq // config.tile_m) if deterministic else 0
     work = torch.empty(n * (D + 2) + B * H * blocks, dtype=torch.float32, device=q.device)
@@ -178,7 +205,13 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     dq_acc = (ptr, B, H, rows, H * rows * D, rows * D, D)
     lse2 = (ptr + 4 * n * D, B, H, rows, H * rows, rows)
     dpsum = (ptr + 4 * n * (D + 1), B, H, rows, H * rows, rows)
-    turns = ()
+    tables: tuple = ()
+    grid = backward_grid(Sk, Hkv, B, config.tile_n)
+    if packed is not None:
+        tables = (vector_arg(packed.cu_seqlens_q), vector_arg(packed.cu_seqlens_k))
+        grid = varlen_backward_grid(packed.max_seqlen_k, Hkv, packed.cu_seqlens_q.shape[0] - 1,
+                                    config.tile_n)
+    turns: tuple = ()
     if deterministic:
         work[n * (D + 2):].zero_()  # 0.0 is int32 0
         turns = ((ptr + 4 * n * (D + 2), B * H * blocks),)
@@ -188,14 +221,11 @@ def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     if dlse is not None:
         # d lse_i / d s_ij = P_ij: dS = P ∘ (dP − (D − dlse))
         work[n * (D + 1):n * (D + 2)].view(B, H, rows)[:, :, :Sq].sub_(dlse)
-    launch(main, backward_grid(Sk, Hkv, B, config.tile_n),
+    launch(main, grid,
            (q_arg, k_arg, v_arg, do_arg, lse2, dpsum, dq_acc, tensor_arg(dk), tensor_arg(dv),
-            (scale * LOG2_E,), (scale,), *masks.scalars(scale), *turns), dev)
+            (scale * LOG2_E,), (scale,), *masks.scalars(scale), *tables, *turns), dev)
     launch(post, backward_rows_grid(Sq, H, B, post.artifact.spec.rows_per_cta),
            (dq_acc, tensor_arg(dq), (scale,)), dev)
-    if negate:
-        dq.neg_()
-    return dq, dk, dv
 
 
 # -- the registered ops ------------------------------------------------------------------------

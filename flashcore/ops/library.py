@@ -12,8 +12,9 @@ once: its fake implementation is made from its signature and a function of the s
 returns (``_registered``). Eager calls of
 ``flashcore.ops.attention`` skip this layer (it costs host time) and run the same code directly.
 
-``torch.ops.flashcore.attention`` has an autograd formula (``flashcore.ops.backward``: its
-registered ``torch.ops.flashcore.attention_backward`` op) for 16-bit calls, masks included;
+``torch.ops.flashcore.attention`` and ``.attention_varlen`` have autograd formulas
+(``flashcore.ops.backward``: the registered ``attention_backward`` and
+``attention_varlen_backward`` ops) for 16-bit calls, masks included;
 its backward raises an error naming what it lacks for FP8 operands and the FP8 KV cache. The
 other ops carry a formula whose backward raises an error that says so, so a compiled model
 never trains silently through attention.
@@ -30,6 +31,7 @@ from torch import Tensor
 from ..runtime.scratch import fresh_scratch
 from ..specs import TileConfig
 from .backward import needs_grad, register_attention_backward
+from .backward_varlen import register_varlen_backward
 from .eager import explicit_config, run, run_fp8
 from .inputs import E4M3
 from .quantize import padded_keys, run_quantize
@@ -204,9 +206,10 @@ def _save_nothing(ctx, inputs, output):
     pass
 
 
-for _op in (_attention_fp8, _attention_varlen, _attention_paged):
+for _op in (_attention_fp8, _attention_paged):
     _op.register_autograd(_no_backward, setup_context=_save_nothing)
 register_attention_backward(_attention)
+register_varlen_backward(_attention_varlen)
 
 
 def _traced(res, lse, out, return_lse, op: str = "attention"):
@@ -254,10 +257,12 @@ def quantize_fp8_op(x, *, transpose, granularity, check_finite=False):
 def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal, softmax_scale, return_lse, mask_align, window, softcap, tile,
                         config, out, check_lengths, alibi_slopes=None):
-    """``flashcore.ops.attention_varlen`` through the registered op (tracing)."""
+    """``flashcore.ops.attention_varlen`` through the registered op (tracing, autograd). Under
+    grad the op always computes the LSE: its backward needs it."""
     res, lse = torch.ops.flashcore.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-        softmax_scale=softmax_scale, return_lse=return_lse, mask_align=mask_align,
+        softmax_scale=softmax_scale, return_lse=return_lse or needs_grad(q, k, v),
+        mask_align=mask_align,
         window=None if window is None else list(window),
         softcap=None if softcap is None else float(softcap),
         tile=None if tile is None else list(tile), check_lengths=check_lengths,

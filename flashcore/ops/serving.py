@@ -57,7 +57,7 @@ from .validate import (
 )
 
 
-def _pack_view(t: torch.Tensor) -> torch.Tensor:
+def pack_view(t: torch.Tensor) -> torch.Tensor:
     """(total, heads, d) -> the kernel's (1, heads, total, d) view of the same memory."""
     total, heads, d = t.shape
     st = t.stride()
@@ -155,16 +155,16 @@ def run_varlen(
                          features=(("varlen", True), *mask.features))
     q, scale = signed_query(q, scale)
     # prepared() may copy: the copies stay referenced until the launch has been issued
-    q4, q_arg = prepared(_pack_view(q))
-    k4, k_arg = prepared(_pack_view(k))
-    _v_alive, v_arg = prepared(_pack_view(v))
+    q4, q_arg = prepared(pack_view(q))
+    k4, k_arg = prepared(pack_view(k))
+    _v_alive, v_arg = prepared(pack_view(v))
     target = out if readable(out) else q.new_empty(q.shape)
     lse3 = None if lse is None else lse.view(1, heads, total_q)
     serving = Serving(True, 0, (vector_arg(cu_q), vector_arg(cu_k)), batch, max_q, max_k)
     _launch_batches(
         serving, lambda b0, b1: (vector_arg(cu_q[b0:b1 + 1]), vector_arg(cu_k[b0:b1 + 1])),
         lambda part, bias_part: launch_attention(
-            q4, k4, _pack_view(target), lse3, (q_arg, k_arg, v_arg), (), cfg, causal, scale,
+            q4, k4, pack_view(target), lse3, (q_arg, k_arg, v_arg), (), cfg, causal, scale,
             None, mask=mask, serving=part, bias=bias_part), bias)
     if target is not out:
         out.copy_(target)
@@ -329,8 +329,8 @@ def run_paged(
                              lse=lse)
     q, scale = signed_query(q, scale)
     if packed:
-        q4, q_arg = prepared(_pack_view(q))
-        o4, lse_v = _pack_view(target), None if lse is None else lse.view(1, heads, q.shape[0])
+        q4, q_arg = prepared(pack_view(q))
+        o4, lse_v = pack_view(target), None if lse is None else lse.view(1, heads, q.shape[0])
     else:
         q4, q_arg = prepared(q)
         o4, lse_v = target, lse

@@ -10,6 +10,9 @@ Three kernels make one backward pass, each a spec of its own (``op``):
   stay in registers (written once, deterministic), dQ is added into the fp32 accumulator with
   atomics. Masks as the forward's (``AttentionSpec``): ``mask_align``, ``window`` (sizes at run
   time), ``softcap`` (logits s -> c·tanh(s / c); dS gets the factor 1 − tanh²).
+  ``varlen``: a packed batch (FlashAttention's ``cu_seqlens``), Q, K, V, dO, dK, dV viewed as
+  (1, heads, total rows, head_dim) with the batch in the grid's z; the row kernels see the
+  packed rows as one sequence.
   ``deterministic``: the key blocks add into each query block's dQ rows one after another,
   the highest first (a counter per (batch, head, query block)), so dQ's sums are the same every
   run.
@@ -103,6 +106,8 @@ class BackwardSpec(SpecData, TiledKernel):
     softcap: bool = False
     # dQ adds in key-block order (``kernels/mma_sync_bwd/turns.py``): bit-identical runs
     deterministic: bool = False
+    # a packed batch: sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] of Q and of K
+    varlen: bool = False
     # warps along the rows of the S/dP (query rows), dK/dV (keys) and dQ (query rows) products;
     # () spreads each over 16-row strips first (``warp_grid``)
     warps_m: tuple[int, ...] = ()
@@ -122,7 +127,7 @@ class BackwardSpec(SpecData, TiledKernel):
         if isinstance(self.head_dim, bool) or self.head_dim not in BACKWARD_HEAD_DIMS:
             raise bad(f"head_dim={self.head_dim!r} is not supported by the backward; choose one "
                       f"of {BACKWARD_HEAD_DIMS} (the forward builds more)")
-        for name in ("causal", "window", "softcap", "deterministic"):
+        for name in ("causal", "window", "softcap", "deterministic", "varlen"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.mask_align not in MASK_ALIGNS:
@@ -132,10 +137,12 @@ class BackwardSpec(SpecData, TiledKernel):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
         if self.op != "attention_bwd":
             if (self.config != TileConfig() or self.causal or self.masked or self.warps_m
-                    or self.deterministic):
-                raise bad(f"{self.op} takes no config, causal, mask or deterministic (they "
-                          "shape the main kernel)")
+                    or self.deterministic or self.varlen):
+                raise bad(f"{self.op} takes no config, causal, mask, deterministic or varlen "
+                          "(they shape the main kernel)")
             return
+        if self.deterministic and self.varlen:
+            raise bad("deterministic is not built for a packed (varlen) batch yet")
         if self.mask_align != "top_left" and not (self.causal or self.window):
             raise bad(f"mask_align={self.mask_align!r} aligns a causal mask or a window; this "
                       "spec has neither")
@@ -180,6 +187,11 @@ class BackwardSpec(SpecData, TiledKernel):
         return self.mask_align == "bottom_right" or self.window
 
     @property
+    def paged_kv(self) -> bool:
+        """The backward reads no paged cache (``kernels.mma_sync.sequences`` asks)."""
+        return False
+
+    @property
     def threads(self) -> int:
         return self.config.threads if self.op == "attention_bwd" else ROW_THREADS
 
@@ -222,7 +234,7 @@ class BackwardSpec(SpecData, TiledKernel):
             return base
         flags = (("causal", self.causal), ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
-                 ("det", self.deterministic))
+                 ("det", self.deterministic), ("varlen", self.varlen))
         layout = "_a" + "".join(map(str, self.warps_m)) if self.warps_m else ""
         return (base + f"_{self.config.tag}" + layout
                 + "".join(f"_{n}" for n, on in flags if on))
@@ -235,8 +247,9 @@ class BackwardSpec(SpecData, TiledKernel):
             d["warps_m"] = list(self.warps_m)
         else:  # the default leaves no trace: older keys and names hold
             d.pop("warps_m", None)
-        if not self.deterministic:
-            d.pop("deterministic", None)
+        for name in ("deterministic", "varlen"):
+            if not getattr(self, name):
+                d.pop(name, None)
         return d
 
 

@@ -265,8 +265,9 @@ QUANTIZE_FP8 = Signature("quantize", (
 # units and D = rowsum(dO ∘ O) (batch, heads, rows) and the dQ accumulator (batch, heads,
 # rows, head_dim), rows = seq_q rounded up to ``spec.backward.ROW_PAD``. main: Q, K, V, dO,
 # the workspaces, dK and dV (K's shape), the exp2 softmax scale and the softmax scale, the
-# masks' sizes, and (``deterministic``) the int32 counters of key blocks done, (batch, heads,
-# query blocks) flat and contiguous, zeroed by the caller. post: the dQ accumulator, dQ (Q's shape) and the softmax
+# masks' sizes, (``varlen``) the packed batch's int32 offsets (batch + 1) of Q's rows and of
+# K's, and (``deterministic``) the int32 counters of key blocks done, (batch, heads, query
+# blocks) flat and contiguous, zeroed by the caller. post: the dQ accumulator, dQ (Q's shape) and the softmax
 # scale.
 _WORKSPACES = Group("workspaces", (Param("lse_log2", ROWS), Param("dpsum", ROWS),
                                    Param("dq_accum", BHSD, dtype=F32)))
@@ -280,6 +281,8 @@ BACKWARD = Signature("backward", (
     Group("grads", (Param("dk", BHSD), Param("dv", BHSD))),
     Group("scales", (Param("scale_log2", FLOAT), Param("scale", FLOAT))),
     MASKS,
+    Group("serving", (Param("cu_seqlens_q", INT_VECTOR, when=lambda s: s.varlen),
+                      Param("cu_seqlens_k", INT_VECTOR, when=lambda s: s.varlen))),
     Group("order", (Param("dq_turns", INT_VECTOR, when=lambda s: s.deterministic),)),
 ), kernel=_fixed("mma_sync_bwd.attention_bwd:AttentionBackward"))
 BACKWARD_POST = Signature("backward_post", (

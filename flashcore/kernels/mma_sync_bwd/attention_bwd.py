@@ -11,10 +11,14 @@ block (above a causal diagonal, top-left or bottom-right, or outside a window) a
 the post kernel scales and converts it.
 
 Inputs: Q, K, V, dO (batch, heads, seq, head_dim) 16-bit; the pre kernel's log2 LSE and D
-(batch, heads, padded rows) fp32; outputs dK, dV (K's shape). ABI:
+(batch, heads, padded rows) fp32; outputs dK, dV (K's shape). A packed batch (``varlen``): all
+of them (1, heads, total rows, ...), each sequence's rows read through its offsets
+(``mma_sync.sequences``), the batch in the grid's z. ABI:
 ``flashcore.specs.params.BACKWARD``.
 """
 
+
+from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
@@ -22,6 +26,7 @@ import cutlass.cute as cute
 from ...specs import BackwardSpec
 from ..common.copies import load_rows
 from ..common.grid import wait_for_previous_grid
+from ..mma_sync.sequences import Sequences
 from .cta import BackwardCta
 from .epilogue import store_key_grads
 from .layouts import BackwardLayouts
@@ -41,8 +46,11 @@ class AttentionBackward:
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         mK = args.inputs.k
         n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
+        batches = 1
+        if cutlass.const_expr(self.spec.varlen):  # the runtime sizes x by the longest sequence
+            batches = args.serving.cu_seqlens_k.shape[0] - 1
         self.kernel(args).launch(
-            grid=(n_blocks * mK.shape[1] * mK.shape[0], 1, 1),
+            grid=(n_blocks * mK.shape[1] * mK.shape[0], 1, batches),
             block=[self.spec.threads, 1, 1], smem=self.smem_size)
 
     @cute.kernel
@@ -52,11 +60,19 @@ class AttentionBackward:
         mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
         lay = BackwardLayouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
+        # a packed batch's offsets (the forward's reader of them; no paged cache here), read
+        # only once the grids before are done: the previous one may still be writing them
+        if cutlass.const_expr(self.spec.varlen):
+            wait_for_previous_grid(self.spec)
+        seqs = Sequences(self.spec, SimpleNamespace(
+            cu_seqlens_q=args.serving.cu_seqlens_q, cu_seqlens_k=args.serving.cu_seqlens_k,
+            block_table=None, seqlens_k=None))
         cta = BackwardCta(lay, storage, mQ, inputs.k, inputs.v, masks.window_left,
-                          masks.window_right)
+                          masks.window_right, seqs)
         cta.softcap = (masks.softcap_in, masks.softcap_out)
         cta.dq_turns = args.order.dq_turns  # None unless deterministic
-        wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
+        if cutlass.const_expr(not self.spec.varlen):
+            wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
         lo, hi = cta.query_blocks()
         per_head = cutlass.max(hi - lo, 0)
         steps = per_head * cta.q_group

@@ -8,19 +8,28 @@ from cutlass.cute.nvgpu import warp
 
 from ..common.block_info import UNBOUNDED, KeyBounds, query_blocks_seeing
 from ..common.mma import SmemOperand
+from ..mma_sync.sequences import Sequences
 from .layouts import BackwardLayouts, transposed
 
 
-def key_block_coords(mK: cute.Tensor, tile_n: int, highest_first: bool = False):
+def key_block_coords(mK: cute.Tensor, tile_n: int, highest_first: bool = False,
+                     varlen: bool = False):
     """(key block, K/V head, batch) of this CTA: the grid's x walks them, key block fastest
     (``highest_first``: from the last key block down, so a deterministic CTA's turn never waits
-    on one launched after it: ``turns.py``)."""
+    on one launched after it: ``turns.py``). A packed batch (``varlen``) has its batch in the
+    grid's z and as many key blocks per head as its longest sequence (the grid's x over the
+    heads)."""
     lin, _, _ = cute.arch.block_idx()
-    n_blocks = cute.ceil_div(mK.shape[2], tile_n)
     heads = mK.shape[1]
+    n_blocks = cute.ceil_div(mK.shape[2], tile_n)
+    if cutlass.const_expr(varlen):
+        n_blocks = cute.arch.grid_dim()[0] // heads
     n_block = lin % n_blocks
     if cutlass.const_expr(highest_first):
         n_block = n_blocks - 1 - n_block
+    if cutlass.const_expr(varlen):
+        _, _, batch = cute.arch.block_idx()
+        return n_block, (lin // n_blocks) % heads, batch
     return n_block, (lin // n_blocks) % heads, lin // n_blocks // heads
 
 
@@ -28,15 +37,19 @@ class BackwardCta:
     """Trace-time view of one CTA."""
 
     def __init__(self, lay: BackwardLayouts, storage, mQ, mK, mV, window_left=None,
-                 window_right=None):
+                 window_right=None, seqs: Sequences | None = None):
         spec, c = lay.spec, lay.spec.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.lay, self.spec, self.config = lay, spec, c
         self.tidx, _, _ = cute.arch.thread_idx()
-        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn, spec.deterministic)
+        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn, spec.deterministic,
+                                                                  spec.varlen)
         self.heads = mQ.shape[1]
         self.q_group = mQ.shape[1] // mK.shape[1]
-        self.seqlen_q, self.seqlen_k = mQ.shape[2], mK.shape[2]
+        # where this batch entry's rows live (a packed batch: its offsets' rows)
+        self.seqs = seqs
+        self.seqlen_q = seqs.query_len(mQ, self.batch)
+        self.seqlen_k = seqs.key_len(mK, self.batch)
         self.bounds = self.key_bounds(window_left, window_right)
 
         # ---- shared tiles -------------------------------------------------------------------
@@ -52,8 +65,8 @@ class BackwardCta:
 
         # ---- global->shared copies ----------------------------------------------------------
         self.g2s = g2s = lay.g2s.get_slice(self.tidx)
-        gK = cute.local_tile(mK[self.batch, self.kv_head, None, None], (tn, d), (self.n_block, 0))
-        gV = cute.local_tile(mV[self.batch, self.kv_head, None, None], (tn, d), (self.n_block, 0))
+        gK = cute.local_tile(self.key_rows(mK), (tn, d), (self.n_block, 0))
+        gV = cute.local_tile(self.key_rows(mV), (tn, d), (self.n_block, 0))
         cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d),
                               (self.n_block, 0))
         self.tKgK, self.tKsK = g2s.partition_S(gK), g2s.partition_D(self.sK)
@@ -71,6 +84,17 @@ class BackwardCta:
                                             cutlass.Float32)
         self.acc_dK.fill(0.0)
         self.acc_dV.fill(0.0)
+
+    def key_rows(self, t: cute.Tensor) -> cute.Tensor:
+        """This CTA's K/V head's rows of K-shaped ``t`` (K, V, dK, dV) as (seq, head_dim)."""
+        return self.seqs.key_rows(t, self.batch, self.kv_head)
+
+    def query_rows(self, t: cute.Tensor, head) -> cute.Tensor:
+        """Query head ``head``'s rows of Q-shaped ``t`` (Q, dO, the dQ accumulator: (seq,
+        head_dim); the row workspaces: (seq,)). A packed batch's rows past this sequence's end
+        are the next sequence's (or the workspace's padding): the walk zero-fills Q and dO
+        there and gives those rows no probability (``query_block.row_values``)."""
+        return self.seqs.query_rows(t, self.batch, head)
 
     def operands(self):
         """The ldmatrix-fed operands: Q, K, dO, V as they are (S and dP); Pᵀ, dSᵀ, dOᵀ, Qᵀ
@@ -122,7 +146,12 @@ class BackwardCta:
         return KeyBounds(spec.causal, spec.shifted_mask, spec.window, offset, left, right)
 
     def query_blocks(self):
-        """[lo, hi): the query blocks some row of which sees a key of this block."""
+        """[lo, hi): the query blocks some row of which sees a key of this block (none where
+        the block lies past a packed sequence's keys: the grid is sized by the longest)."""
         c = self.config
-        return query_blocks_seeing(self.n_block, c.tile_m, c.tile_n, self.seqlen_q,
-                                   self.seqlen_k, self.bounds, cutlass.min, cutlass.max)
+        lo, hi = query_blocks_seeing(self.n_block, c.tile_m, c.tile_n, self.seqlen_q,
+                                     self.seqlen_k, self.bounds, cutlass.min, cutlass.max)
+        if cutlass.const_expr(self.spec.varlen):
+            live = cutlass.min(cutlass.max(self.seqlen_k - self.n_block * c.tile_n, 0), 1)
+            hi = lo + cutlass.max(hi - lo, 0) * live
+        return lo, hi

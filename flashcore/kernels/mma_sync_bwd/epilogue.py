@@ -26,8 +26,7 @@ def store_tile(cta: BackwardCta, acc, smem, mOut):
     r2s_thr = r2s.get_slice(cta.tidx)
     cute.copy(r2s, r2s_thr.retile(r), r2s_thr.partition_D(smem))
     cute.arch.sync_threads()
-    gOut = cute.local_tile(mOut[cta.batch, cta.kv_head, None, None], (c.tile_n, d),
-                           (cta.n_block, 0))
+    gOut = cute.local_tile(cta.key_rows(mOut), (c.tile_n, d), (cta.n_block, 0))
     cOut = cute.local_tile(cute.make_identity_tensor((cta.seqlen_k, d)), (c.tile_n, d),
                            (cta.n_block, 0))
     r2g = lay.r2g.get_slice(cta.tidx)

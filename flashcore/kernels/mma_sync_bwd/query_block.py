@@ -28,7 +28,7 @@ def load_rows_of(cta: BackwardCta, mX, dst, head, m_block, slot):
     """cp.async the (batch, head, query block) tile of Q-shaped ``mX`` (Q or dO) into stage
     ``slot`` of its partitioned shared tile ``dst``, rows past the sequence zero-filled."""
     tm, d = cta.config.tile_m, cta.spec.head_dim
-    gX = cute.local_tile(mX[cta.batch, head, None, None], (tm, d), (None, 0))
+    gX = cute.local_tile(cta.query_rows(mX, head), (tm, d), (None, 0))
     load_block(cta.lay.g2s, cta.g2s.partition_S(gX), dst, cta.tQcQ, m_block, slot,
                cta.seqlen_q, True)
 
@@ -54,15 +54,15 @@ def issue_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, head, m_block, slot):
         # the two row vectors from different threads where there are enough
         tm, threads = cta.config.tile_m, cta.config.threads
         if cutlass.const_expr(threads >= 2 * tm):
-            block = cute.local_tile(mD[cta.batch, head, None], (tm,), (m_block,))
+            block = cute.local_tile(cta.query_rows(mD, head), (tm,), (m_block,))
             if cta.tidx >= tm:
                 e = cta.tidx - tm
                 if e < tm:
                     cute.copy(cta.lay.rows_atom, cute.local_tile(block, (1,), (e,)),
                               cute.local_tile(cta.sD[None, slot], (1,), (e,)))
         else:
-            load_row_values(cta, mD[cta.batch, head, None], cta.sD[None, slot], m_block)
-        load_row_values(cta, mLSE2[cta.batch, head, None], cta.sLSE[None, slot], m_block)
+            load_row_values(cta, cta.query_rows(mD, head), cta.sD[None, slot], m_block)
+        load_row_values(cta, cta.query_rows(mLSE2, head), cta.sLSE[None, slot], m_block)
 
 
 @cute.jit
@@ -76,15 +76,19 @@ def needs_mask(cta: BackwardCta, m_block):
 
 
 @cute.jit
-def row_values(cta: BackwardCta, block):
+def row_values(cta: BackwardCta, block, m_block=0, past_end=None):
     """This thread's rows of ``block``: a query block's (tile_m,) rows of a per-row workspace,
-    in global or shared memory."""
+    in global or shared memory. ``past_end`` (a packed batch): the value of rows past the
+    sequence's end, which hold the next sequence's."""
     c = cta.config
     rows = mn_view(cta.thr_sdp.partition_C(cute.make_identity_tensor((c.tile_m, c.tile_n))))
     n = cute.size(rows, mode=[0])
     values = cute.make_rmem_tensor(n, cutlass.Float32)
     for r in cutlass.range_constexpr(n):
         values[r] = block[rows[r, 0][0]]
+        if cutlass.const_expr(past_end is not None):  # noqa: SIM102 - trace time, then run time
+            if m_block * c.tile_m + rows[r, 0][0] >= cta.seqlen_q:
+                values[r] = past_end
     return values
 
 
@@ -115,12 +119,16 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
     c, d = cta.config, cta.spec.head_dim
     staged = cta.spec.prefetch_rows
     tm, tn = c.tile_m, c.tile_n
+    # a packed batch's rows past the sequence: log2 LSE +inf, so P = 0 there (as the
+    # workspace's padding rows hold it)
+    past_end = cutlass.Float32.inf if cutlass.const_expr(cta.spec.varlen) else None
     if cutlass.const_expr(staged):
-        lse2 = row_values(cta, cta.sLSE[None, slot])
+        lse2 = row_values(cta, cta.sLSE[None, slot], m_block, past_end)
         dpsum = row_values(cta, cta.sD[None, slot])
     else:  # issued before the MMAs, whose time hides the loads' latency
-        lse2 = row_values(cta, cute.local_tile(mLSE2[cta.batch, head, None], (tm,), (m_block,)))
-        dpsum = row_values(cta, cute.local_tile(mD[cta.batch, head, None], (tm,), (m_block,)))
+        lse2 = row_values(cta, cute.local_tile(cta.query_rows(mLSE2, head), (tm,), (m_block,)),
+                          m_block, past_end)
+        dpsum = row_values(cta, cute.local_tile(cta.query_rows(mD, head), (tm,), (m_block,)))
 
     acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tm, tn)), cutlass.Float32)
     acc_S.fill(0.0)
@@ -179,7 +187,7 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
     acc_dQ.fill(0.0)
     gemm_ss(cta.lay.mma_dq, acc_dQ, cta.ds, cta.ds.smem, cta.kt, cta.kt.smem)
-    gdQ = cute.local_tile(mdQacc[cta.batch, head, None, None], (tm, d), (m_block, 0))
+    gdQ = cute.local_tile(cta.query_rows(mdQacc, head), (tm, d), (m_block, 0))
     if cutlass.const_expr(cta.spec.deterministic):
         wait_turn(cta.dq_turns, turn_index(cta, head, m_block),
                   dq_turn(m_block, cta.n_block, tm, tn, cta.seqlen_q, cta.seqlen_k, cta.bounds,
