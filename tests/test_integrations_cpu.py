@@ -660,3 +660,28 @@ def test_transformers_sliding_window_and_softcap_reach_the_op(fake):
     keep = fc_tf.sdpa_fallback.keep_mask(None, 9, 9, True, (3, 0), q.device)
     alt = fc_tf.sdpa_fallback.attention(q, k, v, keep, 0.1, 20.0, 0.0, False)
     _close(alt.transpose(1, 2), want)
+
+
+def test_transformers_training_with_padding_stays_on_flashcore(fake, llama_pair):
+    """A fine-tuning step on a left-padded batch: the padded attention runs as
+    ``attention_varlen`` (which has a backward) and the parameters' gradients are SDPA's."""
+    ours, theirs = llama_pair
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3] = 0
+    for model in (ours, theirs):
+        model.train()
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+    assert fc_tf.fallback_count() == 0
+    assert {c[0] for c in fake.calls} == {"attention_varlen"}
+    named = dict(theirs.named_parameters())
+    checked = 0
+    for name, p in ours.named_parameters():
+        if "self_attn" in name and p.grad is not None:
+            want = named[name].grad.double()
+            assert want.abs().max() > 0, name
+            err = (p.grad.double() - want).abs().max() / want.abs().max()
+            assert err < 0.05, (name, err.item())
+            checked += 1
+    assert checked >= 4
