@@ -71,6 +71,9 @@ def backward_implementations() -> dict[str, Impl]:
     ``flash_attn.cute`` imports, FlexAttention compiled."""
     from torch.nn.attention import SDPBackend
 
+    # the backward alone is timed by replaying autograd.grad of one forward (retain_graph),
+    # which a compiled backward refuses while it donates its saved buffers (FlexAttention's)
+    torch._functorch.config.donated_buffer = False
     impls: dict[str, Impl | None] = {
         "flashcore": _flashcore(),
         "flashcore-det": _flashcore(deterministic=True),
