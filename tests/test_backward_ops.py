@@ -236,7 +236,8 @@ def _varlen_call(**changes):
             "max_seqlen_q": 6, "max_seqlen_k": 5, "causal": True, "softmax_scale": 0.3,
             "return_lse": False, "mask_align": "bottom_right", "window": [3, 0],
             "softcap": None, "tile": None, "warps": None, "stages": None, "kv_splits": None,
-            "check_lengths": False, "config": None, "alibi_slopes": None}
+            "check_lengths": False, "config": None, "alibi_slopes": None,
+            "deterministic": False}
     args.update(changes)
     return tuple(args[name] for name in bwv._varlen_input_names())
 
@@ -264,7 +265,8 @@ def test_varlen_autograd_hands_the_backward_the_call(monkeypatch):
     assert len(grads) == len(bwv._varlen_input_names())
     a = seen["args"]
     assert a[6].tolist() == [0, 4, 10] and a[7].tolist() == [0, 5, 9] and a[8:10] == (6, 5)
-    assert a[10:] == (True, 0.3, None, "bottom_right", [3, 0], None, False)
+    assert a[10:] == (True, 0.3, None, "bottom_right", [3, 0], None, False, False)
+    assert _varlen_ctx(_varlen_call(deterministic=True)).deterministic
     for changes, reason in (({"alibi_slopes": torch.ones(2)}, "ALiBi"),
                             ({"q": torch.empty(10, 2, 96, dtype=torch.float16)}, "head_dim")):
         with pytest.raises(RuntimeError, match=reason):
@@ -276,7 +278,7 @@ def test_varlen_autograd_hands_the_backward_the_call(monkeypatch):
 def test_varlen_backward_launches_with_the_offsets_and_the_batch_in_z(monkeypatch):
     """The main launch: (longest keys' blocks x K/V heads, 1, batch), the offsets after the
     masks' sizes; the workspace rows cover a query block running past the last sequence; k's
-    rows outside every sequence are 0; deterministic is refused by name."""
+    rows outside every sequence are 0; deterministic adds zeroed counters."""
     launched, loaded, buffers = [], [], []
 
     def kernels(dev, dtype, d, config, causal, masks, warps_m, det, varlen):
@@ -316,8 +318,16 @@ def test_varlen_backward_launches_with_the_offsets_and_the_batch_in_z(monkeypatc
     assert rows % bw.ROW_PAD == 0 and rows >= 230 + config.tile_m - 1
     assert launched[0][0] == (rows // 8 * H, 1, 1) and launched[2][0] == (-(-230 // 8) * H, 1, 1)
     assert (dk[290:] == 0).all() and (dv[290:] == 0).all() and dq.shape == q.shape
-    with pytest.raises(RuntimeError, match="deterministic"):
-        bwv.attention_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 150,
-                                     deterministic=True)
+    # deterministic: a counter per (sequence, head, query block of the longest sequence)
+    launched.clear()
+    buffers.clear()
+    bwv.attention_varlen_backward(q, q, k, k, q, lse, cu_q, cu_k, 130, 150, True,
+                                  mask_align="bottom_right", check_lengths=False,
+                                  deterministic=True)
+    counters = 3 * H * -(-130 // config.tile_m)
+    ptr, n = launched[1][1][-1]
+    assert n == counters and buffers[0].numel() == rows * H * (D + 2) + counters
+    assert ptr == buffers[0].data_ptr() + 4 * rows * H * (D + 2)
+    assert (buffers[0][rows * H * (D + 2):].view(torch.int32) == 0).all()
     with pytest.raises(ValueError, match="lse"):
         bwv.attention_varlen_backward(q, q, k, k, q, lse.t(), cu_q, cu_k, 130, 150)

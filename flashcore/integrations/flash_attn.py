@@ -27,8 +27,7 @@ What differs:
 * Backward: the dense and varlen functions (and their packed forms) are differentiable with
   every mask; ALiBi, a paged ``block_table`` and ``flash_attn_with_kvcache`` raise an error
   naming what is missing when an input requires grad. ``deterministic=True`` gives the same
-  gradients bit for bit every run (dQ's adds in a fixed order), as FlashAttention's does, for
-  the dense functions; the varlen ones raise for it when an input requires grad.
+  gradients bit for bit every run (dQ's adds in a fixed order), as FlashAttention's does.
 """
 
 from __future__ import annotations
@@ -158,16 +157,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     has cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys from its first page on (flashcore's
     ``attention_paged`` with a packed q). LSE: (heads, total_q)."""
     _unsupported(dropout_p)
-    if deterministic and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
-                                                      or v.requires_grad):
-        raise NotImplementedError("flash_attn_varlen_func: flashcore's varlen backward has no "
-                                  "deterministic form yet; pass deterministic=False")
     masks = fa_masks(causal, window_size, softcap)
     kw = _alibi_kwargs(masks, alibi_slopes)
     if block_table is None:
         res = ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                    max_seqlen_k, masks.causal, softmax_scale, return_attn_probs,
-                                   check_lengths=check_lengths, **kw)
+                                   check_lengths=check_lengths, deterministic=deterministic,
+                                   **kw)
     else:
         seqlens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
         res = ops.attention_paged(q, k, v, block_table, seqlens_k, masks.causal, softmax_scale,

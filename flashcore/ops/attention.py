@@ -133,6 +133,7 @@ def attention_varlen(
     check_lengths: bool = True,
     alibi_slopes: torch.Tensor | None = None,
     allow_no_grad: bool = False,
+    deterministic: bool = False,
 ):
     """Attention over a packed batch: sequence ``b`` is rows ``cu_seqlens_q[b] ..
     cu_seqlens_q[b + 1]`` of q (total_q, heads, head_dim) and rows ``cu_seqlens_k[b] ..
@@ -142,8 +143,8 @@ def attention_varlen(
     ``alibi_slopes`` as in ``attention``, (batch, heads) giving sequence b its row. Returns
     out (total_q, heads, head_dim) and, with ``return_lse``, the float32 LSE (heads, total_q).
     Differentiable (16-bit, head dims 64 and 128, every mask; not with ALiBi) through the
-    registered op, whose backward is ``flashcore.ops.backward.attention_varlen_backward``; no
-    deterministic form yet.
+    registered op, whose backward is ``flashcore.ops.backward_varlen``; ``deterministic`` as
+    in ``attention``.
     ``check_lengths``: see ``flashcore.ops.serving`` (what is checked, what is trusted)."""
     grad = not allow_no_grad and needs_grad(q, k, v)
     if grad:
@@ -155,7 +156,7 @@ def attention_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, mask_align=mask_align,
             window=window, softcap=softcap, tile=tile, config=config, out=out,
-            check_lengths=check_lengths, alibi_slopes=alibi_slopes)
+            check_lengths=check_lengths, alibi_slopes=alibi_slopes, deterministic=deterministic)
     return run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                       softmax_scale, return_lse, mask_align=mask_align, window=window,
                       softcap=softcap, tile=tile, config=config, out=out,

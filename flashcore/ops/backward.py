@@ -169,6 +169,7 @@ class Packed(NamedTuple):
 
     cu_seqlens_q: Tensor
     cu_seqlens_k: Tensor
+    max_seqlen_q: int
     max_seqlen_k: int
 
 
@@ -195,12 +196,17 @@ def launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale: float, causal:
     out, o_arg = prepared(out)
 
     # one 4-byte workspace: dQ's accumulator (B, H, rows, D), the log2 LSE and D (B, H, rows),
-    # and with ``deterministic`` the int32 turn counters (B, H, query blocks), zeroed here. A
-    # packed batch's last query block may reach tile_m - 1 rows past its end: padding rows.
+    # and with ``deterministic`` the int32 turn counters (batch, H, query blocks: a packed
+    # batch's sequences, its longest one's), zeroed here. A packed batch's last query block may
+    # reach tile_m - 1 rows past its end: padding rows.
     rows = -(-(Sq + (config.tile_m if packed else 0)) // ROW_PAD) * ROW_PAD
     n = B * H * rows
-    blocks = -(-Sq // config.tile_m) if deterministic else 0
-    work = torch.empty(n * (D + 2) + B * H * blocks, dtype=torch.float32, device=q.device)
+    counters = 0
+    if deterministic:
+        seqs, longest = (B, Sq) if packed is None else (
+            packed.cu_seqlens_q.shape[0] - 1, packed.max_seqlen_q)
+        counters = seqs * H * -(-longest // config.tile_m)
+    work = torch.empty(n * (D + 2) + counters, dtype=torch.float32, device=q.device)
     ptr = work.data_ptr()
     dq_acc = (ptr, B, H, rows, H * rows * D, rows * D, D)
     lse2 = (ptr + 4 * n * D, B, H, rows, H * rows, rows)
@@ -214,7 +220,7 @@ def launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale: float, causal:
     turns: tuple = ()
     if deterministic:
         work[n * (D + 2):].zero_()  # 0.0 is int32 0
-        turns = ((ptr + 4 * n * (D + 2), B * H * blocks),)
+        turns = ((ptr + 4 * n * (D + 2), counters),)
 
     launch(pre, backward_rows_grid(rows, H, B, pre.artifact.spec.rows_per_cta),
            (o_arg, do_arg, rows_arg(lse), lse2, dpsum, dq_acc), dev)

@@ -7,13 +7,12 @@ The same three kernels as the dense backward (``flashcore.ops.backward``) over t
 viewed as one (1, heads, total rows, head_dim) batch: the row kernels see one long sequence,
 the main kernel (``BackwardSpec.varlen``) reads each sequence's rows and keys through the
 int32 offsets, with the batch in the grid's z and as many key blocks per head as the longest
-sequence has. Rows of a query block past its sequence's end get no probability. No
-deterministic form yet.
+sequence has. Rows of a query block past its sequence's end get no probability.
+``deterministic``: dQ's adds take turns as the dense backward's do, per (sequence, head, query
+block).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 from torch import Tensor
@@ -49,17 +48,11 @@ def attention_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
     k and v (total_k, heads_kv, head_dim), the forward's natural-log ``lse`` (float32 (heads,
     total_q)), the same int32 offsets, lengths and masks as the forward call. New tensors;
     rows of k that no sequence holds get 0. ``check_lengths``: the offsets are checked on the
-    device first (one synchronisation), as the forward does. No deterministic form yet: asked
-    for (or torch's deterministic mode), it raises (or warns, in torch's warn-only mode)."""
+    device first (one synchronisation), as the forward does. ``deterministic``: as
+    ``attention_backward``'s (None: torch's deterministic mode)."""
     op = "attention_varlen_backward"
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    if deterministic:
-        msg = (f"{op} has no deterministic form yet (dQ's adds across key blocks run in any "
-               "order)")
-        if not torch.is_deterministic_algorithms_warn_only_enabled():
-            raise RuntimeError(msg)
-        warnings.warn(msg, stacklevel=2)
     for name, t in (("q", q), ("k", k), ("v", v), ("dout", dout), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{op}: {name} must be a (total, heads, head_dim) tensor, got "
@@ -95,8 +88,8 @@ def attention_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
         q4, scale = pack_view(torch.neg(q)), -scale
     check_extents(q4, k4, pack_view(dout))
     launch_pass(q4, k4, v4, pack_view(dout), pack_view(out), lse3, dlse3, pack_view(dq),
-                pack_view(dk), pack_view(dv), scale, causal, masks, config, warps_m, False,
-                Packed(cu_q, cu_k, max_k))
+                pack_view(dk), pack_view(dv), scale, causal, masks, config, warps_m,
+                bool(deterministic), Packed(cu_q, cu_k, max_q, max_k))
     if negate:
         dq.neg_()
     return dq, dk, dv
@@ -110,18 +103,19 @@ def _attention_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, ou
                                softmax_scale: float | None = None, dlse: Tensor | None = None,
                                mask_align: str = "top_left", window: list[int] | None = None,
                                softcap: float | None = None, check_lengths: bool = True,
+                               deterministic: bool = False,
                                ) -> tuple[Tensor, Tensor, Tensor]:
     return attention_varlen_backward(
         dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         causal, softmax_scale, mask_align=mask_align,
         window=None if window is None else tuple(window), softcap=softcap, dlse=dlse,
-        check_lengths=check_lengths)
+        check_lengths=check_lengths, deterministic=deterministic)
 
 
 @_attention_varlen_backward.register_fake
 def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
       causal=False, softmax_scale=None, dlse=None, mask_align="top_left", window=None,
-      softcap=None, check_lengths=True):
+      softcap=None, check_lengths=True, deterministic=False):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
@@ -147,6 +141,9 @@ def setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:
     for name in ("causal", "softmax_scale", "mask_align", "window", "softcap", "return_lse",
                  "max_seqlen_q", "max_seqlen_k", "check_lengths"):
         setattr(ctx, name, args[name])
+    # asked of the call, or of torch, when the forward runs (as FlashAttention takes it)
+    ctx.deterministic = bool(args.get("deterministic")) or (
+        torch.are_deterministic_algorithms_enabled())
     ctx.save_for_backward(q, args["k"], args["v"], out, lse, args["cu_seqlens_q"],
                           args["cu_seqlens_k"])
 
@@ -160,7 +157,8 @@ def varlen_op_backward(ctx, dout: Tensor, dlse: Tensor | None):
     dq, dk, dv = torch.ops.flashcore.attention_varlen_backward(
         dout, q, k, v, out, lse, cu_q, cu_k, ctx.max_seqlen_q, ctx.max_seqlen_k, ctx.causal,
         ctx.softmax_scale, dlse if ctx.return_lse else None, ctx.mask_align,
-        None if ctx.window is None else list(ctx.window), ctx.softcap, ctx.check_lengths)
+        None if ctx.window is None else list(ctx.window), ctx.softcap, ctx.check_lengths,
+        ctx.deterministic)
     return (dq, dk, dv) + (None,) * (ctx.inputs - 3)
 
 

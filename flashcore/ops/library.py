@@ -166,7 +166,9 @@ def _attention_varlen(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                       tile: list[int] | None = None, warps: int | None = None,
                       stages: int | None = None, kv_splits: int | None = None,
                       check_lengths: bool = True, config: str | None = None,
-                      alibi_slopes: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                      alibi_slopes: Tensor | None = None,
+                      deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    # ``deterministic`` shapes the backward only (``backward_varlen.setup_varlen_context``)
     res = run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                      softmax_scale, return_lse, mask_align=mask_align,
                      window=None if window is None else tuple(window), softcap=softcap,
@@ -256,7 +258,7 @@ def quantize_fp8_op(x, *, transpose, granularity, check_finite=False):
 
 def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                         causal, softmax_scale, return_lse, mask_align, window, softcap, tile,
-                        config, out, check_lengths, alibi_slopes=None):
+                        config, out, check_lengths, alibi_slopes=None, deterministic=False):
     """``flashcore.ops.attention_varlen`` through the registered op (tracing, autograd). Under
     grad the op always computes the LSE: its backward needs it."""
     res, lse = torch.ops.flashcore.attention_varlen(
@@ -266,7 +268,7 @@ def attention_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         window=None if window is None else list(window),
         softcap=None if softcap is None else float(softcap),
         tile=None if tile is None else list(tile), check_lengths=check_lengths,
-        config=_config_arg(config), alibi_slopes=alibi_slopes)
+        config=_config_arg(config), alibi_slopes=alibi_slopes, deterministic=deterministic)
     return _traced(res, lse, out, return_lse, "attention_varlen")
 
 

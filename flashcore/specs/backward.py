@@ -141,8 +141,6 @@ class BackwardSpec(SpecData, TiledKernel):
                 raise bad(f"{self.op} takes no config, causal, mask, deterministic or varlen "
                           "(they shape the main kernel)")
             return
-        if self.deterministic and self.varlen:
-            raise bad("deterministic is not built for a packed (varlen) batch yet")
         if self.mask_align != "top_left" and not (self.causal or self.window):
             raise bad(f"mask_align={self.mask_align!r} aligns a causal mask or a window; this "
                       "spec has neither")

@@ -105,7 +105,13 @@ def capped_slopes(S: cute.Tensor, dP: cute.Tensor, dpsum, scale_in):
 @cute.jit
 def turn_index(cta: BackwardCta, head, m_block):
     """Where (batch, head, query block)'s counter sits among the flat counters: only their
-    base pointer stays live through the kernel."""
+    base pointer stays live through the kernel. A packed batch's sequences each have as many
+    counters a head as its longest sequence has query blocks: the counters' count over the
+    (sequence, head) pairs."""
+    if cutlass.const_expr(cta.spec.varlen):
+        pairs = (cta.seqs.cu_q.shape[0] - 1) * cta.heads
+        blocks = cta.dq_turns.shape[0] // pairs
+        return (cta.batch * cta.heads + head) * blocks + m_block
     blocks = cute.ceil_div(cta.seqlen_q, cta.config.tile_m)
     return ((cta.batch * cta.heads + head) * blocks + m_block)
 
