@@ -193,11 +193,19 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
     acc_dQ.fill(0.0)
     gemm_ss(cta.lay.mma_dq, acc_dQ, cta.ds, cta.ds.smem, cta.kt, cta.kt.smem)
-    gdQ = cute.local_tile(cta.query_rows(mdQacc, head), (tm, d), (m_block, 0))
+    add_dq(cta, acc_dQ, mdQacc, head, m_block)
+
+
+@cute.jit
+def add_dq(cta: BackwardCta, acc_dQ, mdQacc, head, m_block):
+    """This block's dQ into the fp32 accumulator (``deterministic``: at this key block's turn,
+    ``turns.py``)."""
+    c, d = cta.config, cta.spec.head_dim
+    gdQ = cute.local_tile(cta.query_rows(mdQacc, head), (c.tile_m, d), (m_block, 0))
     if cutlass.const_expr(cta.spec.deterministic):
         wait_turn(cta.dq_turns, turn_index(cta, head, m_block),
-                  dq_turn(m_block, cta.n_block, tm, tn, cta.seqlen_q, cta.seqlen_k, cta.bounds,
-                          cutlass.min), cta.tidx)
+                  dq_turn(m_block, cta.n_block, c.tile_m, c.tile_n, cta.seqlen_q, cta.seqlen_k,
+                          cta.bounds, cutlass.min), cta.tidx)
     add_into(acc_dQ, cta.thr_dq.partition_C(gdQ), cta.spec.arch == "sm_90")
     if cutlass.const_expr(cta.spec.deterministic):
         pass_turn(cta.dq_turns, turn_index(cta, head, m_block), cta.tidx)
