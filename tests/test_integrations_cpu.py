@@ -685,3 +685,22 @@ def test_transformers_training_with_padding_stays_on_flashcore(fake, llama_pair)
             assert err < 0.05, (name, err.item())
             checked += 1
     assert checked >= 4
+
+
+def test_kvcache_checks_the_lengths_once_a_step(fake):
+    """An append's room check covers what the attention's own check would read back (lengths
+    + new inside the cache, the table's used pages): one read-back a decode step, not two.
+    Without new keys the attention still checks the caller's lengths; check_lengths=False
+    checks nothing."""
+    lens = torch.tensor([3, 17], dtype=torch.int32)
+    _name, _args, kw = _dense_cache_call(fake, lens)
+    assert kw["check_lengths"] is False
+    _name, _args, kw = _dense_cache_call(fake, lens, check_lengths=False)
+    assert kw["check_lengths"] is False
+    kc, vc = _randn(2, 16, 2, 64, seed=1), _randn(2, 16, 2, 64, seed=2)
+    q = _randn(2, 1, 4, 64, seed=3)
+    fa.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5, 16],
+                                                                      dtype=torch.int32))
+    assert fake.calls[-1][0] == "attention_paged" and fake.calls[-1][2]["check_lengths"]
+    with pytest.raises(ValueError, match="over the cache"):
+        _dense_cache_call(fake, torch.tensor([3, 95], dtype=torch.int32))

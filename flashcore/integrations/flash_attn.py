@@ -265,6 +265,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     start = (None if cache_leftpad is None else
              kv_cache.as_lengths(cache_leftpad, batch, q.device, "cache_leftpad"))
+    # the attention's own check of its lengths and table (a second read-back) is left out when
+    # the room check has covered them: lengths + new inside the cache, the table's used pages
+    recheck = check_lengths
     if (check_lengths and (start is not None or k is not None or rows is not None)
             and _checkable()):
         faults = [] if start is None else kv_cache.leftpad_faults(start, lengths)
@@ -272,6 +275,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             faults += kv_cache.row_faults(rows, k_cache.shape[0])
         if k is not None:
             faults += kv_cache.room_faults(lengths, new, capacity, block_table, pages)
+            recheck = False
         kv_cache.raise_faults(faults)
 
     per_token = masks.causal or masks.window is not None
@@ -324,7 +328,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     res = ops.attention_paged(q.transpose(1, 2), k_pages, v_pages, table, seqlens,
                               masks.causal, softmax_scale, return_softmax_lse,
                               num_splits=splits, out=out.transpose(1, 2),
-                              check_lengths=check_lengths, **_alibi_kwargs(masks, alibi_slopes))
+                              check_lengths=recheck, **_alibi_kwargs(masks, alibi_slopes))
     return (out, res[1]) if return_softmax_lse else out
 
 
