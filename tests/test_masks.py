@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
@@ -311,6 +311,50 @@ def test_folded_masks_keep_every_rows_keys(sq, sk, causal, align, window, softca
     finite = torch.isfinite(lse)
     torch.testing.assert_close(f_lse[finite], lse[finite], rtol=1e-12, atol=1e-12)
     assert (f_masks.softcap, f_masks.alibi) == (masks.softcap, masks.alibi)
+
+
+@settings(max_examples=200, deadline=None)
+@given(longest=st.tuples(st.integers(1, 9), st.integers(1, 9)),
+       lengths=st.lists(st.tuples(st.integers(0, 9), st.integers(0, 9)), min_size=1,
+                        max_size=4),
+       causal=st.booleans(), align=st.sampled_from(["top_left", "bottom_right"]),
+       window=st.one_of(st.none(), st.tuples(st.integers(-1, 12), st.integers(-1, 12))),
+       alibi=st.booleans())
+@example(longest=(5, 5), lengths=[(3, 5), (5, 2)], causal=True, align="bottom_right",
+         window=None, alibi=False)  # equal longest lengths: still bottom-right
+@example(longest=(1, 9), lengths=[(1, 4), (0, 2)], causal=True, align="bottom_right",
+         window=(3, 0), alibi=True)
+def test_serving_folds_keep_every_sequences_keys(longest, lengths, causal, align, window,
+                                                 alibi):
+    """``exact=False`` folds from the longest lengths of a batch (varlen's max_seqlen_q/k, a
+    paged cache's capacity) hold for every shorter sequence too."""
+    if causal and window is not None and window[1] > 0:
+        window = (window[0], 0)
+    masks = masking(causal, align, window, None, alibi)
+    f_causal, f_masks = folded(causal, masks, *longest, exact=False)
+    slopes = torch.tensor([0.5, 0.125], dtype=torch.float64)
+    for sq, sk in lengths:
+        sq, sk = min(sq, longest[0]), min(sk, longest[1])
+        if 0 in (sq, sk):
+            continue
+        g = torch.Generator().manual_seed(sq * 31 + sk)
+        q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64)
+                   for n in (sq, sk, sk))
+
+        def run(c, m, q=q, k=k, v=v):
+            return reference.attention(q, k, v, causal=c, mask_align=m.align, window=m.window,
+                                       return_lse=True, alibi_slopes=slopes if m.alibi else None)
+
+        (out, lse), (f_out, f_lse) = run(causal, masks), run(f_causal, f_masks)
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(f_lse)), (sq, sk)
+        torch.testing.assert_close(f_out, out, rtol=1e-12, atol=1e-12)
+
+
+def test_serving_folds_drop_the_decode_diagonal_but_not_an_equal_length_alignment():
+    br = masking(True, "bottom_right", None, None)
+    assert folded(True, br, 1, 4096, exact=False) == (False, Masking())  # decode
+    assert folded(True, br, 64, 64, exact=False) == (True, br)  # shorter sequences shift
+    assert folded(True, br, 64, 64) == (True, Masking())  # dense: S_q = S_k is top-left
 
 
 def test_folds_pick_the_canonical_masks():

@@ -112,9 +112,13 @@ def call_masking(causal, align: str, window, softcap, alibi: bool = False) -> Ma
                    softcap, alibi)
 
 
-def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int) -> tuple[bool, Masking]:
+def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int,
+           exact: bool = True) -> tuple[bool, Masking]:
     """The same attention of a dense (seqlen_q, seqlen_k) call with the fewest mask features,
     so the canonical spec runs (and the fast families, which build fewer masks, can run it).
+    ``exact=False``: the lengths are the longest of a serving batch's sequences (any sequence
+    may be shorter), where every rule below holds but the alignment one (S_q = S_k for the
+    longest says nothing of the others).
 
     Query i sees keys i + offset - left .. i + offset + right (offset: S_k - S_q bottom-right,
     else 0; right 0 when causal). Each rule keeps every row's keys exactly:
@@ -139,7 +143,7 @@ def folded(causal: bool, masks: Masking, seqlen_q: int, seqlen_k: int) -> tuple[
     if causal and window is None and offset >= seqlen_k - 1:
         causal = False
     align = masks.align
-    if offset == 0 or not (causal or window is not None or masks.alibi):
+    if (offset == 0 and exact) or not (causal or window is not None or masks.alibi):
         align = "top_left"
     if (align, window) == (masks.align, masks.window):
         return causal, masks

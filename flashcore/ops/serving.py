@@ -37,7 +37,7 @@ from ..tuned import table as tuned_table
 from .eager import resolve_config
 from .inputs import DTYPE_NAMES, E4M3, matrix_arg, prepared, readable, vector_arg
 from .launcher import Serving, launch_attention, launch_plan, planned
-from .masks import call_masking
+from .masks import call_masking, folded
 from .table_checks import checking, cu_seqlens_faults, raise_faults, table_faults
 from .validate import (
     INT32_MAX,
@@ -137,6 +137,7 @@ def run_varlen(
     if max(q.shape[0], k.shape[0]) > INT32_MAX:
         raise op_error(op, "a packed tensor has over 2**31 - 1 rows")
     mask = call_masking(causal, mask_align, window, softcap, alibi_slopes is not None)
+    causal, mask = folded(causal, mask, max_q, max_k, exact=False)
     scale = softmax_scale_of(softmax_scale, q.shape[2])
     total_q, heads, d = q.shape
     _slopes, bias = _alibi(op, alibi_slopes, cu_q.shape[0] - 1, heads, q, scale)
@@ -284,6 +285,7 @@ def run_paged(
     if max_k > INT32_MAX:  # the kernels bound a sequence's keys by this, in 32 bits
         raise op_error(op, f"block_table's {max_pages} pages x {page_size} keys is over 2**31 - 1 "
                         "keys a sequence")
+    causal, mask = folded(causal, mask, max_q, max_k, exact=False)  # e.g. decode: no diagonal
     given = out
     out = _check_serving_out(op, out, q, {
         "q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table,
