@@ -26,6 +26,10 @@ backward passes flashcore does not have (a static cache's row lengths, head dims
 ``fallback_count()``, ``fallback_reasons()``. Under ``torch.compile`` a fallback is counted
 when traced, not per call.
 
+transformers' continuous batching (``generate_batch``, its paged cache) accepts only
+'paged|eager', 'sdpa' and FlashAttention-named implementations (which it loads from flash_attn
+or the Hub), so a registered backend cannot serve it.
+
 Sliding windows follow transformers' masks: causal, a window of ``sliding_window`` keys
 counting the current one (flashcore ``window=(sliding_window - 1, 0)``); bidirectional, keys at
 distance <= ``sliding_window``. ``softcap`` is flashcore's. The plain causal path traces
