@@ -26,7 +26,7 @@ backward passes flashcore does not have (a static cache's row lengths, head dims
 ``fallback_count()``, ``fallback_reasons()``. Under ``torch.compile`` a fallback is counted
 when traced, not per call.
 
-transformers' continuous batching (``generate_batch``, its paged cache) accepts only
+transformers 5.24's continuous batching (``generate_batch``, its paged cache) accepts only
 'paged|eager', 'sdpa' and FlashAttention-named implementations (which it loads from flash_attn
 or the Hub), so a registered backend cannot serve it.
 
