@@ -38,7 +38,7 @@ def _call(**changes):
             "k_descale": None, "v_descale": None, "mask_align": "top_left", "window": None,
             "softcap": None, "config": None, "alibi_slopes": None, "deterministic": False}
     args.update(changes)
-    return tuple(args[name] for name in bw._input_names())
+    return tuple(args[name] for name in bw.input_names("attention"))
 
 
 def _ctx(inputs, lse_rows: int = 6):
@@ -46,6 +46,18 @@ def _ctx(inputs, lse_rows: int = 6):
     out = torch.empty(1, 2, 3, 64, dtype=torch.float16)
     bw.setup_attention_context(ctx, inputs, (out, torch.empty(lse_rows)))
     return ctx
+
+
+def _recorded(monkeypatch, op: str) -> dict:
+    """Replace ``torch.ops.flashcore.<op>`` by a recorder of its arguments ("args")."""
+    seen: dict = {}
+
+    def fake_backward(*args):
+        seen["args"] = args
+        return tuple(torch.empty(1) for _ in range(3))
+
+    monkeypatch.setattr(torch.ops.flashcore, op, fake_backward)
+    return seen
 
 
 def test_setup_context_saves_what_the_backward_needs():
@@ -72,13 +84,7 @@ def test_calls_without_a_backward_say_so_when_differentiated(changes, reason):
 def test_masked_calls_have_a_backward_that_gets_their_masks(changes, monkeypatch):
     ctx = _ctx(_call(**changes))
     assert ctx.why_not is None
-    seen = {}
-
-    def fake_backward(*args):
-        seen["args"] = args
-        return tuple(torch.empty(1) for _ in range(3))
-
-    monkeypatch.setattr(torch.ops.flashcore, "attention_backward", fake_backward)
+    seen = _recorded(monkeypatch, "attention_backward")
     bw.attention_op_backward(ctx, torch.empty(1), None)
     *_, align, window, softcap, _ = seen["args"]
     assert align == changes.get("mask_align", "top_left")
@@ -147,13 +153,7 @@ def test_deterministic_comes_from_the_call_or_torchs_flag(asked, flag, want, mon
     forward runs; the backward op gets it."""
     monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: flag)
     ctx = _ctx(_call(deterministic=asked))
-    seen = {}
-
-    def fake_backward(*args):
-        seen["args"] = args
-        return tuple(torch.empty(1) for _ in range(3))
-
-    monkeypatch.setattr(torch.ops.flashcore, "attention_backward", fake_backward)
+    seen = _recorded(monkeypatch, "attention_backward")
     bw.attention_op_backward(ctx, torch.empty(1), None)
     assert seen["args"][-1] is want
 
@@ -239,7 +239,7 @@ def _varlen_call(**changes):
             "check_lengths": False, "config": None, "alibi_slopes": None,
             "deterministic": False}
     args.update(changes)
-    return tuple(args[name] for name in bwv._varlen_input_names())
+    return tuple(args[name] for name in bw.input_names("attention_varlen"))
 
 
 def _varlen_ctx(inputs, lse_rows: int = 20):
@@ -254,15 +254,9 @@ def test_varlen_autograd_hands_the_backward_the_call(monkeypatch):
     ALiBi, a forward without its LSE and wide head dims say what is missing."""
     ctx = _varlen_ctx(_varlen_call())
     assert ctx.why_not is None and len(ctx.saved_tensors) == 7
-    seen = {}
-
-    def fake_backward(*args):
-        seen["args"] = args
-        return tuple(torch.empty(1) for _ in range(3))
-
-    monkeypatch.setattr(torch.ops.flashcore, "attention_varlen_backward", fake_backward)
+    seen = _recorded(monkeypatch, "attention_varlen_backward")
     grads = bwv.varlen_op_backward(ctx, torch.empty(1), torch.empty(1))
-    assert len(grads) == len(bwv._varlen_input_names())
+    assert len(grads) == len(bw.input_names("attention_varlen"))
     a = seen["args"]
     assert a[6].tolist() == [0, 4, 10] and a[7].tolist() == [0, 5, 9] and a[8:10] == (6, 5)
     assert a[10:] == (True, 0.3, None, "bottom_right", [3, 0], None, False, False)

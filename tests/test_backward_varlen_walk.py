@@ -18,23 +18,12 @@ import torch
 
 from flashcore import reference
 from flashcore.kernels.common.block_info import (
-    UNBOUNDED,
-    KeyBounds,
     ceil_div,
     dq_turn,
     query_blocks_seeing,
     token_keys,
 )
-
-
-def _bounds(causal, align, window, sq, sk) -> KeyBounds:
-    """As ``BackwardCta.key_bounds`` builds them for one sequence."""
-    shifted = align == "bottom_right" or window is not None
-    left, right = UNBOUNDED, UNBOUNDED
-    if window is not None:
-        left, right = (UNBOUNDED if w < 0 else w for w in window)
-    offset = sk - sq if align == "bottom_right" else 0
-    return KeyBounds(causal, shifted, window is not None, offset, left, right)
+from tests.test_backward_masks import _bounds  # as BackwardCta.key_bounds builds them
 
 
 def _replay(q, k, v, dout, out, lse, cu_q, cu_k, max_k, causal, align, window, scale, tm, tn,

@@ -18,6 +18,7 @@ cache, ALiBi.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -275,17 +276,18 @@ def _unsupported(args: dict) -> str | None:
                            k_descale=args.get("k_descale"))
 
 
-def _input_names() -> tuple[str, ...]:
-    """The names of the registered attention op's inputs, in order (its schema: the one
+@functools.cache
+def input_names(op: str) -> tuple[str, ...]:
+    """The names of registered op ``flashcore::op``'s inputs, in order (its schema: the one
     declaration of its signature)."""
-    return tuple(a.name for a in torch.ops.flashcore.attention.default._schema.arguments)
+    return tuple(a.name for a in getattr(torch.ops.flashcore, op).default._schema.arguments)
 
 
 def setup_attention_context(ctx, inputs: tuple, output: tuple) -> None:
     """``torch.ops.flashcore.attention``'s setup_context: saves q, k, v, out and lse (the op
     must have computed the LSE: the public function asks for it whenever an input requires
     grad) and what the backward needs to know of the call."""
-    args = dict(zip(_input_names(), inputs))
+    args = dict(zip(input_names("attention"), inputs))
     ctx.inputs = len(inputs)
     out, lse = output
     ctx.why_not = _unsupported(args)

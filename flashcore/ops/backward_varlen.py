@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..specs import BACKWARD_HEAD_DIMS, TileConfig
-from .backward import Packed, launch_pass
+from .backward import Packed, input_names, launch_pass
 from .masks import call_masking
 from .serving import pack_view
 from .table_checks import checking, cu_seqlens_faults, raise_faults
@@ -78,11 +78,13 @@ def attention_varlen_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out
                      + cu_seqlens_faults("cu_seqlens_k", cu_k, k.shape[0], max_k))
     masks = call_masking(causal, mask_align, window, softcap)
     scale = softmax_scale_of(softmax_scale, q.shape[2])
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+    # every row of dq is written (the post kernel covers the packed rows); rows of k that no
+    # sequence holds are not, so dk and dv start at 0
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format)
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
     if cu_q.shape[0] < 2 or 0 in (total_q, k.shape[0], max_q, max_k):
-        return dq, dk, dv  # no score
+        return dq.zero_(), dk, dv  # no score
     negate = scale < 0
     if negate:  # the kernels take scale >= 0: -q with |scale| has the same logits
         q4, scale = pack_view(torch.neg(q)), -scale
@@ -119,15 +121,10 @@ def _(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape))
 
 
-def _varlen_input_names() -> tuple[str, ...]:
-    return tuple(a.name for a in
-                 torch.ops.flashcore.attention_varlen.default._schema.arguments)
-
-
 def setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:
     """``torch.ops.flashcore.attention_varlen``'s setup_context: q, k, v, out, lse and the
     offsets, and what the backward needs to know of the call."""
-    args = dict(zip(_varlen_input_names(), inputs))
+    args = dict(zip(input_names("attention_varlen"), inputs))
     ctx.inputs = len(inputs)
     out, lse = output
     q = args["q"]
