@@ -591,11 +591,13 @@ def kv_split_cases():
         yield ok
 
 
-def backward_cases(deterministic: bool = False):
+def backward_cases(deterministic: bool = False, head_dims: bool = False):
     from flashcore.ops.backward import attention_backward
 
     shapes = ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64))
     masks = ({},)
+    if head_dims:  # each dim's own tile, lines and copy passes over ragged blocks
+        shapes = tuple((1, 4, 2, 77, 145, d) for d in (32, 80, 96, 256))
     if deterministic:  # several key blocks per query block, and a window's later first turn
         shapes += ((1, 6, 2, 300, 390, 128),)
         masks += ({"mask_align": "bottom_right", "window": (100, 0)},)
@@ -771,6 +773,7 @@ def main() -> int:
              "hostile": hostile_cases, "backward": backward_cases,
              "backward-deterministic": lambda: backward_cases(True),
              "backward-varlen": backward_varlen_cases,
+             "backward-head-dims": lambda: backward_cases(head_dims=True),
              "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
              "alibi": alibi_cases, "kv-append": kv_append_cases}[mode]
     results = list(cases())

@@ -285,7 +285,28 @@ def head_dim_specs(arch: str) -> list:
             specs += _specs(arch, [_tuned(arch, bucket, d, causal)], dtype=DTYPES, head_dim=d,
                             causal=causal, return_lse=[False, True], split_kv=[False, True])
     specs += decode_specs(arch, dims) + mask_specs(arch, dims) + serving_specs(arch, dims)
+    specs += backward_head_dim_specs(arch, dims)
     return list(dict.fromkeys(specs))
+
+
+def backward_head_dim_specs(arch: str, dims=WIDE_HEAD_DIMS) -> list:
+    """The backward kernels test_gpu_backward.py's head-dim tests run at ``dims``: plain,
+    causal, bottom-right causal window with a soft-cap, and packed deterministic causal."""
+    from flashcore.ops.backward import backward_specs as one_pass
+    from flashcore.ops.masks import Masking
+    from flashcore.specs.backward import default_backward_config
+
+    specs = []
+    for d in dims:
+        config = default_backward_config(d, arch)
+        specs += one_pass(arch, "float16", d, config, False)
+        specs += one_pass(arch, "bfloat16", d, config, True)
+        specs += one_pass(arch, "float16", d, config, True,
+                          Masking("bottom_right", (100, 0), 10.0))
+        masks = Masking("bottom_right", None, None)
+        main = one_pass(arch, "bfloat16", d, config, True, masks)[1]
+        specs.append(main.replace(varlen=True, deterministic=True))
+    return specs
 
 
 def fp8_specs(arch: str) -> list:

@@ -4,6 +4,7 @@ spills nothing, has the instructions the algorithm needs and the ABI its launche
 
 from __future__ import annotations
 
+import itertools
 import re
 import struct
 
@@ -11,12 +12,20 @@ import pytest
 
 from flashcore.compiler.abi import params_for
 from flashcore.errors import SpecError
-from flashcore.specs import SMEM_PER_BLOCK, BackwardSpec, TileConfig, spec_from_dict
+from flashcore.specs import (
+    BACKWARD_HEAD_DIMS,
+    SMEM_PER_BLOCK,
+    BackwardSpec,
+    TileConfig,
+    spec_from_dict,
+)
 from flashcore.specs.backward import (
     BACKWARD_KNOBS,
     default_backward_config,
     default_warps_m,
+    line_threads,
     parse_backward_choices,
+    row_lanes,
     squarest_grid,
     warp_grid,
 )
@@ -76,9 +85,22 @@ VARLEN = [
     _main("sm_90", "float16", 128, True, mask_align="bottom_right", varlen=True),
 ]
 MAINS += VARLEN
+# the other head dims: 64-byte swizzle lines (d32, d96), 32-byte ones copied by four warps
+# (d80), d256's 128 registers of dK and dV (and an L4's 32 x 32 tiles)
+HEAD_DIMS = [
+    _main("sm_80", "float16", 96, False),
+    _main("sm_89", "bfloat16", 32, True, mask_align="bottom_right", window=True),
+    _main("sm_89", "float16", 80, True, softcap=True),
+    _main("sm_89", "bfloat16", 96, True),
+    _main("sm_89", "float16", 256, True, varlen=True),
+    _main("sm_90", "bfloat16", 80, False, deterministic=True),
+    _main("sm_90", "float16", 256, True, mask_align="bottom_right", window=True, softcap=True),
+]
+MAINS += HEAD_DIMS
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
-                         ("sm_90", "float16", 128))
+                         ("sm_90", "float16", 128), ("sm_89", "float16", 80),
+                         ("sm_90", "bfloat16", 96), ("sm_80", "bfloat16", 256))
         for op in ("attention_bwd_pre", "attention_bwd_post")]
 SPECS = MAINS + ROWS + DETERMINISTIC
 
@@ -117,7 +139,7 @@ def test_names_are_unique_and_readable():
             == "fc_attn_bwd_sm90_f16_d64_m64n128_w8_s2_a244_causal_br_window_softcap")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", BACKWARD_HEAD_DIMS)
 def test_default_configs_fit_an_l4(d):
     for dtype in ("float16", "bfloat16"):
         spec = _main("sm_89", dtype, d, True)
@@ -137,7 +159,10 @@ def test_default_configs_fit_an_l4(d):
     ({"config": TileConfig((64, 64), warps=8), "warps_m": (2, 2)}, "warps_m"),
     ({"op": "attention_bwd_pre", "warps_m": (2, 2, 2)}, "takes no config"),
     ({"config": TileConfig((64, 64), warps=4, family="wgmma_ws")}, "mma_sync"),
-    ({"head_dim": 96}, "head_dim"),
+    ({"head_dim": 48}, "head_dim"),
+    ({"head_dim": 80, "config": TileConfig((64, 64), warps=8)}, "cannot share"),
+    ({"arch": "sm_89", "head_dim": 256, "config": TileConfig((64, 64), warps=8)},
+     "shared memory"),
     ({"mask_align": "bottom_right"}, "mask_align"),  # neither causal nor a window to align
     ({"mask_align": "sideways", "causal": True}, "mask_align"),
     ({"op": "attention_bwd_pre", "window": True}, "takes no config"),
@@ -152,7 +177,7 @@ def test_invalid_specs_are_refused_naming_the_field(bad, match):
 
 def test_defaults_fit_each_arch_and_take_the_squarest_warp_tiles():
     for arch in ("sm_80", "sm_89", "sm_90"):
-        for d in (64, 128):
+        for d in BACKWARD_HEAD_DIMS:
             spec = _main(arch, "bfloat16", d, False)
             assert spec.smem_bytes <= SMEM_PER_BLOCK[arch]
     # FlashAttention-2's A100/H100 d128 layouts: 32 x 32 warp tiles of S, 32 x 64 of dK/dV
@@ -160,6 +185,22 @@ def test_defaults_fit_each_arch_and_take_the_squarest_warp_tiles():
     assert default_warps_m(64, TileConfig((128, 128), warps=8)) == (4, 4, 4)
     assert squarest_grid(16, 64, 8) == 0  # no grid of 16-wide warp tiles: the strips' rule
     assert warp_grid(64, 128, 8) == (4, 2) and warp_grid(64, 128, 8, 2) == (2, 4)
+
+
+def test_every_valid_spec_copies_whole_rows_a_pass():
+    """The kernel's loads and stores cover ``threads / line_threads`` rows a pass: every tile
+    the warp grids accept holds whole passes (d80's 32-byte lines take four warps)."""
+    seen = set()
+    for d, tm, tn, w in itertools.product(BACKWARD_HEAD_DIMS, *(BACKWARD_KNOBS[k] for k in
+                                                              ("tile_m", "tile_n", "warps"))):
+        try:
+            BackwardSpec(arch="sm_90", head_dim=d, config=TileConfig((tm, tn), warps=w))
+        except SpecError:
+            continue
+        per_pass = 32 * w // line_threads(d, "float16")
+        assert tm % per_pass == 0 and tn % per_pass == 0, (d, tm, tn, w)
+        seen.add(d)
+    assert seen == set(BACKWARD_HEAD_DIMS)
 
 
 def test_backward_choices_parse():
@@ -229,7 +270,9 @@ def test_row_kernels_move_16_bytes_a_thread(artifacts, spec):
     ptx = artifacts[spec].ptx
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx
     if spec.op == "attention_bwd_pre":  # D's row sum over the row's lanes
-        assert ptx.count("shfl.sync.bfly") == (spec.head_dim // 8).bit_length() - 1
+        lanes = row_lanes(spec.head_dim)  # d80's ten chunks a row: 16 lanes, 4 steps
+        assert lanes >= spec.head_dim // 8 and lanes & (lanes - 1) == 0
+        assert ptx.count("shfl.sync.bfly") == lanes.bit_length() - 1
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)

@@ -478,6 +478,13 @@ def test_varlen_gradients_match_each_sequences_reference(lengths, hkv, ratio, d,
     """``attention_varlen`` through autograd: each sequence's dq, dk, dv against autograd of
     its own float64 reference (FlashAttention's bottom-right masks), within 2x the error of
     torch's arithmetic in the dtype; rows of k in no sequence get 0, nothing is NaN."""
+    _check_varlen(lengths, hkv, ratio, d, dtype, causal, window, softcap, seed)
+
+
+def _check_varlen(lengths, hkv, ratio, d, dtype, causal, window, softcap, seed,
+                  deterministic=False):
+    """One packed call's gradients, sequence by sequence, against float64 (above); with
+    ``deterministic``, a second run gives the same bits."""
     from flashcore.ops import attention_varlen
 
     if causal and window is not None:
@@ -498,10 +505,17 @@ def test_varlen_gradients_match_each_sequences_reference(lengths, hkv, ratio, d,
         return torch.randn(rows, h, d, device="cuda", generator=g).to(dt)
 
     q, k, v, dout = mk(tq, hq), mk(tk, hkv), mk(tk, hkv), mk(tq, hq)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = attention_varlen(*leaves, cu_q, cu_k, max(sq), max(sk), causal, **masks)
-    out.backward(dout)
-    got = [t.grad for t in leaves]
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention_varlen(*leaves, cu_q, cu_k, max(sq), max(sk), causal,
+                               deterministic=deterministic, **masks)
+        out.backward(dout)
+        return [t.grad for t in leaves]
+
+    got = run()
+    if deterministic:
+        assert all(torch.equal(x, y) for x, y in zip(got, run()))
     for t in got:
         assert torch.isfinite(t).all()
     assert (got[1][sum(sk):] == 0).all() and (got[2][sum(sk):] == 0).all()
@@ -554,3 +568,26 @@ def test_varlen_deterministic_repeats_bit_for_bit():
         assert all(torch.equal(x, y) for x, y in zip(a, grads(True)))
     for x, y in zip(a, grads(False)):
         assert max_abs(x, y) <= 2e-2 * max(1.0, y.abs().max().item())
+
+
+@pytest.mark.parametrize("d", [32, 80, 96, 256])
+@pytest.mark.parametrize("case", ["plain", "causal", "masks"])
+def test_head_dims_beyond_64_and_128(d, case):
+    """The other head dims the forward builds (their own tiles, swizzle lines and copy passes,
+    ``specs.backward.default_backward_config``): ragged blocks, more queries than keys and
+    fewer, GQA 6/2, and the masks together (bottom-right causal window with a soft-cap)."""
+    if case == "plain":
+        _check(2, 6, 2, 333, 190, d, "float16", False, None, seed=d)
+    elif case == "causal":
+        _check(2, 6, 2, 190, 333, d, "bfloat16", True, None, seed=d + 1)
+    else:
+        _check(1, 6, 2, 77, 299, d, "float16", True, 0.2, seed=d + 2,
+               masks={"mask_align": "bottom_right", "window": (100, 0), "softcap": 10.0})
+
+
+@pytest.mark.parametrize("d", [32, 80, 96, 256])
+def test_head_dims_packed_and_deterministic(d):
+    """A packed batch at the other head dims (an empty sequence, one longer than its keys),
+    deterministic: right per sequence and the same bits twice."""
+    _check_varlen([(150, 300), (0, 20), (70, 33)], 2, 3, d, "bfloat16", True, None, None,
+                  seed=d, deterministic=True)

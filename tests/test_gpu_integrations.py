@@ -316,7 +316,8 @@ def test_flash_attn_varlen_func_gradients():
         for leaf, s, r in zip((q, k, v), (qs, ks, ks), parts):
             want = r.grad if r.grad is not None else torch.zeros_like(r)
             got = leaf.grad[s].transpose(0, 1)[None].double()
-            assert (got - want).abs().max() <= 2e-2 * max(1.0, want.abs().max().item())
+            if got.numel():  # an empty sequence owns no query rows
+                assert (got - want).abs().max() <= 2e-2 * max(1.0, want.abs().max().item())
 
 
 def test_transformers_training_step_with_padding_matches_sdpa():

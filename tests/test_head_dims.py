@@ -25,6 +25,7 @@ from flashcore.specs import (
     TileConfig,
 )
 from flashcore.specs.arch import swizzle_line_bytes
+from flashcore.specs.backward import default_backward_config, default_warps_m
 from flashcore.tuned import table
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
@@ -36,7 +37,7 @@ L4 = SMEM_PER_BLOCK["sm_89"]
 # -- specs ----------------------------------------------------------------------------------------
 def test_the_forward_builds_the_new_dims_and_the_rest_keep_theirs():
     assert set(NEW_DIMS) <= set(HEAD_DIMS)
-    assert FP8_HEAD_DIMS == BACKWARD_HEAD_DIMS == (64, 128)
+    assert FP8_HEAD_DIMS == (64, 128) and BACKWARD_HEAD_DIMS == HEAD_DIMS
 
 
 def test_swizzle_lines_tile_every_row():
@@ -78,9 +79,9 @@ def test_fp8_at_a_new_dim_is_refused_naming_it(d):
 
 
 @pytest.mark.parametrize("d", NEW_DIMS)
-def test_the_backward_and_the_hopper_family_refuse_a_new_dim(d):
-    with pytest.raises(SpecError, match=f"head_dim={d} is not supported by the backward"):
-        BackwardSpec(arch="sm_90", head_dim=d)
+def test_the_hopper_family_refuses_a_new_dim_the_backward_builds_it(d):
+    config = default_backward_config(d, "sm_89")
+    BackwardSpec(arch="sm_89", head_dim=d, config=config, warps_m=default_warps_m(d, config))
     for config in (TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
                    TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws")):
         with pytest.raises(SpecError, match=f"head_dim={d} is not built"):
@@ -91,6 +92,8 @@ def test_head_dims_outside_the_list_are_still_refused():
     for d in (16, 48, 112, 160, 512):
         with pytest.raises(SpecError, match=f"head_dim={d} is not supported"):
             AttentionSpec(head_dim=d)
+        with pytest.raises(SpecError, match=f"head_dim={d} is not supported by the backward"):
+            BackwardSpec(head_dim=d)
 
 
 def test_copy_passes_must_tile_the_rows():

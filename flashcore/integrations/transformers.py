@@ -21,8 +21,7 @@ one of:
 The first two run ``attention`` / ``attention_paged`` on the K/V tensors as they are (GQA
 without ``repeat_kv``); padding runs ``attention_varlen`` on the unpadded tokens. 4-D masks,
 dropout, float32 inputs, head dims the kernels lack, padding under ``torch.compile`` and
-backward passes flashcore does not have (a static cache's row lengths, head dims other than
-64 and 128) go to torch (``sdpa_fallback``), each counted:
+backward passes flashcore does not have (a static cache's row lengths) go to torch (``sdpa_fallback``), each counted:
 ``fallback_count()``, ``fallback_reasons()``. Under ``torch.compile`` a fallback is counted
 when traced, not per call.
 
@@ -179,7 +178,7 @@ def _why_torch(query, key, value, mask, dropout: float, call: _Call, packed,
         return "dropout"
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         # dense calls (every mask) and packed or padded batches (attention_varlen) have a
-        # backward; a static cache's row lengths (attention_paged) and wide heads do not
+        # backward; a static cache's row lengths (attention_paged) do not
         paged = mask is not None and mask.dim() == 1
         if paged or query.shape[-1] not in BACKWARD_HEAD_DIMS:
             return "backward"

@@ -142,7 +142,7 @@ def attention_varlen(
     ``attention``; FlashAttention's varlen causal mask is ``mask_align="bottom_right"``.
     ``alibi_slopes`` as in ``attention``, (batch, heads) giving sequence b its row. Returns
     out (total_q, heads, head_dim) and, with ``return_lse``, the float32 LSE (heads, total_q).
-    Differentiable (16-bit, head dims 64 and 128, every mask; not with ALiBi) through the
+    Differentiable (16-bit, every head dim, every mask; not with ALiBi) through the
     registered op, whose backward is ``flashcore.ops.backward_varlen``; ``deterministic`` as
     in ``attention``.
     ``check_lengths``: see ``flashcore.ops.serving`` (what is checked, what is trusted)."""

@@ -6,7 +6,8 @@ traces it) and the autograd formula of ``torch.ops.flashcore.attention``
 Three launches on torch's current stream (``flashcore.specs.backward``): the pre kernel (D =
 rowsum(dO ∘ O), the LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (a CTA
 per key block: dK and dV in registers, dQ by fp32 atomics) and the post kernel (dQ in q's
-dtype). What it builds: fp16/bf16, head_dim 64 and 128, any lengths, the forward's masks (causal
+dtype). What it builds: fp16/bf16, every head dim of the forward (32, 64, 80, 96, 128, 256:
+``spec.backward.default_backward_config`` picks each one's tile), any lengths, the forward's masks (causal
 top-left as torch's ``is_causal`` or bottom-right, sliding windows, soft-capping), any softmax
 scale, grouped-query attention (dK and dV summed over a K/V head's query heads inside one CTA:
 deterministic). dQ's adds run in any order unless ``deterministic`` (or

@@ -37,6 +37,7 @@ from .arch import (
     SMEM_PER_BLOCK,
     arch_tag,
     check_target,
+    swizzle_line_bytes,
 )
 from .attention import MASK_ALIGNS
 from .serial import SpecData
@@ -54,6 +55,19 @@ _SMEM_ALIGN = 1024
 
 def _align(n: int) -> int:
     return (n + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
+
+
+def line_threads(head_dim: int, dtype: str) -> int:
+    """Threads that copy one swizzle line of a (rows, head_dim) tile, 16 bytes each
+    (``arch.swizzle_line_bytes``: 8 for 64- and 128-wide rows, 4 for 32 and 96, 2 for 80): the
+    main kernel's loads and stores cover ``threads / line_threads`` rows a pass."""
+    return swizzle_line_bytes(head_dim * DTYPE_BYTES[dtype]) // 16
+
+
+def row_lanes(head_dim: int) -> int:
+    """Lanes of one row in the row kernels: a 16-byte chunk each, rounded up to a power of two
+    (the butterfly sum's width); lanes past the row's chunks idle."""
+    return 1 << (head_dim // 8 - 1).bit_length()
 
 
 def warp_grid(rows: int, cols: int, warps: int, along_rows: int = 0) -> tuple[int, int]:
@@ -162,12 +176,6 @@ class BackwardSpec(SpecData, TiledKernel):
             if wm * wn != c.warps or cols % (16 * wn) or rows % (16 * wm):
                 raise bad(f"{c.warps} warps cannot share the {rows}x{cols} tile of {what} "
                           "(16x16 per warp at least)")
-        chunks = c.tile_m * self.head_dim * DTYPE_BYTES[self.dtype] // 16
-        if chunks % c.threads:
-            raise bad(f"a {c.tile_m}-row Q tile is {chunks} 16-byte copies, which "
-                      f"{c.threads} threads cannot share evenly")
-        if (c.tile_n * self.head_dim * DTYPE_BYTES[self.dtype] // 16) % c.threads:
-            raise bad(f"a {c.tile_n}-key K tile cannot be shared evenly by {c.threads} threads")
         budget = SMEM_PER_BLOCK[self.arch]
         if self.smem_bytes > budget:
             raise bad(f"needs {self.smem_bytes} bytes of shared memory, over {self.arch}'s "
@@ -195,8 +203,8 @@ class BackwardSpec(SpecData, TiledKernel):
 
     @property
     def rows_per_cta(self) -> int:
-        """Rows a pre/post CTA handles: each row is head_dim / 8 threads' 16-byte chunks."""
-        return ROW_THREADS // (self.head_dim // 8)
+        """Rows a pre/post CTA handles: ``row_lanes`` threads a row."""
+        return ROW_THREADS // row_lanes(self.head_dim)
 
     @property
     def programmatic_launch(self) -> bool:
@@ -253,13 +261,23 @@ class BackwardSpec(SpecData, TiledKernel):
 
 def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
     """The main kernel's config: eight warps, 64 query rows x 128 keys, two query blocks in
-    flight (98 KB at d64: an L4's 99 KB hold it). d128 needs 160 KB for that, which sm_80 and
-    sm_90 have (FlashAttention-2's A100/H100 tile): twice the keys per CTA of the 64 x 64 tile
-    an L4 (or no ``arch``) gets, one block in flight (80 KB), halve the Q/dO traffic and the
-    dQ atomics per FLOP. (d64 at 128 x 128, FlashAttention-2's H100 choice, runs at 255
-    registers with a few spilled: a variant to time, not the default.)"""
-    if head_dim <= 64 or (arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024):
+    flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
+    ``arch``) take 64 keys: d96 two blocks in flight (89 KB), d128 one (80 KB); sm_80 and
+    sm_90 hold 64 x 128 up to d128 (FlashAttention-2's A100/H100 tile): twice the keys per CTA,
+    half the Q/dO traffic and dQ atomics per FLOP. d80 rows (five 32-byte lines) copy 64 rows a
+    pass with four warps. d256 keeps dK and dV (128 registers a thread at 64 keys and eight
+    warps) beside 64 x 64 scores; an L4's 99 KB hold 32 x 32 tiles of four warps. (d64 at
+    128 x 128, FlashAttention-2's H100 choice, runs at 255 registers with a few spilled: a
+    variant to time, not the default.)"""
+    big = arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024
+    if head_dim == 80:
+        return TileConfig((64, 64), warps=4, stages=2)
+    if head_dim == 256:
+        return TileConfig((64, 64), warps=8) if big else TileConfig((32, 32), warps=4)
+    if head_dim <= 64 or big:
         return TileConfig((64, 128), warps=8, stages=2)
+    if head_dim <= 96:
+        return TileConfig((64, 64), warps=8, stages=2)
     return TileConfig((64, 64), warps=8)
 
 

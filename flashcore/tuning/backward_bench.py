@@ -33,6 +33,7 @@ STEP_FLOPS = 1.0 + BACKWARD_FLOPS
 # must not be slower than attention over the pre-expanded K/V)
 _GQA = [Shape(4, 32, 4096, 128, True, kv_heads=8), Shape(4, 32, 4096, 128, True)]
 BACKWARD_SHAPES = [Shape(4, 16, 4096, d, causal) for d in (64, 128) for causal in (False, True)]
+BACKWARD_SHAPES += [Shape(4, 16, 4096, d, causal) for d in (96, 256) for causal in (False, True)]
 BACKWARD_SHAPES += [Shape(2, 16, 8192, 128), *_GQA]
 BACKWARD_SHAPES += [Shape(1, 32, 32768, 128, True)]  # a long sequence: the step's peak memory
 QUICK = [Shape(4, 16, 4096, 128), Shape(4, 16, 4096, 128, True), *_GQA]
@@ -69,11 +70,12 @@ def backward_implementations() -> dict[str, Impl]:
     """Differentiable (q, k, v, causal) -> out: ours (and ours with ``deterministic=True``: the
     cost of dQ's ordered adds), SDPA forced to each backend, FlashAttention-4 where
     ``flash_attn.cute`` imports, FlexAttention compiled."""
+    import torch._functorch.config as functorch_config
     from torch.nn.attention import SDPBackend
 
     # the backward alone is timed by replaying autograd.grad of one forward (retain_graph),
     # which a compiled backward refuses while it donates its saved buffers (FlexAttention's)
-    torch._functorch.config.donated_buffer = False
+    functorch_config.donated_buffer = False
     impls: dict[str, Impl | None] = {
         "flashcore": _flashcore(),
         "flashcore-det": _flashcore(deterministic=True),

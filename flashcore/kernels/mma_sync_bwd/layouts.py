@@ -18,11 +18,11 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ...specs import BackwardSpec
-from ...specs.backward import warp_grid
+from ...specs.backward import line_threads, warp_grid
 from ..common.copies import g2s_copy, swizzled_row_atom
 from ..common.dtypes import DTYPES
 
-LINE = 64  # 16-bit elements of a 128-byte swizzle line
+LINE = 64  # 16-bit elements of the widest (128-byte) swizzle line
 
 
 def tiled_mma(dtype, rows: int, cols: int, warps: int, along_rows: int = 0):
@@ -40,15 +40,18 @@ class BackwardLayouts:
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.spec = spec
         self.dtype = DTYPES[spec.dtype]
-        atom = swizzled_row_atom(16, LINE)
+        # rows of head_dim in lines of up to 128 bytes that tile them (96 wide: three of 64)
+        per_line = line_threads(d, spec.dtype)
+        line = 8 * per_line
+        atom = swizzled_row_atom(16, line)
         self.sQ = cute.tile_to_shape(atom, (tm, d, c.stages), (0, 1, 2))
         self.sK = cute.tile_to_shape(atom, (tn, d), (0, 1))
         self.sPdS = cute.tile_to_shape(swizzled_row_atom(16, min(tn, LINE)), (tm, tn), (0, 1))
-        self.g2s = g2s_copy(self.dtype, LINE, c.threads)
-        # registers -> global: 16-byte stores, 8 threads over a 64-element span of a row
+        self.g2s = g2s_copy(self.dtype, line, c.threads)
+        # registers -> global: 16-byte stores, a line's threads over a line of a row
         self.r2g = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
-            cute.make_layout((c.threads // 8, 8), stride=(8, 1)),
+            cute.make_layout((c.threads // per_line, per_line), stride=(per_line, 1)),
             cute.make_layout((1, 8)),
         )
         wms = spec.warps_m or (0, 0, 0)

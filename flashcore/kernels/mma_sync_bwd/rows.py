@@ -1,4 +1,5 @@
-"""The backward's row kernels, a thread per 8 elements of a row (one 16-byte access).
+"""The backward's row kernels, a thread per 8 elements of a row (one 16-byte access; a row's
+lanes are a power of two, ``specs.backward.row_lanes``).
 
 * ``BackwardPreprocess``: per query row D = Σ dO ∘ O (fp32) and the forward's LSE times log2 e,
   +inf for a row that saw no key (LSE -inf) and for the padding rows past the sequence, so the
@@ -12,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ...specs import BackwardSpec
-from ...specs.backward import ROW_THREADS
+from ...specs.backward import ROW_THREADS, row_lanes
 from ..common.dtypes import DTYPES
 from ..common.grid import wait_for_previous_grid
 from ..common.softmax import LOG2_E
@@ -24,7 +25,8 @@ class _RowKernel:
     def __init__(self, spec: BackwardSpec):
         self.spec = spec
         self.smem_size = 0
-        self.per_row = spec.head_dim // VEC  # threads of a row, consecutive lanes
+        self.chunks = spec.head_dim // VEC  # 16-byte chunks of a row
+        self.per_row = row_lanes(spec.head_dim)  # its lanes, consecutive (the last may idle)
         self.rows = spec.rows_per_cta
         # butterfly offsets over a row's lanes: per_row / 2, ..., 1
         self.offsets = tuple(self.per_row >> i for i in range(1, self.per_row.bit_length()))
@@ -58,20 +60,23 @@ class BackwardPreprocess(_RowKernel):
         wait_for_previous_grid(self.spec)
         dt = DTYPES[self.spec.dtype]
         total = cutlass.Float32(0.0)
-        if row < mO.shape[2]:
-            o = cute.make_rmem_tensor((VEC,), dt)
-            do = cute.make_rmem_tensor((VEC,), dt)
-            cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (VEC,), (chunk,)), o)
-            cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (VEC,), (chunk,)),
-                              do)
-            total = (o.load().to(cutlass.Float32) * do.load().to(cutlass.Float32)).reduce(
-                cute.ReductionOp.ADD, 0.0, 0)
+        if row < mO.shape[2]:  # noqa: SIM102 - run-time conditions: one branch each
+            if chunk < self.chunks:
+                o = cute.make_rmem_tensor((VEC,), dt)
+                do = cute.make_rmem_tensor((VEC,), dt)
+                cute.autovec_copy(cute.local_tile(mO[batch, head, row, None], (VEC,), (chunk,)),
+                                  o)
+                cute.autovec_copy(cute.local_tile(mdO[batch, head, row, None], (VEC,),
+                                                  (chunk,)), do)
+                total = (o.load().to(cutlass.Float32) * do.load().to(cutlass.Float32)).reduce(
+                    cute.ReductionOp.ADD, 0.0, 0)
         for i in cutlass.range_constexpr(len(self.offsets)):
             total = total + cute.arch.shuffle_sync_bfly(total, offset=self.offsets[i])
-        zeros = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-        zeros.fill(0.0)
-        cute.autovec_copy(zeros, cute.local_tile(mdQacc[batch, head, row, None], (VEC,),
-                                                 (chunk,)))
+        if chunk < self.chunks:
+            zeros = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, cute.local_tile(mdQacc[batch, head, row, None], (VEC,),
+                                                     (chunk,)))
         if chunk == 0:
             lse2 = cutlass.Float32(cutlass.Float32.inf)
             if row < mO.shape[2]:
@@ -96,11 +101,12 @@ class BackwardPostprocess(_RowKernel):
         batch, head, row, chunk = self.coords(mdQ.shape[1], mdQ.shape[2])
         wait_for_previous_grid(self.spec)
         dt = DTYPES[self.spec.dtype]
-        if row < mdQ.shape[2]:
-            acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
-            cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (VEC,), (chunk,)),
-                              acc)
-            out = cute.make_rmem_tensor((VEC,), dt)
-            out.store((acc.load() * scale).to(dt))
-            cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (VEC,),
-                                                   (chunk,)))
+        if row < mdQ.shape[2]:  # noqa: SIM102 - run-time conditions: one branch each
+            if chunk < self.chunks:
+                acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+                cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (VEC,),
+                                                  (chunk,)), acc)
+                out = cute.make_rmem_tensor((VEC,), dt)
+                out.store((acc.load() * scale).to(dt))
+                cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (VEC,),
+                                                       (chunk,)))
