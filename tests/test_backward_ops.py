@@ -185,6 +185,7 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
     monkeypatch.setattr(bw, "backward_kernels", kernels)
     monkeypatch.setattr(bw, "launch", launch)
     monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
+    monkeypatch.setattr(bw, "sm_count", lambda dev: 132)
     monkeypatch.setattr(bw, "check_extents", lambda *a: None)
     monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
     monkeypatch.setattr(bw.torch, "empty", empty)
@@ -198,11 +199,13 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
                           dq=torch.zeros_like(q), dk=torch.zeros_like(k),
                           dv=torch.zeros_like(k))
     assert loaded == [deterministic]
-    main_args = launched[1][1]
+    grid, main_args = launched[1]
     # q, k, v, dO, the three workspaces, dK, dV, the two scales (no mask sizes), the counters
     assert len(main_args) == 11 + deterministic
     work = buffers[0]
     config = bw.backward_choices("sm_90", D)[0]
+    # the four (batch, K/V head) pairs' two key blocks fit one wave: one chunk
+    assert config.tile_n == 128 and grid == (2 * B * Hkv, 1, 1)
     blocks = -(-S // config.tile_m)
     rows = -(-S // bw.ROW_PAD) * bw.ROW_PAD
     if deterministic:
@@ -325,3 +328,36 @@ def test_varlen_backward_launches_with_the_offsets_and_the_batch_in_z(monkeypatc
     assert (buffers[0][rows * H * (D + 2):].view(torch.int32) == 0).all()
     with pytest.raises(ValueError, match="lse"):
         bwv.attention_varlen_backward(q, q, k, k, q, lse.t(), cu_q, cu_k, 130, 150)
+
+
+def test_the_main_grid_walks_chunks_of_pairs_key_block_by_key_block():
+    """``abi.backward_grid``: y the chunks of (batch, K/V head) pairs, x a chunk's key blocks
+    with its pairs fastest; every CTA of the grid is one (key block, pair), each once. The
+    chunk holds as many pairs' key blocks as one wave of CTAs, divides the pairs, and keeps
+    the grid's y within its limit."""
+    from flashcore.compiler.abi import MAX_GRID_Y, backward_chunk, backward_grid
+
+    def coords(x, y, grid, blocks, heads):  # the kernel's key_block_coords
+        chunk = grid[0] // blocks
+        pair = y * chunk + x % chunk
+        return x // chunk, pair % heads, pair // heads
+
+    for sk, hkv, b, tn, sms in ((4096, 8, 4, 128, 132), (4096, 16, 4, 128, 132),
+                                (32768, 32, 1, 128, 132), (200, 2, 2, 128, 58),
+                                (100, 7, 3, 64, 58), (5000, 3, 1, 64, 132)):
+        chunk = backward_chunk(sk, hkv, b, tn, sms)
+        blocks = -(-sk // tn)
+        assert (hkv * b) % chunk == 0
+        assert chunk == 1 or chunk * blocks <= sms
+        grid = backward_grid(sk, hkv, b, tn, chunk)
+        seen = [coords(x, y, grid, blocks, hkv) for y in range(grid[1]) for x in range(grid[0])]
+        assert sorted(seen) == sorted((n, h, z) for n in range(blocks) for h in range(hkv)
+                                      for z in range(b))
+        if chunk > 1:  # a chunk's first key block of every pair comes before any second one
+            assert [n for n, _, _ in seen[:chunk]] == [0] * chunk
+    assert backward_chunk(4096, 8, 4, 128, 132) == 4  # GQA 32/8: 4 x 32 key blocks a wave
+    assert backward_chunk(32768, 32, 1, 128, 132) == 1  # longer than a wave: one pair
+    many = backward_chunk(64, 32, 4096, 64, 132)  # 131072 pairs: y must stay in bounds
+    assert 131072 // many <= MAX_GRID_Y
+    with pytest.raises(ValueError, match="does not divide"):
+        backward_grid(4096, 8, 4, 128, 3)

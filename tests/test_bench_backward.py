@@ -22,7 +22,8 @@ from flashcore.tuning.shape import Shape
 def test_the_cases_are_the_ones_asked_for():
     labels = [s.label for s in backward_suite(quick=False)]
     assert labels == ["4,16,4096,64", "4,16,4096,64 causal", "4,16,4096,128",
-                      "4,16,4096,128 causal", "2,16,8192,128", "4,32/8,4096,128 causal",
+                      "4,16,4096,128 causal", "4,16,4096,96", "4,16,4096,96 causal",
+                      "4,16,4096,256", "4,16,4096,256 causal", "2,16,8192,128", "4,32/8,4096,128 causal",
                       "4,32,4096,128 causal",  # the GQA call and its K/V expanded
                       "1,32,32768,128 causal"]
     quick = backward_suite(quick=True)

@@ -24,7 +24,7 @@ def params_for(spec) -> tuple[Packed, ...]:
 
 
 MAX_GRID_X = 2**31 - 1
-MAX_GRID_Z = 65535
+MAX_GRID_Y = MAX_GRID_Z = 65535
 
 
 def attention_grid(rows: int, heads: int, batch: int, tile_m: int,
@@ -80,13 +80,35 @@ def backward_rows_grid(padded_rows: int, heads: int, batch: int,
     return (x, 1, 1)
 
 
-def backward_grid(seqlen_k: int, heads_kv: int, batch: int, tile_n: int) -> tuple[int, int, int]:
-    """main: a CTA per (batch, K/V head, key block), the key block fastest."""
-    x = (seqlen_k + tile_n - 1) // tile_n * heads_kv * batch
-    if x > MAX_GRID_X:
-        raise ValueError(f"{batch} batches x {heads_kv} heads x {seqlen_k} keys is {x} CTAs, "
-                         f"over the grid's {MAX_GRID_X}")
-    return (x, 1, 1)
+def backward_grid(seqlen_k: int, heads_kv: int, batch: int, tile_n: int,
+                  chunk: int = 1) -> tuple[int, int, int]:
+    """main: a CTA per (batch, K/V head, key block). y walks chunks of ``chunk`` (batch, K/V
+    head) pairs (``backward_chunk``), x a chunk's CTAs key block by key block, its pairs
+    fastest: a causal grid's longest walks (the first key blocks) of a chunk start together."""
+    pairs = heads_kv * batch
+    if chunk < 1 or pairs % chunk:
+        raise ValueError(f"chunk={chunk} does not divide the {pairs} (batch, K/V head) pairs")
+    x = (seqlen_k + tile_n - 1) // tile_n * chunk
+    y = pairs // chunk
+    if x > MAX_GRID_X or y > MAX_GRID_Y:
+        raise ValueError(f"{batch} batches x {heads_kv} heads x {seqlen_k} keys in chunks of "
+                         f"{chunk} is a ({x}, {y}) grid, over ({MAX_GRID_X}, {MAX_GRID_Y})")
+    return (x, y, 1)
+
+
+def backward_chunk(seqlen_k: int, heads_kv: int, batch: int, tile_n: int, sms: int) -> int:
+    """(batch, K/V head) pairs a chunk of the main grid holds: the most whose key blocks fit
+    one wave of ``sms`` CTAs (at least one, and enough that the chunks fit the grid's y), a
+    divisor of the pairs. In a chunk the key block is the slow index, so its heaviest CTAs
+    (causal: the first key blocks, which every later query block sees) start first; a GQA
+    CTA walks all of its group's query heads, and one started last would run alone."""
+    pairs = heads_kv * batch
+    blocks = (seqlen_k + tile_n - 1) // tile_n
+    least = -(-pairs // MAX_GRID_Y)
+    fit = max(least, sms // max(blocks, 1))
+    divisors = [c for c in range(1, min(fit, pairs) + 1) if pairs % c == 0 and c >= least]
+    return max(divisors) if divisors else next(c for c in range(least, pairs + 1)
+                                               if pairs % c == 0)
 
 
 
@@ -101,7 +123,8 @@ def varlen_backward_grid(max_seqlen_k: int, heads_kv: int, batch: int,
     return (max(x, 1), 1, batch)
 
 
-__all__ = ["LOG2_E", "MAX_GRID_X", "MAX_GRID_Z", "CoordParam", "ScalarParam", "TensorMapParam",
-           "TensorParam", "attention_grid", "backward_grid", "backward_rows_grid",
+__all__ = ["LOG2_E", "MAX_GRID_X", "MAX_GRID_Y", "MAX_GRID_Z", "CoordParam", "ScalarParam",
+           "TensorMapParam", "TensorParam", "attention_grid", "backward_chunk", "backward_grid",
+           "backward_rows_grid",
            "check_against_entry", "combine_grid", "params_for", "varlen_backward_grid",
            "varlen_grid"]

@@ -27,7 +27,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..compiler.abi import LOG2_E, backward_grid, backward_rows_grid, varlen_backward_grid
+from ..compiler.abi import (
+    LOG2_E,
+    backward_chunk,
+    backward_grid,
+    backward_rows_grid,
+    varlen_backward_grid,
+)
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..specs import BACKWARD_HEAD_DIMS, BackwardSpec, TileConfig
@@ -39,6 +45,7 @@ from ..specs.backward import (
 )
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg, vector_arg
 from .masks import NO_MASK, Masking, call_masking, folded
+from .plan import sm_count
 from .validate import (
     check_extents,
     check_like,
@@ -214,8 +221,10 @@ def launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale: float, causal:
     lse2 = (ptr + 4 * n * D, B, H, rows, H * rows, rows)
     dpsum = (ptr + 4 * n * (D + 1), B, H, rows, H * rows, rows)
     tables: tuple = ()
-    grid = backward_grid(Sk, Hkv, B, config.tile_n)
-    if packed is not None:
+    if packed is None:
+        grid = backward_grid(Sk, Hkv, B, config.tile_n,
+                             backward_chunk(Sk, Hkv, B, config.tile_n, sm_count(dev)))
+    else:
         tables = (vector_arg(packed.cu_seqlens_q), vector_arg(packed.cu_seqlens_k))
         grid = varlen_backward_grid(packed.max_seqlen_k, Hkv, packed.cu_seqlens_q.shape[0] - 1,
                                     config.tile_n)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -194,6 +195,9 @@ def measure_backward(shapes: list[Shape], impls: dict[str, Impl],
                     r.extra["rounds_step_us"] = steps[name]
                     r.extra["rounds_backward_us"] = backs[name]
             results.append(r)
+        print(f"{shape}: " + ", ".join(  # progress: a long run killed early still reports
+            f"{name} {r.backward_us:.0f}" if r.backward_us else f"{name} -"
+            for name, r in mine.items()), file=sys.stderr, flush=True)
         del sets
         torch.cuda.empty_cache()
     return results

@@ -46,12 +46,11 @@ class AttentionBackward:
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         mK = args.inputs.k
         n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
-        batches = 1
+        grid = (n_blocks, mK.shape[1] * mK.shape[0], 1)  # chunks of one (batch, head) pair
         if cutlass.const_expr(self.spec.varlen):  # the runtime sizes x by the longest sequence
-            batches = args.serving.cu_seqlens_k.shape[0] - 1
-        self.kernel(args).launch(
-            grid=(n_blocks * mK.shape[1] * mK.shape[0], 1, batches),
-            block=[self.spec.threads, 1, 1], smem=self.smem_size)
+            grid = (n_blocks * mK.shape[1], 1, args.serving.cu_seqlens_k.shape[0] - 1)
+        self.kernel(args).launch(grid=grid, block=[self.spec.threads, 1, 1],
+                                 smem=self.smem_size)
 
     @cute.kernel
     def kernel(self, args):

@@ -14,23 +14,26 @@ from .layouts import BackwardLayouts, transposed
 
 def key_block_coords(mK: cute.Tensor, tile_n: int, highest_first: bool = False,
                      varlen: bool = False):
-    """(key block, K/V head, batch) of this CTA: the grid's x walks them, key block fastest
-    (``highest_first``: from the last key block down, so a deterministic CTA's turn never waits
-    on one launched after it: ``turns.py``). A packed batch (``varlen``) has its batch in the
-    grid's z and as many key blocks per head as its longest sequence (the grid's x over the
-    heads)."""
-    lin, _, _ = cute.arch.block_idx()
+    """(key block, K/V head, batch) of this CTA (``abi.backward_grid``): y walks chunks of
+    (batch, K/V head) pairs, x a chunk's key blocks, its pairs fastest (``highest_first``: from
+    the last key block down, so a deterministic CTA's turn never waits on one launched after
+    it: ``turns.py``). A packed batch (``varlen``) has its batch in the grid's z and x walks
+    the heads' key blocks up to its longest sequence, the key block fastest."""
+    x, y, z = cute.arch.block_idx()
     heads = mK.shape[1]
-    n_blocks = cute.ceil_div(mK.shape[2], tile_n)
     if cutlass.const_expr(varlen):
         n_blocks = cute.arch.grid_dim()[0] // heads
-    n_block = lin % n_blocks
+        n_block = x % n_blocks
+        if cutlass.const_expr(highest_first):
+            n_block = n_blocks - 1 - n_block
+        return n_block, x // n_blocks, z
+    n_blocks = cute.ceil_div(mK.shape[2], tile_n)
+    chunk = cute.arch.grid_dim()[0] // n_blocks
+    n_block = x // chunk
     if cutlass.const_expr(highest_first):
         n_block = n_blocks - 1 - n_block
-    if cutlass.const_expr(varlen):
-        _, _, batch = cute.arch.block_idx()
-        return n_block, (lin // n_blocks) % heads, batch
-    return n_block, (lin // n_blocks) % heads, lin // n_blocks // heads
+    pair = y * chunk + x % chunk
+    return n_block, pair % heads, pair // heads
 
 
 class BackwardCta:
