@@ -687,6 +687,30 @@ def test_transformers_training_with_padding_stays_on_flashcore(fake, llama_pair)
     assert checked >= 4
 
 
+def test_transformers_training_at_a_wide_head_dim_stays_on_flashcore(fake):
+    """Phi's 96-wide and Gemma's 256-wide heads train through flashcore's backward too: no
+    fallback, and the attention weights' gradients are SDPA's."""
+    name = fc_tf.register()
+    ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(6))
+    for d in (96, 256):
+        ours, theirs = _tiny_llama(name, head_dim=d), _tiny_llama("sdpa", head_dim=d)
+        theirs.load_state_dict(ours.state_dict())
+        fc_tf.reset_fallbacks()
+        fake.calls.clear()
+        for model in (ours, theirs):
+            model.train()
+            model(input_ids=ids, labels=ids).loss.backward()
+        assert fc_tf.fallback_count() == 0
+        calls = [c for c in fake.calls if c[0] == "attention"]
+        assert calls and calls[0][1][0].shape[-1] == d
+        named = dict(theirs.named_parameters())
+        for pname, p in ours.named_parameters():
+            if "self_attn.q_proj" in pname:
+                want = named[pname].grad.double()
+                err = (p.grad.double() - want).abs().max() / want.abs().max()
+                assert err < 0.05, (d, pname, err.item())
+
+
 def test_kvcache_checks_the_lengths_once_a_step(fake):
     """An append's room check covers what the attention's own check would read back (lengths
     + new inside the cache, the table's used pages): one read-back a decode step, not two.

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..specs import BACKWARD_HEAD_DIMS, HEAD_DIMS
+from ..ops.backward import why_no_backward
+from ..specs import HEAD_DIMS
 from . import sdpa_fallback
 
 DEFAULT_NAME = "fcore_attention"
@@ -176,12 +177,11 @@ def _why_torch(query, key, value, mask, dropout: float, call: _Call, packed,
         return f"head_dim {query.shape[-1]}"
     if dropout and training:
         return "dropout"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        # dense calls (every mask) and packed or padded batches (attention_varlen) have a
-        # backward; a static cache's row lengths (attention_paged) do not
-        paged = mask is not None and mask.dim() == 1
-        if paged or query.shape[-1] not in BACKWARD_HEAD_DIMS:
-            return "backward"
+    # dense calls and packed or padded batches (attention_varlen) have the op's backward
+    # (``why_no_backward``); a static cache's row lengths (attention_paged) have none
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) and (
+            (mask is not None and mask.dim() == 1) or why_no_backward(query, key) is not None):
+        return "backward"
     if packed is not None:
         return None
     if mask is not None and mask.dim() == 4:

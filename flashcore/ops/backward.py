@@ -78,6 +78,9 @@ def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, cau
             BackwardSpec(arch=arch, dtype=dtype, head_dim=head_dim, op="attention_bwd_post"))
 
 
+_parsed_choices = functools.lru_cache(maxsize=16)(parse_backward_choices)  # a call's text
+
+
 def backward_choices(arch: str, head_dim: int) -> tuple[TileConfig, tuple[int, ...] | None]:
     """(config, warps_m) of the main kernel for a call that gives no config: the innermost
     ``backward_choices_override``, else ``$FLASHCORE_BWD_CONFIG`` (``spec.backward.
@@ -85,7 +88,7 @@ def backward_choices(arch: str, head_dim: int) -> tuple[TileConfig, tuple[int, .
     default."""
     text = _choices_override[-1] if _choices_override else os.environ.get(CHOICES_ENV, "")
     if text:
-        choices = parse_backward_choices(text)
+        choices = _parsed_choices(text)
         hit = choices.get(head_dim, choices.get(None))
         if hit is not None:
             return hit
