@@ -21,8 +21,8 @@ one of:
 The first two run ``attention`` / ``attention_paged`` on the K/V tensors as they are (GQA
 without ``repeat_kv``); padding runs ``attention_varlen`` on the unpadded tokens. 4-D masks,
 dropout, float32 inputs, head dims the kernels lack, padding under ``torch.compile`` and
-backward passes flashcore does not have (a static cache's row lengths) go to torch (``sdpa_fallback``), each counted:
-``fallback_count()``, ``fallback_reasons()``. Under ``torch.compile`` a fallback is counted
+backward passes flashcore does not have (a static cache's row lengths) go to torch
+(``sdpa_fallback``), each counted: ``fallback_count()``, ``fallback_reasons()``. Under ``torch.compile`` a fallback is counted
 when traced, not per call.
 
 transformers 5.24's continuous batching (``generate_batch``, its paged cache) accepts only
