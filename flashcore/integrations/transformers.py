@@ -22,8 +22,8 @@ The first two run ``attention`` / ``attention_paged`` on the K/V tensors as they
 without ``repeat_kv``); padding runs ``attention_varlen`` on the unpadded tokens. 4-D masks,
 dropout, float32 inputs, head dims the kernels lack, padding under ``torch.compile`` and
 backward passes flashcore does not have (a static cache's row lengths) go to torch
-(``sdpa_fallback``), each counted: ``fallback_count()``, ``fallback_reasons()``. Under ``torch.compile`` a fallback is counted
-when traced, not per call.
+(``sdpa_fallback``), each counted: ``fallback_count()``, ``fallback_reasons()``. Under
+``torch.compile`` a fallback is counted when traced, not per call.
 
 transformers 5.24's continuous batching (``generate_batch``, its paged cache) accepts only
 'paged|eager', 'sdpa' and FlashAttention-named implementations (which it loads from flash_attn
