@@ -10,6 +10,7 @@ flashcore, with tokens/s and the prompt's prefill time for each (needs a CUDA GP
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -29,19 +30,22 @@ def build(args: argparse.Namespace, name: str) -> transformers.PreTrainedModel:
     return model
 
 
-def tokens_per_second(model, ids: torch.Tensor, new: int,
-                      compiled: bool = False) -> tuple[float, torch.Tensor]:
+def generate_seconds(model, ids: torch.Tensor, new: int, compiled: bool = False,
+                     warm: bool = False) -> tuple[float, torch.Tensor]:
+    """Seconds of one greedy ``generate`` of ``new`` tokens (``warm``: a short one first; a
+    compiled step traces once per cache length, so its warm-up is the whole length)."""
     kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
     if compiled:  # transformers compiles the decode step of a static cache itself
         kw["cache_implementation"] = "static"
     with torch.no_grad():
-        warm = 4 if not compiled else new  # a compiled step traces once per cache length
-        model.generate(ids, **{**kw, "max_new_tokens": warm, "min_new_tokens": warm})
+        if warm:
+            n = new if compiled else 4
+            model.generate(ids, **{**kw, "max_new_tokens": n, "min_new_tokens": n})
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = model.generate(ids, **kw)
         torch.cuda.synchronize()
-    return ids.shape[0] * new / (time.perf_counter() - start), out
+    return time.perf_counter() - start, out
 
 
 def prefill_ms(model, ids: torch.Tensor, reps: int = 10) -> float:
@@ -69,17 +73,26 @@ def main() -> None:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--reverse", action="store_true",
                    help="run flashcore first (the order's effect on the timings)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="generate calls a backend, in turn with the other's (median kept)")
     p.add_argument("--compile", action="store_true",
                    help="a static cache, whose decode step transformers compiles")
     args = p.parse_args()
     ids = torch.randint(0, 32000, (args.batch, args.prompt), device="cuda")
     name = fc_transformers.register()
-    results = {}
-    for backend in (name, "sdpa") if args.reverse else ("sdpa", name):
-        model = build(args, backend)
-        rate, out = tokens_per_second(model, ids, args.new, args.compile)
-        results[backend] = out
-        print(f"{backend:>16}: {rate:9.1f} tokens/s, prefill {prefill_ms(model, ids):7.2f} ms")
+    order = (name, "sdpa") if args.reverse else ("sdpa", name)
+    models = {backend: build(args, backend) for backend in order}
+    results, seconds = {}, {backend: [] for backend in order}
+    for backend, model in models.items():
+        generate_seconds(model, ids, args.new, args.compile, warm=True)
+    for _ in range(args.rounds):  # the backends in turn: a host's drift hits both alike
+        for backend, model in models.items():
+            t, results[backend] = generate_seconds(model, ids, args.new, args.compile)
+            seconds[backend].append(t)
+    for backend, model in models.items():
+        rate = args.batch * args.new / statistics.median(seconds[backend])
+        print(f"{backend:>16}: {rate:9.1f} tokens/s (median of {args.rounds}), prefill "
+              f"{prefill_ms(model, ids):7.2f} ms")
     same = (results["sdpa"] == results[name]).float().mean().item()
     print(f"tokens equal to SDPA's: {same:.1%}; torch fallbacks: "
           f"{fc_transformers.fallback_reasons() or 'none'}")
