@@ -19,11 +19,11 @@ from flashcore.specs import (
     TileConfig,
     spec_from_dict,
 )
+from flashcore.specs.arch import swizzle_line_bytes
 from flashcore.specs.backward import (
     BACKWARD_KNOBS,
     default_backward_config,
     default_warps_m,
-    line_threads,
     parse_backward_choices,
     row_lanes,
     squarest_grid,
@@ -188,8 +188,9 @@ def test_defaults_fit_each_arch_and_take_the_squarest_warp_tiles():
 
 
 def test_every_valid_spec_copies_whole_rows_a_pass():
-    """The kernel's loads and stores cover ``threads / line_threads`` rows a pass: every tile
-    the warp grids accept holds whole passes (d80's 32-byte lines take four warps)."""
+    """The kernel's loads and stores cover ``threads`` / (a swizzle line's 16-byte copies) rows
+    a pass (``mma_sync.layouts.line_elems``, as the forward's): every tile the warp grids
+    accept holds whole passes (d80's 32-byte lines take four warps)."""
     seen = set()
     for d, tm, tn, w in itertools.product(BACKWARD_HEAD_DIMS, *(BACKWARD_KNOBS[k] for k in
                                                               ("tile_m", "tile_n", "warps"))):
@@ -197,7 +198,7 @@ def test_every_valid_spec_copies_whole_rows_a_pass():
             BackwardSpec(arch="sm_90", head_dim=d, config=TileConfig((tm, tn), warps=w))
         except SpecError:
             continue
-        per_pass = 32 * w // line_threads(d, "float16")
+        per_pass = 32 * w // (swizzle_line_bytes(2 * d) // 16)
         assert tm % per_pass == 0 and tn % per_pass == 0, (d, tm, tn, w)
         seen.add(d)
     assert seen == set(BACKWARD_HEAD_DIMS)

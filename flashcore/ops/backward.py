@@ -281,12 +281,23 @@ def why_no_backward(q: Tensor, k: Tensor, *, causal: bool = False, precision: st
     return None
 
 
-def _unsupported(args: dict) -> str | None:
+def why_not_of(args: dict, out: Tensor, lse: Tensor) -> str | None:
+    """Why a registered attention op's call (``args`` by input name, its ``out`` and ``lse``)
+    has no backward (None: it has one)."""
     if args.get("alibi_slopes") is not None:
         return "ALiBi"
-    return why_no_backward(args["q"], args["k"], causal=args["causal"],
-                           precision=args.get("precision", "fp16"),
-                           k_descale=args.get("k_descale"))
+    why = why_no_backward(args["q"], args["k"], causal=args["causal"],
+                          precision=args.get("precision", "fp16"),
+                          k_descale=args.get("k_descale"))
+    if why is None and lse.numel() != out.numel() // out.shape[-1]:
+        return "a forward call without its LSE (return_lse=False inside the op)"
+    return why
+
+
+def deterministic_asked(args: dict) -> bool:
+    """Ordered dQ adds: asked of the call, or of torch when the forward runs (as FlashAttention
+    takes it)."""
+    return bool(args.get("deterministic")) or torch.are_deterministic_algorithms_enabled()
 
 
 @functools.cache
@@ -303,18 +314,14 @@ def setup_attention_context(ctx, inputs: tuple, output: tuple) -> None:
     args = dict(zip(input_names("attention"), inputs))
     ctx.inputs = len(inputs)
     out, lse = output
-    ctx.why_not = _unsupported(args)
-    if ctx.why_not is None and lse.numel() != out.numel() // out.shape[-1]:
-        ctx.why_not = "a forward call without its LSE (return_lse=False inside the op)"
+    ctx.why_not = why_not_of(args, out, lse)
     ctx.causal = args["causal"]
     ctx.softmax_scale = args["softmax_scale"]
     ctx.mask_align = args.get("mask_align", "top_left")
     ctx.window = args.get("window")
     ctx.softcap = args.get("softcap")
     ctx.return_lse = args["return_lse"]
-    # asked of the call, or of torch, when the forward runs (as FlashAttention takes it)
-    ctx.deterministic = bool(args.get("deterministic")) or (
-        torch.are_deterministic_algorithms_enabled())
+    ctx.deterministic = deterministic_asked(args)
     ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse)
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..specs import BACKWARD_HEAD_DIMS, TileConfig
-from .backward import Packed, input_names, launch_pass
+from ..specs import TileConfig
+from .backward import Packed, deterministic_asked, input_names, launch_pass, why_not_of
 from .masks import call_masking
 from .serving import pack_view
 from .table_checks import checking, cu_seqlens_faults, raise_faults
@@ -127,21 +127,12 @@ def setup_varlen_context(ctx, inputs: tuple, output: tuple) -> None:
     args = dict(zip(input_names("attention_varlen"), inputs))
     ctx.inputs = len(inputs)
     out, lse = output
-    q = args["q"]
-    ctx.why_not = None
-    if args.get("alibi_slopes") is not None:
-        ctx.why_not = "ALiBi"
-    elif q.shape[-1] not in BACKWARD_HEAD_DIMS:
-        ctx.why_not = f"head_dim={q.shape[-1]} (the backward is built for {BACKWARD_HEAD_DIMS})"
-    elif lse.numel() != out.numel() // out.shape[-1]:
-        ctx.why_not = "a forward call without its LSE (return_lse=False inside the op)"
+    ctx.why_not = why_not_of(args, out, lse)
     for name in ("causal", "softmax_scale", "mask_align", "window", "softcap", "return_lse",
                  "max_seqlen_q", "max_seqlen_k", "check_lengths"):
         setattr(ctx, name, args[name])
-    # asked of the call, or of torch, when the forward runs (as FlashAttention takes it)
-    ctx.deterministic = bool(args.get("deterministic")) or (
-        torch.are_deterministic_algorithms_enabled())
-    ctx.save_for_backward(q, args["k"], args["v"], out, lse, args["cu_seqlens_q"],
+    ctx.deterministic = deterministic_asked(args)
+    ctx.save_for_backward(args["q"], args["k"], args["v"], out, lse, args["cu_seqlens_q"],
                           args["cu_seqlens_k"])
 
 

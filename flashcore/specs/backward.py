@@ -37,7 +37,6 @@ from .arch import (
     SMEM_PER_BLOCK,
     arch_tag,
     check_target,
-    swizzle_line_bytes,
 )
 from .attention import MASK_ALIGNS
 from .serial import SpecData
@@ -55,13 +54,6 @@ _SMEM_ALIGN = 1024
 
 def _align(n: int) -> int:
     return (n + _SMEM_ALIGN - 1) // _SMEM_ALIGN * _SMEM_ALIGN
-
-
-def line_threads(head_dim: int, dtype: str) -> int:
-    """Threads that copy one swizzle line of a (rows, head_dim) tile, 16 bytes each
-    (``arch.swizzle_line_bytes``: 8 for 64- and 128-wide rows, 4 for 32 and 96, 2 for 80): the
-    main kernel's loads and stores cover ``threads / line_threads`` rows a pass."""
-    return swizzle_line_bytes(head_dim * DTYPE_BYTES[dtype]) // 16
 
 
 def row_lanes(head_dim: int) -> int:

@@ -18,9 +18,10 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import cpasync, warp
 
 from ...specs import BackwardSpec
-from ...specs.backward import line_threads, warp_grid
+from ...specs.backward import warp_grid
 from ..common.copies import g2s_copy, swizzled_row_atom
 from ..common.dtypes import DTYPES
+from ..mma_sync.layouts import line_elems
 
 LINE = 64  # 16-bit elements of the widest (128-byte) swizzle line
 
@@ -40,9 +41,10 @@ class BackwardLayouts:
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
         self.spec = spec
         self.dtype = DTYPES[spec.dtype]
-        # rows of head_dim in lines of up to 128 bytes that tile them (96 wide: three of 64)
-        per_line = line_threads(d, spec.dtype)
-        line = 8 * per_line
+        # rows of head_dim in lines of up to 128 bytes that tile them (96 wide: three of 64),
+        # as the forward's
+        line = line_elems(d, self.dtype.width)
+        per_line = line // 8  # threads of a line's 16-byte copies
         atom = swizzled_row_atom(16, line)
         self.sQ = cute.tile_to_shape(atom, (tm, d, c.stages), (0, 1, 2))
         self.sK = cute.tile_to_shape(atom, (tn, d), (0, 1))
