@@ -281,6 +281,65 @@ def test_transformers_greedy_steps_agree(kind):
         assert ((got[:, t] == b.argmax(-1)) | tie).all(), f"step {t - 64}"
 
 
+@pytest.mark.parametrize("head_dim, heads, heads_kv", [(128, 16, 4), (64, 8, 8)])
+def test_transformers_padded_decode_matches_reference(head_dim, heads, heads_kv):
+    """One query token a row under a padding mask with holes (a whole row padded too), as
+    transformers' decode calls it on a growing cache: each row against the float64 reference
+    of its kept keys, within twice SDPA's error; the cache's memory is read in place."""
+    from flashcore.integrations import transformers as fc_tf
+
+    fc_tf.register()
+    module = type("M", (), {"is_causal": True, "training": False})()
+    length, cache = 300, 317  # keys in use, the cache tensor's room
+    q = torch.randn(4, heads, 1, head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = [torch.randn(4, heads_kv, cache, head_dim, device="cuda", dtype=torch.bfloat16)
+          for _ in range(2)]
+    k, v = (t[:, :, :length] for t in kv)
+    keep = torch.rand(4, length, device="cuda") > 0.3
+    keep[0, :200] = False  # left padding
+    keep[2] = False  # a row with no key
+    keep[3] = True
+    before = [t.clone() for t in kv]
+    out, _ = fc_tf.attention_forward(module, q, k, v, keep, scaling=head_dim ** -0.5)
+    assert out.shape == (4, 1, heads, head_dim)
+    assert all(torch.equal(a, b) for a, b in zip(kv, before))
+    assert out[2].abs().max().item() == 0  # no key: 0, never NaN
+    for b in (0, 1, 3):
+        args = (q[b:b + 1], k[b:b + 1, :, keep[b]], v[b:b + 1, :, keep[b]])
+        ref = reference.attention(*args, device=q.device)
+        base = torch_baseline(*args, False, "top_left", None, None)
+        err, err_sdpa = max_abs(_t(out[b:b + 1]), ref), max_abs(base, ref)
+        allowed = allowed_error(err_sdpa, ref, q.dtype)
+        assert err <= allowed, f"row {b}: {err:.3g} vs SDPA's {err_sdpa:.3g}"
+    assert fc_tf.fallback_count() == 0
+
+
+@pytest.mark.parametrize("kind, static", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_transformers_padded_greedy_steps_agree(kind, static):
+    """Generation over a padded batch (left padding, a hole inside a row): prefill unpads,
+    each decode step reads the kept keys in place (attention_paged, pages of one key); with a
+    static cache transformers compiles that step, which stays on flashcore. Every step picks
+    SDPA's token on that prefix unless the fp32 model's best two are a near tie."""
+    fp32, ours, theirs, fc_tf = _models(kind)
+    ids = torch.randint(1, 512, (3, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[0, :40] = 0
+    mask[2, 10:13] = 0
+    extra = {"cache_implementation": "static"} if static else {}
+    with torch.no_grad():
+        got = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                            pad_token_id=0, **extra)
+    assert fc_tf.fallback_count() == 0
+    for t in range(64, got.shape[1]):
+        prefix = got[:, :t]
+        keep = torch.cat([mask, torch.ones_like(mask[:, :t - 64])], 1)
+        a, b, ref = (_logits(m, prefix, keep)[:, -1] for m in (ours, theirs, fp32))
+        tol = 2 * max((a - ref).abs().max().item(), (b - ref).abs().max().item())
+        top2 = ref.topk(2, -1).values
+        tie = (top2[:, 0] - top2[:, 1]) <= tol
+        assert ((got[:, t] == b.argmax(-1)) | tie).all(), f"step {t - 64}"
+
+
 def test_transformers_compiles_fullgraph():
     _fp32, ours, _, fc_tf = _models("llama")
     ids = torch.randint(0, 512, (2, 128), device="cuda")

@@ -622,6 +622,112 @@ def test_transformers_greedy_generation_agrees(fake, llama_pair):
     assert decode and all(c[0] == "attention" for c in decode)
 
 
+def test_transformers_padded_generation_decodes_over_kept_keys(fake, llama_pair,
+                                                                 monkeypatch):
+    """A left-padded batch (and a hole inside a row): prefill unpads to varlen, each decode
+    step reads the kept keys in place (attention_paged over pages of one key, no copy, no
+    device check), and the tokens are those of the unpadded (varlen) decode; the logits of the
+    result are SDPA's on every kept token."""
+    from flashcore.integrations import padding
+
+    ours, theirs = llama_pair
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[2, 3] = 0  # a hole inside a row
+    kw = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0, "attention_mask": mask}
+    with torch.no_grad():
+        got = ours.generate(ids, **kw)
+    assert fc_tf.fallback_count() == 0
+    decode = [c for c in fake.calls if c[1][0].shape[-2] == 1 and c[1][0].dim() == 4]
+    assert decode and all(c[0] == "attention_paged" for c in decode)
+    _q, k_pages, _, _table, lengths = decode[-1][1]
+    assert k_pages.shape[1] == 1 and not decode[-1][2]["check_lengths"]
+    assert lengths.tolist() == [4 + 3, 9 + 3, 8 + 3]  # kept prompt keys + the new tokens
+    assert {c[0] for c in fake.calls} == {"attention_varlen", "attention_paged"}
+    fake.calls.clear()
+    monkeypatch.setattr(padding, "key_row_step", lambda t: None)  # no page view: varlen
+    with torch.no_grad():
+        want = ours.generate(ids, **kw)
+    assert {c[0] for c in fake.calls} == {"attention_varlen"}
+    assert torch.equal(got, want)
+    full = torch.cat([mask, torch.ones(3, 4, dtype=torch.long)], 1)
+    keep = full.bool()
+    _close(_logits(ours, got, full)[keep], _logits(theirs, got, full)[keep], tol=0.1)
+
+
+def test_kept_keys_list_each_rows_kept_keys_in_order():
+    from flashcore.integrations import padding
+
+    key = _randn(3, 2, 7, 8, seed=7)[:, :, :6]  # rows 2*7 keys apart, 6 keys used
+    keep = torch.tensor([[0, 1, 1, 0, 1, 1], [1] * 6, [0] * 6], dtype=torch.bool)
+    step = padding.key_row_step(key)
+    assert step == 14
+    pages = padding.key_pages(key)
+    kept = padding.kept_keys(keep, step)
+    assert kept.lengths.tolist() == [4, 6, 0] and kept.table.dtype == torch.int32
+    for b in range(3):
+        n = int(kept.lengths[b])
+        got = pages[kept.table[b, :n].long(), 0]  # (n, heads, dim)
+        assert torch.equal(got, key[b][:, keep[b]].transpose(0, 1))
+    assert int(kept.table.max()) < pages.shape[0]
+    # made once per mask: the same mask again is the same table; a changed mask is not
+    assert padding.kept_keys(keep, step) is kept
+    keep[1, 0] = False
+    again = padding.kept_keys(keep, step)
+    assert again is not kept and again.lengths.tolist() == [4, 5, 0]
+    odd = torch.zeros(2, 3, 5, 8)[:, :, :, :6]  # keys 8 apart, rows 120: a whole number
+    assert padding.key_row_step(odd) == 15
+    skew = torch.zeros(400).as_strided((2, 3, 5, 8), (121, 40, 8, 1))  # rows 121 apart
+    assert padding.key_row_step(skew) is None
+
+
+def test_transformers_padded_decode_compiles_fullgraph(monkeypatch):
+    """A decode step under a padding mask traces whole through the registered attention_paged
+    op (its table made in the graph: no host read, no fallback) and gives the eager result."""
+    import importlib
+
+    from flashcore.ops import library
+
+    eager_entry = importlib.import_module("flashcore.ops.attention")
+
+    ref = FakeOps()  # the eager code behind the public op and the registered one
+    monkeypatch.setattr(library, "run_paged", ref.attention_paged)
+    monkeypatch.setattr(eager_entry, "run_paged", ref.attention_paged)
+    fc_tf.register()
+    fc_tf.reset_fallbacks()
+    module = SimpleNamespace(is_causal=True, training=False)
+    q, k, v = _randn(3, 4, 1, 64, seed=1), _randn(3, 2, 20, 64, seed=2), _randn(3, 2, 20, 64, seed=3)
+    keep = torch.ones(3, 17, dtype=torch.bool)  # a static cache: 17 of its 20 keys written
+    keep[0, :6] = False
+    keep[2, 4] = False
+
+    def step(q, k, v, keep):
+        return fc_tf.attention_forward(module, q, k, v, keep, scaling=0.125)[0]
+
+    traced = torch.compile(step, fullgraph=True)  # inductor: the views and out= survive it
+    got, want = traced(q, k, v, keep), step(q, k, v, keep)
+    assert fc_tf.fallback_count() == 0
+    _close(got, want, tol=0)
+    assert all(c[0] == "attention_paged" for c in ref.calls) and len(ref.calls) == 2
+    for b in range(3):
+        kk, vv = (t[b:b + 1, :, :17][:, :, keep[b]].transpose(1, 2) for t in (k, v))
+        _close(got[b:b + 1], _naive(q[b:b + 1].transpose(1, 2), kk, vv, scale=0.125))
+
+
+def test_unpadding_offsets_are_made_once_per_mask():
+    from flashcore.integrations import padding
+
+    keep = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    un = padding.unpadding(keep, 2)
+    assert un.cu_keys.tolist() == [0, 2, 6] and un.max_keys == 4
+    assert un.cu_queries.tolist() == [0, 2, 4] and un.max_queries == 2
+    assert un.keys.tolist() == [2, 3, 4, 5, 6, 7] and un.queries.tolist() == [0, 1, 2, 3]
+    assert padding.unpadding(keep, 2) is un
+    assert padding.unpadding(keep, 1) is not un  # another query length
+    assert padding.unpadding(keep.clone(), 2) is not un  # another mask
+
+
 def test_transformers_static_cache_passes_row_lengths(fake, llama_pair):
     ours, theirs = llama_pair
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(4))

@@ -19,9 +19,11 @@ one of:
 * a 4-D mask (anything else: packed sequences, extra mask functions, a user's 4-D mask).
 
 The first two run ``attention`` / ``attention_paged`` on the K/V tensors as they are (GQA
-without ``repeat_kv``); padding runs ``attention_varlen`` on the unpadded tokens. 4-D masks,
-dropout, float32 inputs, head dims the kernels lack, padding under ``torch.compile`` and
-backward passes flashcore does not have (a static cache's row lengths) go to torch
+without ``repeat_kv``); padding runs ``attention_varlen`` on the unpadded tokens, and a
+decode step under padding ``attention_paged`` over the kept keys in place (``padding``). 4-D
+masks, dropout, float32 inputs, head dims the kernels lack, padding of more than one query
+token under ``torch.compile`` (unpadding reads lengths on the host) and backward passes
+flashcore does not have (a static cache's row lengths) go to torch
 (``sdpa_fallback``), each counted: ``fallback_count()``, ``fallback_reasons()``. Under
 ``torch.compile`` a fallback is counted when traced, not per call.
 
@@ -31,8 +33,8 @@ or the Hub), so a registered backend cannot serve it.
 
 Sliding windows follow transformers' masks: causal, a window of ``sliding_window`` keys
 counting the current one (flashcore ``window=(sliding_window - 1, 0)``); bidirectional, keys at
-distance <= ``sliding_window``. ``softcap`` is flashcore's. The plain causal path traces
-under ``torch.compile(fullgraph=True)``.
+distance <= ``sliding_window``. ``softcap`` is flashcore's. The plain causal path, a static
+cache's and decode under a padding mask trace under ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch
 from .. import ops
 from ..ops.backward import why_no_backward
 from ..specs import HEAD_DIMS
-from . import sdpa_fallback
+from . import padding, sdpa_fallback
 
 DEFAULT_NAME = "fcore_attention"
 _BUILTIN = ("eager", "sdpa", "flex_attention", "paged|eager")
@@ -179,15 +181,16 @@ def _why_torch(query, key, value, mask, dropout: float, call: _Call, packed,
         return "dropout"
     # dense calls and packed or padded batches (attention_varlen) have the op's backward
     # (``why_no_backward``); a static cache's row lengths (attention_paged) have none
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)) and (
+    if _needs_grad(query, key, value) and (
             (mask is not None and mask.dim() == 1) or why_no_backward(query, key) is not None):
         return "backward"
     if packed is not None:
         return None
     if mask is not None and mask.dim() == 4:
         return "4-D mask"
-    if mask is not None and mask.dim() == 2 and torch.compiler.is_compiling():
-        return "padding mask under torch.compile"
+    if (mask is not None and mask.dim() == 2 and torch.compiler.is_compiling()
+            and not _reads_kept_keys(query, key, value)):
+        return "padding mask under torch.compile"  # unpadding reads lengths on the host
     return None
 
 
@@ -260,26 +263,48 @@ def _packed(query, key, value, packed, scaling, call: _Call) -> torch.Tensor:
 def _unpadded(query, key, value, pad, scaling, call: _Call) -> torch.Tensor:
     """A padding mask, FlashAttention's way: the valid tokens packed (``attention_varlen``)
     and the result scattered back (padded query rows are 0). Queries are the last seqlen_q
-    columns of the mask (left padding)."""
+    columns of the mask (left padding). One query token a row reads its kept keys in place
+    (``_kept_keys``). The offsets are made once per mask (``padding``), for every layer."""
     batch, heads, seqlen_q, dim = query.shape
     length = pad.shape[1]
+    if _reads_kept_keys(query, key, value):
+        return _kept_keys(query, key, value, pad, scaling, call)
     key, value = key[:, :, :length], value[:, :, :length]  # a static cache is longer
-
-    def packed_offsets(mask):
-        lens = mask.sum(-1, dtype=torch.int32)
-        cu = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return mask.flatten().nonzero().flatten(), cu, int(lens.max())
-
-    idx_k, cu_k, max_k = packed_offsets(pad)
-    k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim)[idx_k]
+    un = padding.unpadding(pad, seqlen_q)
+    k, v = (t.transpose(1, 2).reshape(batch * length, t.shape[1], dim)[un.keys]
             for t in (key, value))
-    idx_q, cu_q, max_q = packed_offsets(pad[:, length - seqlen_q:])
-    q = query.transpose(1, 2).reshape(batch * seqlen_q, heads, dim)[idx_q]
-    res = ops.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, call.causal, scaling,
-                               check_lengths=False, **call.kwargs("bottom_right"))
+    q = query.transpose(1, 2).reshape(batch * seqlen_q, heads, dim)[un.queries]
+    res = ops.attention_varlen(q, k, v, un.cu_queries, un.cu_keys, un.max_queries, un.max_keys,
+                               call.causal, scaling, check_lengths=False,
+                               **call.kwargs("bottom_right"))
     out = query.new_zeros(batch * seqlen_q, heads, dim)
-    out[idx_q] = res
+    out[un.queries] = res
     return out.view(batch, seqlen_q, heads, dim)
+
+
+def _kept_keys(query, key, value, pad, scaling, call: _Call) -> torch.Tensor:
+    """Decode under a padding mask: ``attention_paged`` over K and V as pages of one key, its
+    table listing each row's kept keys (``padding.kept_keys``): no copy of the cache and no
+    synchronisation. The one query sees every kept key (bottom-right), as the unpadded call
+    would; a padded query row gets its row's attention rather than 0 (its output is unused)."""
+    batch, heads, _, dim = query.shape
+    kept = padding.kept_keys(pad, padding.key_row_step(key))
+    out = query.new_empty(batch, 1, heads, dim)
+    ops.attention_paged(query, padding.key_pages(key), padding.key_pages(value), kept.table,
+                        kept.lengths, call.causal, scaling, out=out.transpose(1, 2),
+                        check_lengths=False, **call.kwargs("bottom_right"))
+    return out
+
+
+def _reads_kept_keys(query, key, value) -> bool:
+    """Whether a padded call runs as ``_kept_keys``: one query token, K and V laid out alike
+    as pages of one key, no gradient (``attention_paged`` has no backward)."""
+    return (query.shape[2] == 1 and key.stride() == value.stride()
+            and padding.key_row_step(key) is not None and not _needs_grad(query, key, value))
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 # -- registration -----------------------------------------------------------------------------
