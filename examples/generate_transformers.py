@@ -5,6 +5,8 @@ flashcore, with tokens/s and the prompt's prefill time for each (needs a CUDA GP
     python examples/generate_transformers.py --layers 4 --batch 8 --prompt 512 --new 128
     python examples/generate_transformers.py --compile   # a static cache: generate compiles
                                                          # the decode step
+    python examples/generate_transformers.py --padded    # prompts of different lengths
+    python examples/generate_transformers.py --bound     # and a model without attention
 """
 
 from __future__ import annotations
@@ -15,8 +17,17 @@ import time
 
 import torch
 import transformers
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from flashcore.integrations import transformers as fc_transformers
+
+NO_ATTENTION = "no_attention"
+
+
+def no_attention(module, query, key, value, attention_mask, **kwargs):
+    """An attention that returns its query unchanged: a model with it takes the time of
+    everything but attention, the bound on what any attention could gain."""
+    return query.transpose(1, 2), None
 
 
 def build(args: argparse.Namespace, name: str) -> transformers.PreTrainedModel:
@@ -30,11 +41,26 @@ def build(args: argparse.Namespace, name: str) -> transformers.PreTrainedModel:
     return model
 
 
+def prompts(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Random token ids (never the pad id 0, whose presence would make generate infer a
+    padding mask) and, with ``--padded``, a mask that left-pads row b by b / (2 * batch) of
+    the prompt, as a batch of prompts of different lengths is."""
+    ids = torch.randint(1, 32000, (args.batch, args.prompt), device="cuda")
+    if not args.padded:
+        return ids, None
+    mask = torch.ones_like(ids)
+    for b in range(args.batch):
+        mask[b, :b * args.prompt // (2 * args.batch)] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
 def generate_seconds(model, ids: torch.Tensor, new: int, compiled: bool = False,
-                     warm: bool = False) -> tuple[float, torch.Tensor]:
+                     warm: bool = False, mask: torch.Tensor | None = None
+                     ) -> tuple[float, torch.Tensor]:
     """Seconds of one greedy ``generate`` of ``new`` tokens (``warm``: a short one first; a
     compiled step traces once per cache length, so its warm-up is the whole length)."""
-    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0,
+          "attention_mask": mask if mask is not None else torch.ones_like(ids)}
     if compiled:  # transformers compiles the decode step of a static cache itself
         kw["cache_implementation"] = "static"
     with torch.no_grad():
@@ -48,14 +74,14 @@ def generate_seconds(model, ids: torch.Tensor, new: int, compiled: bool = False,
     return time.perf_counter() - start, out
 
 
-def prefill_ms(model, ids: torch.Tensor, reps: int = 10) -> float:
+def prefill_ms(model, ids: torch.Tensor, mask: torch.Tensor | None, reps: int = 10) -> float:
     """Median time of the forward over the whole prompt (no cache kept), CUDA events."""
     times = []
     with torch.no_grad():
         for i in range(reps + 2):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            model(ids, use_cache=False)
+            model(ids, attention_mask=mask, use_cache=False)
             end.record()
             torch.cuda.synchronize()
             if i >= 2:
@@ -77,22 +103,31 @@ def main() -> None:
                    help="generate calls a backend, in turn with the other's (median kept)")
     p.add_argument("--compile", action="store_true",
                    help="a static cache, whose decode step transformers compiles")
+    p.add_argument("--padded", action="store_true",
+                   help="left-pad the rows by different amounts (prompts of different lengths)")
+    p.add_argument("--bound", action="store_true",
+                   help="also a model whose attention returns its query (no attention work)")
     args = p.parse_args()
-    ids = torch.randint(0, 32000, (args.batch, args.prompt), device="cuda")
+    ids, mask = prompts(args)
     name = fc_transformers.register()
     order = (name, "sdpa") if args.reverse else ("sdpa", name)
+    if args.bound:
+        transformers.AttentionInterface.register(NO_ATTENTION, no_attention)
+        AttentionMaskInterface.register(NO_ATTENTION, sdpa_mask)
+        order += (NO_ATTENTION,)
     models = {backend: build(args, backend) for backend in order}
     results, seconds = {}, {backend: [] for backend in order}
     for backend, model in models.items():
-        generate_seconds(model, ids, args.new, args.compile, warm=True)
+        generate_seconds(model, ids, args.new, args.compile, warm=True, mask=mask)
     for _ in range(args.rounds):  # the backends in turn: a host's drift hits both alike
         for backend, model in models.items():
-            t, results[backend] = generate_seconds(model, ids, args.new, args.compile)
+            t, results[backend] = generate_seconds(model, ids, args.new, args.compile,
+                                                   mask=mask)
             seconds[backend].append(t)
     for backend, model in models.items():
         rate = args.batch * args.new / statistics.median(seconds[backend])
         print(f"{backend:>16}: {rate:9.1f} tokens/s (median of {args.rounds}), prefill "
-              f"{prefill_ms(model, ids):7.2f} ms")
+              f"{prefill_ms(model, ids, mask):7.2f} ms")
     same = (results["sdpa"] == results[name]).float().mean().item()
     print(f"tokens equal to SDPA's: {same:.1%}; torch fallbacks: "
           f"{fc_transformers.fallback_reasons() or 'none'}")

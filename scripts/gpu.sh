@@ -24,7 +24,8 @@
 #   tune              the autotuner into $OUT/sm_90.json, then the quick benchmark with it
 #
 # A phase's time limit is ${PHASE}_S seconds (BUILD_S, TESTS_S, ...); GPU=i pins the phases to
-# GPU i; JOBS sets the build's workers (default: the host's cores).
+# GPU i; GPUS=n spreads split and sanitize over GPUs 0..n-1 only (the rest stay free, e.g. for a
+# benchmark beside them); JOBS sets the build's workers (default: the host's cores).
 set -u
 out=${OUT:-bench-results/gpu}
 mkdir -p "$out"
@@ -84,7 +85,7 @@ split() {
   use_arch "$1"
   local dir="$out/${tag}split-$1" gpus deadline
   mkdir -p "$dir"
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
   [ "$gpus" -gt 0 ] && [ -z "${GPU:-}" ] || gpus=1
   deadline=$(( $(date +%s) + $(limit split 540) ))
   # test functions, parametrised cases together (they share kernels)
@@ -111,7 +112,7 @@ sanitize() {
     return
   fi
   local gpus i=0 pids=()
-  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
   [ "$gpus" -gt 0 ] && [ -z "${GPU:-}" ] || gpus=1
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     for mode in ${SANITIZE_MODES:-all splits-equal splits-unequal}; do
