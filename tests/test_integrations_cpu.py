@@ -651,6 +651,13 @@ def test_transformers_padded_generation_decodes_over_kept_keys(fake, llama_pair,
         want = ours.generate(ids, **kw)
     assert {c[0] for c in fake.calls} == {"attention_varlen"}
     assert torch.equal(got, want)
+    # keys whose rows are not contiguous are unpadded (varlen) instead: read in place, a page
+    # view of them would be copied whole
+    module = SimpleNamespace(is_causal=True, training=False)
+    q1, k1 = _randn(2, 4, 1, 64, seed=8), _randn(2, 2, 64, 7, seed=9).transpose(2, 3)
+    fake.calls.clear()
+    fc_tf.attention_forward(module, q1, k1, k1, torch.ones(2, 7, dtype=torch.bool), scaling=0.1)
+    assert [c[0] for c in fake.calls] == ["attention_varlen"]
     full = torch.cat([mask, torch.ones(3, 4, dtype=torch.long)], 1)
     keep = full.bool()
     _close(_logits(ours, got, full)[keep], _logits(theirs, got, full)[keep], tol=0.1)

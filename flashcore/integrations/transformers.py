@@ -298,8 +298,9 @@ def _kept_keys(query, key, value, pad, scaling, call: _Call) -> torch.Tensor:
 
 def _reads_kept_keys(query, key, value) -> bool:
     """Whether a padded call runs as ``_kept_keys``: one query token, K and V laid out alike
-    as pages of one key, no gradient (``attention_paged`` has no backward)."""
-    return (query.shape[2] == 1 and key.stride() == value.stride()
+    as pages of one key with contiguous rows (the kernels read them in place), no gradient
+    (``attention_paged`` has no backward)."""
+    return (query.shape[2] == 1 and key.stride() == value.stride() and key.stride(3) == 1
             and padding.key_row_step(key) is not None and not _needs_grad(query, key, value))
 
 
