@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops
-from ..ops.backward import why_no_backward
+from ..ops.backward import needs_grad, why_no_backward
 from ..specs import HEAD_DIMS
 from . import padding, sdpa_fallback
 
@@ -181,7 +181,7 @@ def _why_torch(query, key, value, mask, dropout: float, call: _Call, packed,
         return "dropout"
     # dense calls and packed or padded batches (attention_varlen) have the op's backward
     # (``why_no_backward``); a static cache's row lengths (attention_paged) have none
-    if _needs_grad(query, key, value) and (
+    if needs_grad(query, key, value) and (
             (mask is not None and mask.dim() == 1) or why_no_backward(query, key) is not None):
         return "backward"
     if packed is not None:
@@ -301,11 +301,7 @@ def _reads_kept_keys(query, key, value) -> bool:
     as pages of one key with contiguous rows (the kernels read them in place), no gradient
     (``attention_paged`` has no backward)."""
     return (query.shape[2] == 1 and key.stride() == value.stride() and key.stride(3) == 1
-            and padding.key_row_step(key) is not None and not _needs_grad(query, key, value))
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+            and padding.key_row_step(key) is not None and not needs_grad(query, key, value))
 
 
 # -- registration -----------------------------------------------------------------------------
