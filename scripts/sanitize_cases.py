@@ -3,7 +3,8 @@ scripts/sanitize.sh under memcheck, racecheck and synccheck). Each case checks i
 the float64 reference, so a kernel that misbehaves only under the sanitizer shows too.
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
-                                      fp8-paged|wgmma|wgmma-fp8|wgmma-masks|fp8-khead|serving|
+                                      fp8-paged|wgmma|wgmma-fp8|wgmma-masks|wgmma-head-dims|
+                                      fp8-khead|serving|
                                       hostile|backward|backward-deterministic|
                                       backward-varlen|kv-splits|head-dims]
 
@@ -310,6 +311,30 @@ def launched_families(fn, *args, **kwargs) -> tuple:
     with mock.patch.object(launcher, "launch", side_effect=record):
         result = fn(*args, **kwargs)
     return result, seen
+
+
+def wgmma_head_dim_cases():
+    # the warp-specialised family at head dims 32, 80, 96 and 256 (swizzles of 64, 32, 64 and
+    # 128 bytes): ragged S_q and S_k, GQA, causal and every mask, each config that builds there
+    from flashcore.errors import SpecError
+    from tests.gpu_utils import WGMMA_HEAD_DIM_CONFIGS
+
+    cases = ((1, 4, 2, 77, 300, False, {}),
+             (2, 2, 1, 300, 77, True, {"mask_align": "bottom_right"}),
+             (1, 4, 2, 200, 333, True, {"mask_align": "bottom_right", "window": (50, 0),
+                                        "softcap": 20.0}))
+    for config, d, (b, hq, hkv, sq, sk, causal, masks) in itertools.product(
+            WGMMA_HEAD_DIM_CONFIGS, (32, 80, 96, 256), cases):
+        q, k, v = qkv(b, hq, hkv, sq, sk, d, torch.bfloat16 if d == 96 else torch.float16,
+                      seed=sq + sk + d)
+        name = f"wgmma_ws d{d} {config} {(b, hq, hkv, sq, sk)} causal={causal} {masks}"
+        try:
+            (out, _), families = launched_families(attention, q, k, v, causal=causal,
+                                                   config=config, return_lse=True, **masks)
+        except SpecError:  # a config this head dim does not build
+            print(f"skip {name}: not built", flush=True)
+            continue
+        yield families == ["wgmma_ws"] and check(name, out, q, k, v, causal, **masks)
 
 
 def wgmma_masks_cases():
@@ -767,6 +792,7 @@ def main() -> int:
              "decode": decode_cases, "packed-tokens": packed_tokens_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases, "wgmma-16bit": wgmma_16bit_cases,
              "wgmma-fp8": wgmma_fp8_cases, "wgmma-masks": wgmma_masks_cases,
+             "wgmma-head-dims": wgmma_head_dim_cases,
              "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),

@@ -30,6 +30,7 @@ from tests.gpu_utils import (
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
     WGMMA_FP8_MASK_CONFIGS,
+    WGMMA_HEAD_DIM_CONFIGS,
     WGMMA_MASK_CONFIGS,
 )
 
@@ -189,7 +190,19 @@ def wgmma_specs(arch: str) -> list:
         config = _tuned(arch, bucket, d, causal, features=tuple(feature.items()))
         fallback = _tuned(arch, bucket, d, causal, features=(("split_kv", True),))
         specs += _specs(arch, [config, fallback], head_dim=d, causal=causal, **feature)
-    return specs + wgmma_mask_specs(arch)
+    return specs + wgmma_mask_specs(arch) + wgmma_head_dim_specs(arch)
+
+
+def wgmma_head_dim_specs(arch: str) -> list:
+    """tests/test_gpu_wgmma.py's Hopper kernels at head dims 32, 80, 96 and 256: its configs,
+    with LSE, plain and causal, and with every mask together (a bottom-right causal window and
+    a soft-cap; other combinations it draws compile on first use)."""
+    dims = [32, 80, 96, 256]
+    specs = _specs(arch, WGMMA_HEAD_DIM_CONFIGS, dtype=DTYPES, head_dim=dims,
+                   causal=[False, True], return_lse=True)
+    specs += _specs(arch, WGMMA_HEAD_DIM_CONFIGS, dtype="float16", head_dim=dims, causal=True,
+                    mask_align="bottom_right", window=True, softcap=True, return_lse=True)
+    return specs
 
 
 def wgmma_mask_specs(arch: str) -> list:
@@ -441,8 +454,8 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
 
 GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs,
-          "wgmma-masks": wgmma_mask_specs, "backward": backward_specs,
-          "head_dims": head_dim_specs}
+          "wgmma-masks": wgmma_mask_specs, "wgmma-head-dims": wgmma_head_dim_specs,
+          "backward": backward_specs, "head_dims": head_dim_specs}
 
 
 def main() -> None:

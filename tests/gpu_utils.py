@@ -87,6 +87,14 @@ WGMMA_MASK_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws
                       TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws"),
                       TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
                       TileConfig((192, 64), warps=12, stages=2, family="wgmma_ws")]
+# the Hopper family at head dims 32, 80, 96 and 256: two consumers of 128-key steps (64-key at
+# d256, whose 128-key tiles overflow shared memory), one consumer, three of 128-key steps (P
+# through shared memory at d80 and d96; d256 has no room for three); a config a head dim does
+# not build is skipped where it is drawn
+WGMMA_HEAD_DIM_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                          TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),
+                          TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
+                          TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
 # FP8 operands with masks: the d128 causal winner, and three consumers taking turns
 WGMMA_FP8_MASK_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]

@@ -22,6 +22,7 @@ from tests.gpu_utils import (
     WGMMA_CONFIGS,
     WGMMA_FP8_CONFIGS,
     WGMMA_FP8_MASK_CONFIGS,
+    WGMMA_HEAD_DIM_CONFIGS,
     WGMMA_MASK_CONFIGS,
     allowed_error,
     check_masked_result,
@@ -251,6 +252,62 @@ def test_wgmma_ws_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, cau
     q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dt)
                for h, s in ((hkv * group, sq), (hkv, sk), (hkv, sk)))
     if softcap is not None:  # logits of a few units, so the cap bites
+        q = (q.float() * 3).to(dt)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
+                                       **masks)
+    out = torch.full_like(q, float("nan"))
+    (res, lse), families = launched(lambda: attention(
+        q, k, v, causal=causal, return_lse=True, out=out, config=config, **masks))
+    assert families == ["wgmma_ws"]
+    check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, masks["mask_align"],
+                        masks["window"], masks["softcap"])
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    group=st.sampled_from([1, 2, 4]),
+    sq=st.one_of(st.integers(1, 300), st.integers(1, 1500)),
+    sk=st.one_of(st.integers(1, 300), st.integers(1, 2000)),
+    d=st.sampled_from([32, 80, 96, 256]),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=st.one_of(st.none(), WINDOWS),
+    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    config=st.sampled_from(WGMMA_HEAD_DIM_CONFIGS),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, group=2, sq=333, sk=1000, d=96, dtype="float16", causal=True,
+         align="bottom_right", window=None, softcap=None, config=WGMMA_HEAD_DIM_CONFIGS[0],
+         seed=1)  # 64-byte swizzled rows, ragged keys
+@example(b=2, hkv=1, group=4, sq=700, sk=700, d=256, dtype="bfloat16", causal=True,
+         align="top_left", window=None, softcap=None, config=WGMMA_HEAD_DIM_CONFIGS[1],
+         seed=2)  # four 128-byte boxes a row, 128 accumulator registers of O a thread
+@example(b=1, hkv=1, group=1, sq=1, sk=1, d=80, dtype="float16", causal=False,
+         align="top_left", window=None, softcap=None, config=WGMMA_HEAD_DIM_CONFIGS[2],
+         seed=3)  # 32-byte swizzled rows, one key
+@example(b=1, hkv=2, group=2, sq=500, sk=777, d=96, dtype="bfloat16", causal=False,
+         align="top_left", window=None, softcap=None, config=WGMMA_HEAD_DIM_CONFIGS[3],
+         seed=4)  # three consumers, P through shared memory
+@example(b=1, hkv=2, group=1, sq=300, sk=1200, d=256, dtype="float16", causal=True,
+         align="bottom_right", window=(200, 0), softcap=20.0, config=WGMMA_HEAD_DIM_CONFIGS[2],
+         seed=5)  # one consumer, every mask
+@example(b=2, hkv=3, group=1, sq=1000, sk=1000, d=32, dtype="float16", causal=True,
+         align="top_left", window=None, softcap=None, config=WGMMA_HEAD_DIM_CONFIGS[3],
+         seed=6)
+def test_wgmma_ws_head_dims_match_the_reference(b, hkv, group, sq, sk, d, dtype, causal, align,
+                                                window, softcap, config, seed):
+    """The warp-specialised kernels at head dims 32, 80, 96 and 256 (rows of 64, 160, 192
+    and 512 bytes: swizzles of 64, 32, 64 and 128 bytes), masks included, against the float64
+    reference with the masks tests' bound. The kernel launched is the named wgmma_ws one."""
+    masks = _ws_masks(causal, align, window, softcap, config, d, dtype)
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dt)
+               for h, s in ((hkv * group, sq), (hkv, sk), (hkv, sk)))
+    if softcap is not None:
         q = (q.float() * 3).to(dt)
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
                                        **masks)

@@ -79,13 +79,31 @@ def test_fp8_at_a_new_dim_is_refused_naming_it(d):
 
 
 @pytest.mark.parametrize("d", NEW_DIMS)
-def test_the_hopper_family_refuses_a_new_dim_the_backward_builds_it(d):
+def test_the_hopper_family_builds_every_dim_and_the_backward_too(d):
     config = default_backward_config(d, "sm_89")
     BackwardSpec(arch="sm_89", head_dim=d, config=config, warps_m=default_warps_m(d, config))
     for config in (TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
                    TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws")):
-        with pytest.raises(SpecError, match=f"head_dim={d} is not built"):
-            AttentionSpec(arch="sm_90", head_dim=d, config=config)
+        spec = AttentionSpec(arch="sm_90", head_dim=d, config=config)
+        assert spec.family == "wgmma_ws" and spec.smem_bytes <= 232448
+    # its FP8 operands stay at 64 and 128 (the e4m3 Vᵀ and P layouts)
+    with pytest.raises(SpecError, match=f"head_dim={d}"):
+        AttentionSpec(arch="sm_90", head_dim=d, precision="fp8",
+                      config=TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"))
+
+
+def test_the_hopper_family_refuses_what_does_not_fit():
+    """d256's 128-key tiles overflow shared memory; three consumers of 128-key steps at d80
+    and d96 hold P in shared memory (in registers it spilled 48 and 144 bytes)."""
+    from flashcore.specs.families import WgmmaWs
+
+    with pytest.raises(SpecError, match="shared memory"):
+        AttentionSpec(arch="sm_90", head_dim=256, config=TileConfig(
+            (128, 128), warps=8, stages=2, family="wgmma_ws"))
+    three = TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")
+    for d, shared in ((32, False), (64, False), (80, True), (96, True), (128, True)):
+        assert WgmmaWs.p_in_shared(AttentionSpec(arch="sm_90", head_dim=d, config=three)) \
+            == shared
 
 
 def test_head_dims_outside_the_list_are_still_refused():

@@ -201,6 +201,17 @@ WS_SPECS = [
                   config=WS.replace(tile=(192, 128), warps=12, stages=4)),
     AttentionSpec(arch="sm_90", head_dim=128, causal=True, precision="fp8", k_scale="head",
                   config=WS.replace(tile=(192, 64), warps=12, stages=3)),  # P in registers
+    # the other head dims: rows of 64, 160, 192 and 512 bytes (swizzles of 64, 32, 64, 128)
+    AttentionSpec(arch="sm_90", head_dim=32, config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=80, causal=True, return_lse=True,
+                  config=WS.replace(tile=(192, 128), warps=12)),  # P through shared memory
+    AttentionSpec(arch="sm_90", head_dim=96, causal=True, mask_align="bottom_right",
+                  window=True, softcap=True, return_lse=True, config=WS),
+    AttentionSpec(arch="sm_90", head_dim=96, config=WS.replace(tile=(192, 128), warps=12)),
+    AttentionSpec(arch="sm_90", head_dim=256, causal=True, return_lse=True,
+                  config=WS.replace(tile=(128, 64))),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=256, window=True, softcap=True,
+                  config=WS.replace(tile=(64, 64), warps=4)),
     *MASK_SPECS,
 ]
 
@@ -528,13 +539,13 @@ def test_p_words_follow_the_key_permutation_of_v():
 
 def _p_operand_loops(art, spec, mma: str) -> tuple[bool, list]:
     """Whether P goes to P·V through its shared tile (``WgmmaWs.p_in_shared``: three consumers
-    of 128-key steps at d128), checked against the key loops' ``mma`` instructions: S = Q·Kᵀ
+    of 128-key steps at d80 to d128), checked against the key loops' ``mma`` instructions: S = Q·Kᵀ
     reads both operands through descriptors, P·V reads P from registers unless it is shared.
     Returns (shared, the key loops); skips where nvdisasm is missing."""
     from flashcore.specs.families import WgmmaWs
 
     shared = WgmmaWs.p_in_shared(spec)
-    assert shared == (spec.head_dim == 128 and spec.config.tile == (192, 128))
+    assert shared == (80 <= spec.head_dim <= 128 and spec.config.tile == (192, 128))
     text = sass(art.cubin)
     if text is None:
         pytest.skip("nvdisasm is not installed")

@@ -11,7 +11,7 @@ BACKWARD_HEAD_DIMS = HEAD_DIMS  # the backward (mma_sync family) builds every fo
 # what the other kernels build: FP8 operands, an FP8 KV cache and their quantiser; the Hopper
 # family (its 128-byte swizzles and tuned schedules assume these)
 FP8_HEAD_DIMS = (64, 128)
-WGMMA_HEAD_DIMS = (64, 128)
+WGMMA_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 FP8_ARCHS = ("sm_89", "sm_90")  # e4m3 mma.sync and cvt exist from Ada on
 PDL_ARCHS = ("sm_90",)  # griddepcontrol (programmatic dependent launch) exists from Hopper on
 

@@ -52,6 +52,15 @@ def _align(n: int, a: int = _SMEM_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def swizzle_span(row_bytes: int) -> int:
+    """Bytes of the swizzle a K-major wgmma tile of ``row_bytes`` rows takes, and of its TMA
+    box's rows: the widest of 128, 64 and 32 that divides a row (16-bit d96: 64; d80: 32)."""
+    for span in (128, 64, 32):
+        if row_bytes % span == 0:
+            return span
+    raise SpecError(f"a row of {row_bytes} bytes is no whole number of 32-byte swizzle units")
+
+
 def _copy_pass_rows(threads: int, row_bytes: int) -> int:
     """Rows one pass of ``threads`` threads' 16-byte copies covers, a thread per 16 bytes of
     a swizzle line (``kernels/common/copies.g2s_copy``)."""
@@ -252,6 +261,8 @@ class WgmmaWs:
         if spec.head_dim not in WGMMA_HEAD_DIMS:
             raise bad(f"head_dim={spec.head_dim} is not built (only {WGMMA_HEAD_DIMS}); the "
                       "mma_sync family builds it")
+        if spec.precision == "fp8" and spec.head_dim not in (64, 128):
+            raise bad(f"FP8 operands at head_dim={spec.head_dim} are not built (64 and 128)")
         for knob, allowed in self.knobs.items():
             v = getattr(c, knob)
             if v not in allowed:
@@ -265,7 +276,8 @@ class WgmmaWs:
             raise bad(f"needs {need} bytes of shared memory, over {spec.arch}'s {budget}")
         if spec.softcap and (spec.causal or spec.window) and self.p_in_shared(spec):
             raise bad(f"softcap=True beside a causal mask or a window is not built for tile "
-                      f"{c.tile} at head_dim=128 (P through shared memory): its consumers' 160 "
+                      f"{c.tile} at head_dim={spec.head_dim} (P through shared memory): its "
+                      "consumers' 160 "
                       "registers a thread spill in the key loop; use tile (128, 128) with "
                       "warps=8 or (192, 64) with warps=12")
 
@@ -283,7 +295,7 @@ class WgmmaWs:
         transposed = arg.kind.name == "bhds"
         rows, inner = (d, c.tile_n) if transposed else (
             c.tile_m if arg.name == "q" else c.tile_n, d)
-        span = min(inner * esize, 128)
+        span = swizzle_span(inner * esize)
         name = arg.abi_name
         return (TensorMapParam(f"{name}_tma", name, rows, span // esize, dtype, span, transposed),
                 CoordParam(f"{name}_extents"))
@@ -291,11 +303,12 @@ class WgmmaWs:
     @staticmethod
     def p_in_shared(spec: FamilySpec) -> bool:
         """Whether P reaches the P·V wgmma through shared memory (its SS form) rather than in
-        registers: head_dim 128 with three consumer warpgroups of 128-key steps, whose 160
-        registers a thread hold S and O (64 each) but not P beside them (FP8: 288 bytes of
-        spills with P in registers; 64-key steps fit)."""
+        registers: head_dim 80 to 128 with three consumer warpgroups of 128-key steps, whose
+        160 registers a thread hold S (64) and O (40 to 64) but not P beside them (d128 FP8:
+        288 bytes of spills with P in registers, d96 144; 64-key steps fit). Head dims above
+        128 have no room for three consumers' tiles."""
         c = spec.config
-        return spec.head_dim == 128 and c.warps == 12 and c.tile_n == 128
+        return 80 <= spec.head_dim <= 128 and c.warps == 12 and c.tile_n == 128
 
     @staticmethod
     def sums_by_mma(spec: FamilySpec) -> bool:

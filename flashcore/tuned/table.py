@@ -148,8 +148,11 @@ def _entry(arch: str, head_dim: int, causal: bool, bucket: str, precision: str) 
     tuned = stand_in and _table_entry(table, stand_in, causal, bucket, precision)
     if not tuned:
         return Tuned(default)
-    for config in (tuned.config, tuned.fallback):  # the winner, or the default family's best
-        if config is not None and _builds(arch, head_dim, causal, precision, config, ()):
+    # the winner, or the default family's best; a Hopper (wgmma_ws) tile is timed at its own
+    # head dim only: its registers and pipes at one dim say nothing of another's
+    for config in (tuned.config, tuned.fallback):
+        if (config is not None and config.family in ("", "mma_sync")
+                and _builds(arch, head_dim, causal, precision, config, ())):
             return Tuned(config)
     return Tuned(default)
 

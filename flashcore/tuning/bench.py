@@ -315,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ours["read-floor"] = read_floor()  # decode shapes: not attention, the cost of one read
     ours["read-floor-fp8kv"] = read_floor(0.5)
     if a.wgmma:
-        for tm, tn, stages in ((128, 128, 2), (128, 64, 3), (192, 64, 2), (192, 128, 2)):
+        for tm, tn, stages in ((128, 128, 2), (128, 64, 3), (128, 64, 2), (192, 64, 2),
+                               (192, 128, 2)):  # d256 fits (128, 64, 2) only of these
             name = f"flashcore-ws-n{tn}-s{stages}" if tm == 128 else f"flashcore-ws-m{tm}-n{tn}"
             ours[name] = _flashcore(config=TileConfig((tm, tn), warps=tm // 16, stages=stages,
                                                       family="wgmma_ws"))

@@ -1,8 +1,9 @@
 """The Hopper kernels' shared layouts and tiled warpgroup MMAs (what ``wgmma_ws`` builds its
 trace-time data from; its budget: ``flashcore.specs.families.WgmmaWs``).
 
-Shared tiles are the canonical 128-byte-swizzled K-major wgmma layout (rows of head_dim
-elements, 8-row x 64-element atoms). Q and K are K-major operands of S = Q·Kᵀ as stored; V,
+Shared tiles are the canonical swizzled K-major wgmma layout (rows of head_dim elements, 8-row
+atoms of the widest swizzle a row is a whole number of: ``specs.families.swizzle_span``; 128
+bytes, so 64 16-bit elements, for d64, d128 and d256). Q and K are K-major operands of S = Q·Kᵀ as stored; V,
 stored the same way (keys x head_dim), read through a transposed (head_dim, keys) view is the
 MN-major B operand of O = P·V (the transposed K-major SW128 atom is the MN-major SW128 atom).
 
@@ -16,21 +17,26 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
+from ...specs.families import swizzle_span
+
 WARPGROUP = 128  # threads of one warpgroup: one wgmma M tile of 64 rows
 ROWS_PER_WARPGROUP = 64
 
 
+_ATOMS = {128: warpgroup.SmemLayoutAtomKind.K_SW128, 64: warpgroup.SmemLayoutAtomKind.K_SW64,
+          32: warpgroup.SmemLayoutAtomKind.K_SW32}
+
+
 def swizzle_bytes(dtype, row: int) -> int:
-    """The swizzle span of a K-major tile whose rows are ``row`` elements: 128 bytes, or 64
-    for 64 one-byte elements (e4m3 at head_dim 64, or 64 keys of FP8 Vᵀ)."""
-    return min(row * dtype.width // 8, 128)
+    """The swizzle span of a K-major tile whose rows are ``row`` elements (``swizzle_span``:
+    e4m3 rows of 64, 16-bit d96 rows of 192 bytes take 64)."""
+    return swizzle_span(row * dtype.width // 8)
 
 
 def k_major(dtype, shape: tuple):
     """A K-major swizzled layout of ``shape`` (rows, K[, stages]), the widest swizzle a row
-    fills (``swizzle_bytes``)."""
-    kind = (warpgroup.SmemLayoutAtomKind.K_SW128 if swizzle_bytes(dtype, shape[1]) == 128
-            else warpgroup.SmemLayoutAtomKind.K_SW64)
+    is a whole number of (``swizzle_bytes``)."""
+    kind = _ATOMS[swizzle_bytes(dtype, shape[1])]
     atom = warpgroup.make_smem_layout_atom(kind, dtype)
     return cute.tile_to_shape(atom, shape, tuple(range(len(shape))))
 

@@ -3,6 +3,8 @@
 warpgroup MMAs over the consumer warpgroups, and the TMA pipelines
 (``flashcore.specs.families.WgmmaWs`` validates and budgets the spec)."""
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -57,12 +59,14 @@ class WsLayouts:
         self.sum_mma = (row_sums.sum_mma(self.dtype, self.consumers, not self.p_in_shared)
                         if self.sums_by_mma else None)
         # the epilogue: each consumer warpgroup's 64 rows of O, shared -> global in 16-byte
-        # vectors, 8 threads per 64 columns (its own 128 threads)
+        # vectors by its own 128 threads, up to 8 a row (as many as divide a row's vectors)
+        vec = 128 // self.out_dtype.width
+        per_row = math.gcd(8, d // vec)
         self.r2g_o = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.out_dtype,
                                 num_bits_per_copy=128),
-            cute.make_layout((WARPGROUP // 8, 8), stride=(8, 1)),
-            cute.make_layout((1, 128 // self.out_dtype.width)))
+            cute.make_layout((WARPGROUP // per_row, per_row), stride=(per_row, 1)),
+            cute.make_layout((1, vec)))
         self.q_bytes = tm * d * self.dtype.width // 8
         self.kv_bytes = tn * d * self.dtype.width // 8  # one stage of K (or V): TMA's tx count
         self.storage = self._shared_storage()
