@@ -237,3 +237,14 @@ def check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, align, win
     assert torch.equal(torch.isfinite(lse), finite), "-inf LSE exactly where no key is seen"
     if finite.any():
         assert max_abs(lse[finite], ref_lse[finite]) < 1e-3 * max(1.0, ref_lse.abs().max().item())
+
+
+def masked_qkv(b, hq, hkv, sq, sk, d, dtype, softcap, seed):
+    """Fresh normal q, k, v of a masked call's test; with a soft-cap q is tripled, so that
+    logits of a few units make the cap bite."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dtype)
+               for h, s in ((hq, sq), (hkv, sk), (hkv, sk)))
+    if softcap is not None:
+        q = (q.float() * 3).to(dtype)
+    return q, k, v

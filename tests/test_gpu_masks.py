@@ -19,6 +19,7 @@ from tests.gpu_utils import (
     allowed_error,
     check_masked_result,
     head_dims,
+    masked_qkv,
     max_abs,
     requires_cuda,
     torch_baseline,
@@ -62,12 +63,7 @@ def test_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, causal, alig
                                    softcap, seed):
     if causal and window is not None and window[1] > 0:
         window = (window[0], 0)
-    dt = DTYPES[dtype]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dt)
-               for h, s in ((hkv * group, sq), (hkv, sk), (hkv, sk)))
-    if softcap is not None:  # logits of a few units, so the cap bites
-        q = (q.float() * 3).to(dt)
+    q, k, v = masked_qkv(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], softcap, seed)
     masks = {"mask_align": align, "window": window, "softcap": softcap}
     ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
                                        **masks)

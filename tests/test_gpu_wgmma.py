@@ -28,6 +28,7 @@ from tests.gpu_utils import (
     check_masked_result,
     current_arch,
     fp8_sums_rounded_p,
+    masked_qkv,
     max_abs,
     requires_cuda,
     sdpa,
@@ -189,6 +190,22 @@ def _ws_masks(causal, align, window, softcap, config, d, dtype="float16", precis
     return {"mask_align": mask.align, "window": mask.window, "softcap": mask.softcap}
 
 
+def _check_masked(b, hkv, group, sq, sk, d, dtype, causal, align, window, softcap, config,
+                  seed):
+    """One masked call on ``config`` (skipped where it does not build) against the float64
+    reference with the masks tests' bound; the kernel launched must be the wgmma_ws one."""
+    masks = _ws_masks(causal, align, window, softcap, config, d, dtype)
+    q, k, v = masked_qkv(b, hkv * group, hkv, sq, sk, d, DTYPES[dtype], softcap, seed)
+    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
+                                       **masks)
+    out = torch.full_like(q, float("nan"))
+    (res, lse), families = launched(lambda: attention(
+        q, k, v, causal=causal, return_lse=True, out=out, config=config, **masks))
+    assert families == ["wgmma_ws"]
+    check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, masks["mask_align"],
+                        masks["window"], masks["softcap"])
+
+
 WINDOWS = st.one_of(st.none(), st.tuples(st.integers(-1, 700), st.integers(-1, 700)),
                     st.sampled_from([(0, 0), (-1, 0), (0, -1), (5000, 5000), (-1, 10)]))
 
@@ -246,21 +263,8 @@ def test_wgmma_ws_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, cau
     against the float64 reference with the masks tests' bound; rows that see no key give 0
     and LSE -inf. The kernel launched is the named wgmma_ws one."""
 
-    masks = _ws_masks(causal, align, window, softcap, config, d, dtype)
-    dt = DTYPES[dtype]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dt)
-               for h, s in ((hkv * group, sq), (hkv, sk), (hkv, sk)))
-    if softcap is not None:  # logits of a few units, so the cap bites
-        q = (q.float() * 3).to(dt)
-    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
-                                       **masks)
-    out = torch.full_like(q, float("nan"))
-    (res, lse), families = launched(lambda: attention(
-        q, k, v, causal=causal, return_lse=True, out=out, config=config, **masks))
-    assert families == ["wgmma_ws"]
-    check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, masks["mask_align"],
-                        masks["window"], masks["softcap"])
+    _check_masked(b, hkv, group, sq, sk, d, dtype, causal, align, window, softcap, config,
+                  seed)
 
 
 @settings(settings.get_profile("gpu"))
@@ -302,21 +306,8 @@ def test_wgmma_ws_head_dims_match_the_reference(b, hkv, group, sq, sk, d, dtype,
     """The warp-specialised kernels at head dims 32, 80, 96 and 256 (rows of 64, 160, 192
     and 512 bytes: swizzles of 64, 32, 64 and 128 bytes), masks included, against the float64
     reference with the masks tests' bound. The kernel launched is the named wgmma_ws one."""
-    masks = _ws_masks(causal, align, window, softcap, config, d, dtype)
-    dt = DTYPES[dtype]
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=gen).to(dt)
-               for h, s in ((hkv * group, sq), (hkv, sk), (hkv, sk)))
-    if softcap is not None:
-        q = (q.float() * 3).to(dt)
-    ref, ref_lse = reference.attention(q, k, v, causal=causal, return_lse=True, device=q.device,
-                                       **masks)
-    out = torch.full_like(q, float("nan"))
-    (res, lse), families = launched(lambda: attention(
-        q, k, v, causal=causal, return_lse=True, out=out, config=config, **masks))
-    assert families == ["wgmma_ws"]
-    check_masked_result(res, out, lse, ref, ref_lse, q, k, v, causal, masks["mask_align"],
-                        masks["window"], masks["softcap"])
+    _check_masked(b, hkv, group, sq, sk, d, dtype, causal, align, window, softcap, config,
+                  seed)
 
 
 @settings(settings.get_profile("gpu"))
