@@ -4,6 +4,7 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
                                       fp8-paged|wgmma|wgmma-fp8|wgmma-masks|wgmma-head-dims|
+                                      wgmma-varlen|
                                       fp8-khead|serving|
                                       hostile|backward|backward-deterministic|
                                       backward-varlen|kv-splits|head-dims]
@@ -156,10 +157,11 @@ def mask_cases():
                     causal, **masks)
 
 
-def varlen_cases():
+def varlen_cases(tile=None):
     # packed batches: empty and one-token sequences, queries without keys, chunked-prefill
-    # lengths; bottom-right causal, and a two-sided window with soft-capping ((64, 64) kernels)
-    tile = {"tile": (64, 64)}
+    # lengths; bottom-right causal, and a two-sided window with soft-capping ((64, 64) kernels,
+    # or the Hopper family's ``config``)
+    tile = tile or {"tile": (64, 64)}
     g = torch.Generator(device="cuda").manual_seed(0)
     lq, lk = [0, 1, 77, 130, 5], [3, 1, 200, 130, 0]
     cq, ck = ([0, *torch.tensor(x).cumsum(0).tolist()] for x in (lq, lk))
@@ -335,6 +337,15 @@ def wgmma_head_dim_cases():
             print(f"skip {name}: not built", flush=True)
             continue
         yield families == ["wgmma_ws"] and check(name, out, q, k, v, causal, **masks)
+
+
+def wgmma_varlen_cases():
+    # packed batches on the Hopper family (sm_90): ``varlen_cases`` on two consumers and three
+    from flashcore.specs import TileConfig
+
+    for config in (TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                   TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")):
+        yield from varlen_cases({"config": config})
 
 
 def wgmma_masks_cases():
@@ -792,7 +803,7 @@ def main() -> int:
              "decode": decode_cases, "packed-tokens": packed_tokens_cases, "masks": mask_cases, "varlen": varlen_cases, "paged": paged_cases,
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases, "wgmma-16bit": wgmma_16bit_cases,
              "wgmma-fp8": wgmma_fp8_cases, "wgmma-masks": wgmma_masks_cases,
-             "wgmma-head-dims": wgmma_head_dim_cases,
+             "wgmma-head-dims": wgmma_head_dim_cases, "wgmma-varlen": wgmma_varlen_cases,
              "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),

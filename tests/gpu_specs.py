@@ -32,6 +32,7 @@ from tests.gpu_utils import (
     WGMMA_FP8_MASK_CONFIGS,
     WGMMA_HEAD_DIM_CONFIGS,
     WGMMA_MASK_CONFIGS,
+    WGMMA_VARLEN_CONFIGS,
 )
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
@@ -190,7 +191,23 @@ def wgmma_specs(arch: str) -> list:
         config = _tuned(arch, bucket, d, causal, features=tuple(feature.items()))
         fallback = _tuned(arch, bucket, d, causal, features=(("split_kv", True),))
         specs += _specs(arch, [config, fallback], head_dim=d, causal=causal, **feature)
-    return specs + wgmma_mask_specs(arch) + wgmma_head_dim_specs(arch)
+    return specs + wgmma_mask_specs(arch) + wgmma_head_dim_specs(arch) + wgmma_varlen_specs(arch)
+
+
+def wgmma_varlen_specs(arch: str) -> list:
+    """Packed batches on the Hopper family: test_gpu_serving.py's configs (bottom-right, with
+    LSE; plain, causal, and with a window and a soft-cap), and the tuned entries' kernels for a
+    packed batch (what ``tile=None`` runs on sm_90)."""
+    fixed = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "varlen": True, "return_lse": True,
+             "mask_align": "bottom_right"}
+    specs = _specs(arch, WGMMA_VARLEN_CONFIGS, causal=[False, True], **fixed)
+    specs += _specs(arch, WGMMA_VARLEN_CONFIGS, causal=True, window=True, softcap=True, **fixed)
+    for bucket, d, causal in itertools.product([b for b, _, _ in BUCKETS[1:]], HEAD_DIMS,
+                                               (False, True)):
+        config = _tuned(arch, bucket, d, causal, features=(("varlen", True),))
+        specs += _specs(arch, [config], head_dim=d, causal=causal, varlen=True,
+                        return_lse=[False, True], mask_align=["top_left", "bottom_right"])
+    return list(dict.fromkeys(specs))
 
 
 def wgmma_head_dim_specs(arch: str) -> list:
@@ -455,6 +472,7 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
 GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs,
           "wgmma-masks": wgmma_mask_specs, "wgmma-head-dims": wgmma_head_dim_specs,
+          "wgmma-varlen": wgmma_varlen_specs,
           "backward": backward_specs, "head_dims": head_dim_specs}
 
 

@@ -95,6 +95,10 @@ WGMMA_HEAD_DIM_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmm
                           TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),
                           TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
                           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+# packed batches on the Hopper family: two consumers of 128- and 64-key steps, three
+WGMMA_VARLEN_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                        TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),
+                        TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
 # FP8 operands with masks: the d128 causal winner, and three consumers taking turns
 WGMMA_FP8_MASK_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]

@@ -15,19 +15,29 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
+from flashcore.errors import SpecError
 from flashcore.ops import attention, attention_paged, attention_varlen
-from flashcore.specs import TileConfig
-from tests.gpu_utils import allowed_error, head_dims, max_abs, requires_cuda, torch_baseline
+from flashcore.specs import AttentionSpec, TileConfig
+from tests.gpu_utils import (
+    WGMMA_VARLEN_CONFIGS,
+    allowed_error,
+    current_arch,
+    head_dims,
+    max_abs,
+    requires_cuda,
+    torch_baseline,
+)
 from tests.test_gpu_decode import FP8_KV_TOL, _rel_l2
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 TILE = TileConfig((64, 64))  # the varlen / prefill kernels these tests build
+WS_VARLEN = WGMMA_VARLEN_CONFIGS  # and on the Hopper family (sm_90)
 LENGTH = st.one_of(st.sampled_from([0, 1]), st.integers(0, 200), st.integers(0, 1200))
 
 
@@ -74,18 +84,28 @@ def _cu(lens, device="cuda"):
     causal=st.booleans(),
     window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
     softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    config=st.sampled_from([TILE, *WS_VARLEN]),
     seed=st.integers(0, 2**31 - 1),
 )
 @example(lens=[(0, 5), (1, 1), (300, 1200), (0, 0), (77, 77)], self_attention=False, hkv=2,
-         group=4, d=128, dtype="float16", causal=True, window=None, softcap=None, seed=1)
+         group=4, d=128, dtype="float16", causal=True, window=None, softcap=None, config=TILE,
+         seed=1)
 @example(lens=[(129, 129)], self_attention=True, hkv=1, group=1, d=64, dtype="bfloat16",
-         causal=True, window=(40, 0), softcap=30.0, seed=2)
+         causal=True, window=(40, 0), softcap=30.0, config=TILE, seed=2)
 @example(lens=[(0, 5), (300, 900), (65, 65)], self_attention=False, hkv=2, group=4, d=256,
-         dtype="bfloat16", causal=True, window=(200, 0), softcap=30.0, seed=3)
+         dtype="bfloat16", causal=True, window=(200, 0), softcap=30.0, config=TILE, seed=3)
 @example(lens=[(100, 400), (33, 33)], self_attention=False, hkv=1, group=4, d=96,
-         dtype="float16", causal=False, window=None, softcap=None, seed=4)
+         dtype="float16", causal=False, window=None, softcap=None, config=TILE, seed=4)
+@example(lens=[(0, 5), (1, 1), (300, 1200), (0, 0), (77, 77)], self_attention=False, hkv=2,
+         group=4, d=128, dtype="float16", causal=True, window=None, softcap=None,
+         config=WS_VARLEN[0], seed=5)  # Hopper: empty sequences, S_q < S_k, one row
+@example(lens=[(1000, 1000), (129, 129), (0, 0)], self_attention=True, hkv=2, group=2, d=64,
+         dtype="bfloat16", causal=True, window=(100, 0), softcap=20.0, config=WS_VARLEN[2],
+         seed=6)  # three consumers, every mask, a tile past the last sequence's end
 def test_varlen_matches_the_reference(lens, self_attention, hkv, group, d, dtype, causal, window,
-                                      softcap, seed):
+                                      softcap, config, seed):
+    """Packed batches on the mma_sync family everywhere and on the Hopper family on sm_90
+    (each sequence's rows read through TMA coordinates offset to its start)."""
     lq = [a for a, _ in lens]
     lk = lq if self_attention else [b for _, b in lens]
     dt = DTYPES[dtype]
@@ -93,9 +113,18 @@ def test_varlen_matches_the_reference(lens, self_attention, hkv, group, d, dtype
     q = torch.randn(sum(lq), hkv * group, d, device="cuda", generator=gen).to(dt)
     k, v = (torch.randn(sum(lk), hkv, d, device="cuda", generator=gen).to(dt) for _ in range(2))
     masks = _masks(causal, window, softcap)
+    if config is not TILE:  # the Hopper family: sm_90, and a config this call builds
+        assume(current_arch() == "sm_90")
+        try:
+            AttentionSpec(arch="sm_90", dtype=dtype, head_dim=d, causal=causal, varlen=True,
+                          return_lse=True, mask_align="bottom_right",
+                          window=masks["window"] is not None, softcap=softcap is not None,
+                          config=config)
+        except SpecError:
+            assume(False)
     out = torch.full_like(q, float("nan"))
     res, lse = attention_varlen(q, k, v, _cu(lq), _cu(lk), max(lq), max(lk), causal=causal,
-                                return_lse=True, out=out, config=TILE, **masks)
+                                return_lse=True, out=out, config=config, **masks)
     torch.cuda.synchronize()
     assert res is out and lse.shape == (hkv * group, sum(lq))
     cq, ck = _cu(lq).tolist(), _cu(lk).tolist()

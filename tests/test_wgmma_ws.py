@@ -97,10 +97,11 @@ def test_the_spec_counts_the_producer_warpgroup():
     assert params[0] == TensorMapParam("q_tma", "q", 128) and params[1] == CoordParam("q_extents")
 
 
-def test_masks_are_built_and_serving_layouts_refused():
+def test_masks_and_packed_batches_are_built_paged_caches_refused():
     """Bottom-right alignment, windows and soft-capping are specs of the family (FP8 with its
-    masks), their run-time sizes after ``q_group`` in the ABI; soft-capping beside a mask
-    where P goes through shared memory, the serving layouts and split keys are refused."""
+    masks), their run-time sizes after ``q_group`` in the ABI; a packed batch (``varlen``)
+    takes its two offset tables last; soft-capping beside a mask where P goes through shared
+    memory, a paged cache, FP8 packed batches and split keys are refused."""
     spec = AttentionSpec(arch="sm_90", head_dim=128, causal=True, mask_align="bottom_right",
                          window=True, softcap=True, return_lse=True, config=WS)
     assert spec.name.endswith("_wgmma_ws_causal_lse_br_window_softcap")
@@ -118,9 +119,14 @@ def test_masks_are_built_and_serving_layouts_refused():
     for masks in ({"causal": True}, {"window": True}):
         with pytest.raises(SpecError, match="softcap=True beside a causal mask or a window"):
             AttentionSpec(arch="sm_90", head_dim=128, softcap=True, config=shared, **masks)
-    for extra in ({"split_kv": True}, {"varlen": True}, {"paged_kv": True}):
+    for extra in ({"split_kv": True}, {"paged_kv": True}):
         with pytest.raises(SpecError, match=next(iter(extra))):
             spec.replace(**extra)
+    packed = spec.replace(varlen=True)
+    assert packed.name.endswith("_softcap_varlen")
+    assert [p.name for p in params_for(packed)][-2:] == ["cu_seqlens_q", "cu_seqlens_k"]
+    with pytest.raises(SpecError, match="precision='fp8' is for dense tensors"):
+        fp8.replace(varlen=True)
 
 
 def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
@@ -212,6 +218,11 @@ WS_SPECS = [
                   config=WS.replace(tile=(128, 64))),
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=256, window=True, softcap=True,
                   config=WS.replace(tile=(64, 64), warps=4)),
+    # packed batches: each sequence's rows through TMA coordinates offset to its start
+    AttentionSpec(arch="sm_90", head_dim=128, varlen=True, causal=True,
+                  mask_align="bottom_right", return_lse=True, config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, varlen=True, window=True,
+                  softcap=True, config=WS.replace(tile=(192, 128), warps=12)),
     *MASK_SPECS,
 ]
 

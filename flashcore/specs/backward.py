@@ -186,7 +186,7 @@ class BackwardSpec(SpecData, TiledKernel):
 
     @property
     def paged_kv(self) -> bool:
-        """The backward reads no paged cache (``kernels.mma_sync.sequences`` asks)."""
+        """The backward reads no paged cache (``kernels.common.sequences`` asks)."""
         return False
 
     @property

@@ -252,8 +252,8 @@ class WgmmaWs:
         def bad(what: str) -> SpecError:
             return SpecError(f"AttentionSpec ({self.name}): {what}")
 
-        unsupported = [f for f in ("kv_fp8", "split_kv", "varlen", "paged_kv", "packed_tokens",
-                                   "alibi") if getattr(spec, f, False)]
+        unsupported = [f for f in ("kv_fp8", "split_kv", "paged_kv", "packed_tokens", "alibi")
+                       if getattr(spec, f, False)]
         if spec.precision not in self.precisions:
             unsupported.append(f"precision={spec.precision!r}")
         if unsupported:

@@ -36,13 +36,13 @@ from ..common.block_info import masked_steps
 from ..common.fp8 import P_SCALE, fold_query_descales
 from ..common.fragments import mn_view
 from ..common.grid import kv_head_of, tile_coords, wait_for_previous_grid
+from ..common.sequences import Sequences
 from ..common.softmax import OnlineSoftmax
 from .block import key_block
 from .cta import Cta
 from .epilogue import merge_groups, store_output, store_partials
 from .layouts import KernelLayouts
 from .pipeline import prologue
-from .sequences import Sequences
 
 
 class AttentionForward:

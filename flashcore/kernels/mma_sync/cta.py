@@ -12,9 +12,9 @@ from ..common.block_info import UNBOUNDED, KeyBounds, key_range
 from ..common.fragments import mn_view
 from ..common.grid import kv_head_of, packed_row, tile_coords
 from ..common.mma import SmemOperand
+from ..common.sequences import Sequences
 from .e4m3_operands import E4m3Operand, output_columns, permuted, query_columns
 from .layouts import KernelLayouts
-from .sequences import Sequences
 
 
 class Cta:

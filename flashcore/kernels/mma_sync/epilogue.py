@@ -13,7 +13,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common.copies import copy_row
-from ..common.epilogue import store_lse
+from ..common.epilogue import clear_rows_no_cta_owns, store_lse
 from ..common.fragments import mn_view
 from ..common.grid import packed_row, tile_coords
 from ..common.softmax import OnlineSoftmax
@@ -123,38 +123,11 @@ def store_output(cta: Cta, softmax: OnlineSoftmax, mQ, mO, mLSE, o_scale):
 
 @cute.jit
 def clear_unowned_rows(cta: Cta, mO, mLSE, m_block, head, batch):
-    """Zero the rows of a packed output (1, heads, total rows, head_dim) that no CTA computes:
-    this sequence's rows past the grid's query tiles (a ``max_seqlen_q`` below its length),
-    written by its last tile's CTA, and the rows past the last sequence, shared among the last
-    sequence's CTAs. Both are empty for tables that pass the host's checks and cover the
-    tensor; the test is a few integer operations."""
-    c = cta.config
-    tiles = cute.arch.grid_dim()[0] // mO.shape[1]  # query tiles a sequence gets
-    start, rows = cta.seqs.q_span
-    covered = tiles * c.tile_m
-    if m_block == tiles - 1:  # noqa: SIM102 - two run-time tests, no short-circuit on device
-        if rows > covered:
-            _zero_rows(cta, mO, mLSE, head, start + covered, rows - covered, 0, 1)
-    if batch == cta.seqs.cu_q.shape[0] - 2:
-        end = start + rows
-        _zero_rows(cta, mO, mLSE, head, end, mO.shape[2] - end, m_block, tiles)
-
-
-@cute.jit
-def _zero_rows(cta: Cta, mO, mLSE, head, first, count, share, shares):
-    """Rows ``first .. first + count`` of ``head``: 0, and their LSE -inf; this CTA takes share
-    ``share`` of ``shares`` of the 16-byte chunks."""
-    chunks = cta.spec.head_dim // 8
-    threads = cta.config.group_threads
-    zero = cute.make_rmem_tensor((8,), cta.lay.out_dtype)
-    zero.fill(0.0)
-    for i in range(share * threads + cta.tidx, count * chunks, shares * threads):
-        row = first + i // chunks
-        chunk = i % chunks
-        cute.autovec_copy(zero, cute.local_tile(mO[0, head, row, None], (8,), (chunk,)))
-        if cutlass.const_expr(mLSE is not None):  # noqa: SIM102 - trace time, then run time
-            if chunk == 0:
-                mLSE[0, head, row] = -cutlass.Float32.inf
+    """``common.epilogue.clear_unowned_rows`` for this CTA's group of threads."""
+    clear_rows_no_cta_owns(cta.seqs.q_span, cta.seqs.cu_q.shape[0] - 2, mO, mLSE, m_block,
+                           head, batch, cta.config.tile_m,
+                           cta.config.group_threads, cta.tidx, cta.lay.out_dtype,
+                           cta.spec.head_dim)
 
 
 @cute.jit

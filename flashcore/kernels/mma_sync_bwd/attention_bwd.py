@@ -13,7 +13,7 @@ the post kernel scales and converts it.
 Inputs: Q, K, V, dO (batch, heads, seq, head_dim) 16-bit; the pre kernel's log2 LSE and D
 (batch, heads, padded rows) fp32; outputs dK, dV (K's shape). A packed batch (``varlen``): all
 of them (1, heads, total rows, ...), each sequence's rows read through its offsets
-(``mma_sync.sequences``), the batch in the grid's z. ABI:
+(``common.sequences``), the batch in the grid's z. ABI:
 ``flashcore.specs.params.BACKWARD``.
 """
 
@@ -26,7 +26,7 @@ import cutlass.cute as cute
 from ...specs import BackwardSpec
 from ..common.copies import load_rows
 from ..common.grid import wait_for_previous_grid
-from ..mma_sync.sequences import Sequences
+from ..common.sequences import Sequences
 from .cta import BackwardCta
 from .epilogue import store_key_grads
 from .layouts import BackwardLayouts

@@ -8,7 +8,7 @@ from cutlass.cute.nvgpu import warp
 
 from ..common.block_info import UNBOUNDED, KeyBounds, query_blocks_seeing
 from ..common.mma import SmemOperand
-from ..mma_sync.sequences import Sequences
+from ..common.sequences import Sequences
 from .layouts import BackwardLayouts, transposed
 
 

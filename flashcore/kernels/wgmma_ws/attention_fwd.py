@@ -21,9 +21,14 @@ warpgroup and 1-3 consumer warpgroups.
 * Masks (``common/block_info``, ``common/mask``): bottom-right alignment, a sliding window
   (blocks outside it skipped, those below its lower edge masked again), soft-capping. The
   producer loads the blocks the consumers walk; a tile that sees no key walks none (O 0).
-* Epilogue: O / row sum, each consumer warpgroup through its own rows of Q's tile (a named
-  barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q; natural-log LSE if
-  asked.
+* Epilogue (``epilogue.py``): O / row sum, each consumer warpgroup through its own rows of Q's
+  tile (a named barrier of its 128 threads) to 16-byte stores of the rows below seqlen_q;
+  natural-log LSE if asked.
+* A packed batch (``varlen``): the grid's z is the sequence (``common/sequences``); its rows
+  of the (1, heads, total, head_dim) tensors are reached by offsetting the TMA coordinates to
+  its start, so a tile's rows past its end are the next sequence's (or TMA's zeros past the
+  tensor), which its key bounds mask and its epilogue does not store. Rows no CTA owns are
+  zeroed (``common.epilogue.clear_rows_no_cta_owns``), as in the mma_sync family.
 * ``precision="fp8"``: Q, K and Vᵀ in e4m3 (``flashcore.ops.fp8``'s layout: Vᵀ keys-contiguous,
   permuted within each 32), both MMAs e4m3 wgmma (k32), fp32 accumulators. Vᵀ tiles are the
   K-major B operand the 8-bit wgmma requires; the permutation lets P's accumulator registers
@@ -45,7 +50,6 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..common.block_info import key_range, masked_steps, spec_bounds
-from ..common.epilogue import store_lse
 from ..common.fp8 import (
     P_SCALE,
     fold_query_descales,
@@ -55,11 +59,13 @@ from ..common.fp8 import (
 )
 from ..common.grid import tile_coords, wait_for_previous_grid
 from ..common.mask import mask_scores, soft_cap
+from ..common.sequences import Sequences
 from ..common.softmax import OnlineSoftmax
 from ..hopper.fragments import acc_mn_view
-from ..hopper.layouts import ROWS_PER_WARPGROUP, WARPGROUP
+from ..hopper.layouts import WARPGROUP
 from ..hopper.mma import refuse_extras, wgmma, wgmmas
 from .consumer import Consumer
+from .epilogue import store_output
 from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
 from .row_sums import fill_ones, totals
 from .turns import Turns
@@ -68,6 +74,24 @@ from .turns import Turns
 def _sdhb(t: cute.Tensor) -> cute.Tensor:
     """(batch, heads, seq, d) -> (seq, d, heads, batch): the TMA view (d contiguous)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+
+
+def sequence_rows(spec, serving, mO, mLSE, total_k, batch, head) -> tuple:
+    """(seqlen_q, seqlen_k, (first query row, first key row), packed) of this CTA's sequence,
+    at trace time. Dense: the tensors' lengths, rows from 0, nothing packed. A packed batch
+    (``varlen``): its rows of the (1, heads, total, head_dim) tensors, and for the epilogue
+    the (seq, head_dim) and (seq,) views of its output and LSE rows, its (first row, rows)
+    and the last sequence's index (``epilogue.store_output``). (The kernel's dynamic branches
+    cannot carry the ``Sequences`` itself: only what it reads.)"""
+    if not spec.varlen:
+        return mO.shape[2], total_k, (0, 0), None
+    seqs = Sequences(spec, serving)
+    seqlen_q = seqs.query_len(mO, batch)
+    k_start, seqlen_k = seqs.packed_keys(total_k, batch)
+    packed = (seqs.query_rows(mO, batch, head),
+              None if mLSE is None else seqs.query_rows(mLSE, batch, head), seqs.q_span,
+              seqs.cu_q.shape[0] - 2)
+    return seqlen_q, seqlen_k, (seqs.q_span[0], k_start), packed
 
 
 class WgmmaWsAttentionForward:
@@ -84,7 +108,9 @@ class WgmmaWsAttentionForward:
         ``args``: ``flashcore.specs.params.ATTENTION``'s; the kernel gets them with each
         operand as its TMA atom and coordinate tensor."""
         lay = WsLayouts(self.spec)
-        refuse_extras("wgmma_ws", tuple(args.serving) + (() if lay.fp8 else tuple(args.descales)))
+        serving = args.serving  # a packed batch's offsets are built; paged tables are not
+        tables = (serving.block_table, serving.seqlens_k) if self.spec.varlen else tuple(serving)
+        refuse_extras("wgmma_ws", tables + (() if lay.fp8 else tuple(args.descales)))
         mQ, mK, mV = args.operands.q, args.operands.k, args.operands.v
         self.smem_size = lay.storage.size_in_bytes()
         c, d = self.spec.config, self.spec.head_dim
@@ -145,17 +171,21 @@ class WgmmaWsAttentionForward:
             sP = storage.sP.get_tensor(lay.sP.outer, swizzle=lay.sP.inner)
         m_block, head, batch, _ = tile_coords(mO, spec)
         kv_head = head // (mO.shape[1] // tma_k.shape[2])
-        seqlen_q, seqlen_k = mO.shape[2], tma_k.shape[0]
+        seqlen_q, seqlen_k, starts, packed = sequence_rows(
+            spec, args.serving, mO, mLSE, tma_k.shape[0], batch, head)
         bounds = spec_bounds(spec, seqlen_q, seqlen_k, q_group, masks.window_left,
                              masks.window_right)
         # the producer loads blocks n_hi - 1 down to n_lo, every one the consumers walk
         n_lo, n_hi, n_lo_unmasked = key_range(m_block, c.tile_m, c.tile_n, seqlen_k, bounds,
                                               q_group, 0, 1, 0, 1, cutlass.min, cutlass.max)
+        if cutlass.const_expr(spec.varlen):  # a query tile past its sequence's rows: no keys
+            n_hi = cutlass.Int32(cutlass.select_(m_block * c.tile_m < seqlen_q, n_hi, n_lo))
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0 and n_hi > n_lo:  # (a tile with no key block reads nothing)
                 self.produce(lay, pipes, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v),
-                             (sQ, sK, sV), m_block, head, kv_head, batch, n_lo, n_hi)
+                             (sQ, sK, sV), m_block, head, kv_head, batch, n_lo, n_hi,
+                             starts)
         else:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
             cons = Consumer(lay, sQ, sK, sV, sO, sP, sOnes, tidx - WARPGROUP, m_block,
@@ -185,21 +215,30 @@ class WgmmaWsAttentionForward:
             if n_hi > n_lo:
                 self.walk_keys(cons, softmax, pipes, n_lo, n_hi)
             softmax.finish(None if cons.acc_L is None else totals(cons.acc_L))
-            self.store_output(cons, softmax, mO, mLSE, head, batch, o_scale)
+            store_output(cons, softmax, mO, mLSE, head, batch, o_scale, packed)
 
     # ---- producer ----------------------------------------------------------------------------
     @cute.jit
     def produce(self, lay: WsLayouts, pipes, atoms, tmas, smem, m_block, head, kv_head, batch,
-                n_lo, n_hi):
+                n_lo, n_hi, starts):
         """Warp 0: Q, then K and V of blocks n_hi - 1 down to n_lo, each into the next free
-        stage of its ring (TMA issued by one elected lane; the full barrier counts the bytes)."""
+        stage of its ring (TMA issued by one elected lane; the full barrier counts the bytes).
+        A packed batch's sequence starts at rows ``starts`` (of Q, of K and V) of batch 0: its
+        tiles' rows past its end are the next sequence's (or TMA's zeros past the tensor),
+        which the masks and the epilogue leave unused."""
         c, d = self.spec.config, self.spec.head_dim
         (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), (sQ, sK, sV) = atoms, tmas, smem
         pipe_q, pipe_k, pipe_v = pipes
         one = cute.make_layout(1)
-        gQ = cute.local_tile(tma_q[None, None, head, batch], (c.tile_m, d), (m_block, 0))
-        gK = cute.local_tile(tma_k[None, None, kv_head, batch], (c.tile_n, d), (None, 0))
-        gV = cute.local_tile(tma_v[None, None, kv_head, batch], *self.v_tiling())
+        q_rows = tma_q[None, None, head, batch]
+        k_rows, v_rows = tma_k[None, None, kv_head, batch], tma_v[None, None, kv_head, batch]
+        if cutlass.const_expr(self.spec.varlen):
+            q_rows = cute.domain_offset((starts[0], 0), tma_q[None, None, head, 0])
+            k_rows = cute.domain_offset((starts[1], 0), tma_k[None, None, kv_head, 0])
+            v_rows = cute.domain_offset((starts[1], 0), tma_v[None, None, kv_head, 0])
+        gQ = cute.local_tile(q_rows, (c.tile_m, d), (m_block, 0))
+        gK = cute.local_tile(k_rows, (c.tile_n, d), (None, 0))
+        gV = cute.local_tile(v_rows, *self.v_tiling())
         sQt, gQt = cpasync.tma_partition(atom_q, 0, one, cute.group_modes(sQ, 0, 2),
                                          cute.group_modes(gQ, 0, 2))
         sKt, gKt = cpasync.tma_partition(atom_k, 0, one, cute.group_modes(sK, 0, 2),
@@ -353,40 +392,3 @@ class WgmmaWsAttentionForward:
     @cute.jit
     def pv(self, cons: Consumer, slot, wait: cutlass.Constexpr):
         wgmmas(cons.pv_products(slot), zero_init=False, wait=wait)
-
-    # ---- epilogue ------------------------------------------------------------------------------
-    @cute.jit
-    def store_output(self, cons: Consumer, softmax: OnlineSoftmax, mO: cute.Tensor,
-                     mLSE: cute.Tensor | None, head, batch, o_scale):
-        """O / row sum (times ``o_scale`` for FP8), LSE, and the rows below seqlen_q out."""
-        d, out_dtype = self.spec.head_dim, cons.lay.out_dtype
-        O = acc_mn_view(cons.acc_O)
-        for r in cutlass.range_constexpr(cute.size(O, mode=[0])):
-            inv = softmax.inverse_sum(r)
-            if cutlass.const_expr(o_scale is not None):
-                inv = inv * o_scale
-            O[r, None] = O[r, None].load() * inv
-        if cutlass.const_expr(mLSE is not None):
-            store_lse(cons, softmax, mLSE[batch, head, None], cons.m_block)
-        rO = cute.make_rmem_tensor(cons.acc_O.layout, out_dtype)
-        rO.store(cons.acc_O.load().to(out_dtype))
-        # through shared memory: this warpgroup's rows of the output tile (Q's, which only its
-        # own Q·Kᵀ read, every one completed), then 16-byte stores of the rows below seqlen_q
-        r2s = cute.make_tiled_copy_C(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(),
-                                                         out_dtype), cons.lay.pv_mma)
-        r2s_thr = r2s.get_slice(cons.ctid)
-        cute.copy(r2s, r2s_thr.retile(rO), r2s_thr.partition_D(cons.sO))
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER + cons.wg, number_of_threads=WARPGROUP)
-        rows = ROWS_PER_WARPGROUP
-        sO = cute.local_tile(cons.sO, (rows, d), (cons.wg, 0))
-        gO = cute.local_tile(mO[batch, head, None, None], (rows, d),
-                             (cons.m_block * cons.lay.consumers + cons.wg, 0))
-        cO = cute.local_tile(cute.make_identity_tensor((cons.seqlen_q, d)), (rows, d),
-                             (cons.m_block * cons.lay.consumers + cons.wg, 0))
-        r2g = cons.lay.r2g_o.get_slice(cons.ctid % WARPGROUP)
-        tOsO, tOgO, tOcO = r2g.partition_S(sO), r2g.partition_D(gO), r2g.partition_D(cO)
-        tOrO = cute.make_rmem_tensor_like(tOgO, out_dtype)
-        cute.autovec_copy(tOsO, tOrO)
-        for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
-            if cute.elem_less(tOcO[0, m, 0][0], cons.seqlen_q):
-                cute.copy(cons.lay.r2g_o, tOrO[None, m, None], tOgO[None, m, None])

@@ -51,6 +51,13 @@ class Sequences:
             return self.q_span[1]
         return mQ.shape[2]
 
+    def packed_keys(self, total, batch):
+        """(first row, rows) of packed sequence ``batch``'s keys among ``total`` (a kernel that
+        sees K only through a TMA view of its rows)."""
+        if self.k_span is None:
+            self.k_span = self._span(self.cu_k, batch, total)
+        return self.k_span
+
     def key_len(self, mK: cute.Tensor, batch):
         """How many keys sequence ``batch`` has (for a paged cache, at most its block-table
         row's pages hold)."""
