@@ -448,6 +448,19 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
     dims, strides, box = ([int(x) for x in xs] for xs in lists[:3])
     assert dims == [256, 64, 2, 1] and strides[:2] == [256, 64 * 256] and box == [64, 64, 1, 1]
     assert "UINT8" in str(dtype) and "SWIZZLE_64B" in str(calls[-1][-3])
+    # each swizzle a head dim's rows can take (d80's 160-byte rows: 32) is a driver mode
+    tensor_map.clear()
+    for span in (32, 64, 128):
+        tensor_map.encode(arg, "bfloat16", 64, 128, span // 2, span)
+        assert calls[-1][-3].name == f"CU_TENSOR_MAP_SWIZZLE_{span}B"
+
+
+@pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
+def test_every_tensor_map_a_spec_declares_has_a_driver_swizzle(spec):
+    from flashcore.runtime import tensor_map
+
+    maps = [p for p in params_for(spec) if isinstance(p, TensorMapParam)]
+    assert maps and all(p.swizzle in tensor_map._SWIZZLES for p in maps)
 
 
 def test_tma_arguments_are_built_once_per_kernel_and_buffers(monkeypatch):

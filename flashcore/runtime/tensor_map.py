@@ -3,8 +3,8 @@
 
 A (batch, heads, seq, head_dim) tensor is a rank-4 map walked innermost first: dims
 (head_dim, seq, heads, batch), byte strides of seq, heads, batch; the box is
-(``box_cols``, ``box_rows``, 1, 1) with the 128-byte swizzle of the kernels' shared tiles, L2
-promotion of 128 bytes and zero fill outside the tensor (the kernel masks those keys). A
+(``box_cols``, ``box_rows``, 1, 1) with the swizzle of the kernels' shared tiles (128, 64 or 32
+bytes: ``specs.families.swizzle_span``), L2 promotion of 128 bytes and zero fill outside the tensor (the kernel masks those keys). A
 descriptor embeds the pointer, so it is encoded per distinct (pointer, extents, strides) and
 kept in a small cache: a training or serving loop that reuses its buffers encodes once.
 """
@@ -15,6 +15,7 @@ import struct
 from collections import OrderedDict
 
 from ..errors import LaunchError
+from ..specs.families import SWIZZLE_SPANS
 from .driver import check, cu
 
 _CACHE_SIZE = 256
@@ -22,7 +23,7 @@ _cache: OrderedDict = OrderedDict()
 _DTYPES = {"float16": (2, "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"),
            "bfloat16": (2, "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"),
            "float8_e4m3fn": (1, "CU_TENSOR_MAP_DATA_TYPE_UINT8")}  # TMA moves e4m3 as bytes
-_SWIZZLES = {128: "CU_TENSOR_MAP_SWIZZLE_128B", 64: "CU_TENSOR_MAP_SWIZZLE_64B"}
+_SWIZZLES = {span: f"CU_TENSOR_MAP_SWIZZLE_{span}B" for span in SWIZZLE_SPANS}
 _SMALL = 128 * 1024  # see _fix_oob_mode
 _driver_version: list[int] = []
 

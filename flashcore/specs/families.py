@@ -52,10 +52,13 @@ def _align(n: int, a: int = _SMEM_ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+SWIZZLE_SPANS = (128, 64, 32)  # bytes; each has a TMA swizzle mode (runtime.tensor_map)
+
+
 def swizzle_span(row_bytes: int) -> int:
     """Bytes of the swizzle a K-major wgmma tile of ``row_bytes`` rows takes, and of its TMA
-    box's rows: the widest of 128, 64 and 32 that divides a row (16-bit d96: 64; d80: 32)."""
-    for span in (128, 64, 32):
+    box's rows: the widest of ``SWIZZLE_SPANS`` that divides a row (16-bit d96: 64; d80: 32)."""
+    for span in SWIZZLE_SPANS:
         if row_bytes % span == 0:
             return span
     raise SpecError(f"a row of {row_bytes} bytes is no whole number of 32-byte swizzle units")
