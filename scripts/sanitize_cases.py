@@ -161,6 +161,8 @@ def varlen_cases(tile=None):
     # packed batches: empty and one-token sequences, queries without keys, chunked-prefill
     # lengths; bottom-right causal, and a two-sided window with soft-capping ((64, 64) kernels,
     # or the Hopper family's ``config``)
+    from flashcore.errors import SpecError
+
     tile = tile or {"tile": (64, 64)}
     g = torch.Generator(device="cuda").manual_seed(0)
     lq, lk = [0, 1, 77, 130, 5], [3, 1, 200, 130, 0]
@@ -171,8 +173,12 @@ def varlen_cases(tile=None):
     cu = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cq, ck)]
     for causal, masks in ((True, {"mask_align": "bottom_right"}),
                           (False, {"window": (20, 10), "softcap": 10.0})):
-        out, _ = attention_varlen(q, k, v, *cu, max(lq), max(lk), causal=causal,
-                                  return_lse=True, **masks, **tile)
+        try:
+            out, _ = attention_varlen(q, k, v, *cu, max(lq), max(lk), causal=causal,
+                                      return_lse=True, **masks, **tile)
+        except SpecError:  # a soft-cap beside a mask on the Hopper family's 192x128 at d128
+            print(f"skip varlen {tile} causal={causal} {masks}: not built", flush=True)
+            continue
         ok = True
         for b in range(len(lq)):
             rq, rk = slice(cq[b], cq[b + 1]), slice(ck[b], ck[b + 1])
