@@ -86,7 +86,11 @@ def test_shipped_table_is_read_and_its_winners_are_candidates():
     table.clear()
     specs = table.winner_specs("sm_90", precisions=("fp16",))
     winners = [n for n in specs if not n.endswith(":fallback")]
-    assert len(winners) == 12  # 2 head dims x 2 masks x 3 buckets
+    # d64 and d128: 2 masks x 3 buckets; d96 and d256: the long bucket's Hopper tiles
+    assert sorted(winners) == sorted(
+        [f"d{d}-{m}-{b}-fp16" for d in (64, 128) for m in ("full", "causal")
+         for b in ("short", "mid", "long")]
+        + [f"d{d}-{m}-long-fp16" for d in (96, 256) for m in ("full", "causal")])
     for name in winners:
         d, mask, bucket, prec = name.split("-")
         assert specs[name] in set(search.candidates("sm_90", int(d[1:]), mask == "causal", prec,

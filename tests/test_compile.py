@@ -158,7 +158,7 @@ def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):
     from flashcore.tuned.table import winner_specs
 
     specs = list(winner_specs("sm_90", build_arch="sm_89", precisions=("fp16",)).values())
-    assert len(specs) == 12
+    assert len(specs) == 16  # the d64/d128 entries, and the fallbacks of d96/d256's long bucket
     unique = list(dict.fromkeys(specs))
     for spec, art in zip(unique, compile_many(unique, jobs=2)):
         assert art.smem_dynamic <= SMEM_PER_BLOCK["sm_89"], spec.name
