@@ -150,16 +150,23 @@ def test_combine_of_the_new_dims():
 # -- the planner ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("arch, d", itertools.product(ARCHS, NEW_DIMS))
 def test_planner_configs_of_new_dims_validate(arch, d):
-    """tile=None at a new dim: every bucket, mask and split gives a valid spec on the arch (the
-    stand-in dim's entry where it fits there, else the defaults)."""
+    """tile=None at a new dim: every bucket, mask and split gives a valid spec on the arch (its
+    own Hopper entry's winner on sm_90 where it builds the call, else that entry's mma_sync
+    fallback; the stand-in dim's entry where it fits there, else the defaults)."""
+    own = table.entries(table.table_arch(arch))
     for bucket, causal in itertools.product(BUCKETS, (False, True)):
         seqlen = {"decode": 1, "short": 512, "mid": 2048, "long": 4096}[bucket]
+        entry = own.get(table.key(d, causal, bucket))
         for features in ((), (("window", True),),
                          (("mask_align", "bottom_right"), ("window", True), ("softcap", True))):
             config = plan.tuned_config(arch, d, causal, seqlen, "fp16", features)
             split = seqlen <= plan.DECODE_MAX_Q
             spec = AttentionSpec(arch=arch, head_dim=d, causal=causal, config=config,
                                  split_kv=split, **dict(features))
+            if entry is not None and entry.fallback is not None:
+                assert config in (entry.config, entry.fallback)
+                assert arch == "sm_90" or config == entry.fallback
+                continue
             assert spec.family == "mma_sync"
             for group in (4, 8, 32):  # one token's query heads packed into rows
                 grown = plan.packed_rows_config(config, 1, group, arch, d)
@@ -167,9 +174,16 @@ def test_planner_configs_of_new_dims_validate(arch, d):
 
 
 def test_d256_gets_the_wide_defaults():
+    """Where the table has no d256 entry, and as the fallback of its Hopper one (long prefill
+    on sm_90, which an L4 borrowing the table cannot run)."""
     for arch in ARCHS:
-        assert table.lookup(arch, 256, True, "long") == table.WIDE_DEFAULT
         assert table.lookup(arch, 256, False, "decode") == table.WIDE_DECODE_DEFAULT
+        assert table.lookup(arch, 256, True, "mid") == table.WIDE_DEFAULT
+        long = table.lookup(arch, 256, True, "long")
+        assert (long.family == "wgmma_ws") == (arch == "sm_90")
+        if arch != "sm_90":
+            assert long == table.WIDE_DEFAULT
+    assert table._entry("sm_90", 256, True, "long", "fp16").fallback == table.WIDE_DEFAULT
 
 
 def test_the_catalog_ships_the_planners_default_of_each_new_dim():
@@ -190,9 +204,11 @@ def test_tuned_dims_keep_their_entries():
 
 # -- kernels ------------------------------------------------------------------------------------------
 def _kernel_specs(arch: str, d: int) -> list:
-    """Dense (tuned, not causal; bf16 causal with every mask and LSE), a split-KV decode of
-    packed GQA rows, varlen, a paged decode and its combine."""
-    long = table.lookup(arch, d, False, "long")
+    """Dense (the tuned mma_sync config, not causal: a Hopper entry's fallback; bf16 causal
+    with every mask and LSE), a split-KV decode of packed GQA rows, varlen, a paged decode and
+    its combine."""
+    tuned = table._entry(arch, d, False, "long", "fp16")
+    long = tuned.fallback or tuned.config
     decode = table.lookup(arch, d, False, "decode", features=(("split_kv", True),))
     grown = plan.packed_rows_config(decode, 1, 8, arch, d)  # 8 query heads a K/V head
     masks = {"causal": True, "mask_align": "bottom_right", "window": True, "softcap": True}
