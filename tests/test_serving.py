@@ -247,6 +247,7 @@ def test_offsets_and_tables_are_checked_as_documented():
 
     assert _fault(cu_seqlens_faults("cu", cu(0, 3, 3, 7), 7, 4)) is None
     assert _fault(cu_seqlens_faults("cu", cu(0), 0, 0)) is None  # an empty batch
+    assert _fault([]) is None  # no check asked for
     for bad, what in ((cu(1, 3), "cu\\[0\\] must be 0"), (cu(0, 4, 3), "must not decrease"),
                       (cu(0, 3, 9), "past the packed tensor's 7 rows"),
                       (cu(0, 5, 7), "longer than its max_seqlen \\(4\\)")):

@@ -38,6 +38,7 @@ import torch
 
 from .. import ops
 from ..ops import kv_append as append_kv
+from ..ops.table_checks import raise_faults
 from . import kv_cache
 
 _OP = "flash_attn"
@@ -276,7 +277,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             faults += kv_cache.room_faults(lengths, new, capacity, block_table, pages)
             recheck = False
-        kv_cache.raise_faults(faults)
+        raise_faults("flash_attn_with_kvcache", faults)
 
     per_token = masks.causal or masks.window is not None
     if rotary_cos is not None:

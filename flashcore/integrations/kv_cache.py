@@ -146,14 +146,6 @@ def leftpad_faults(start: torch.Tensor, lengths: torch.Tensor) -> list[tuple[str
              ((start < 0) | (start > lengths)).any())]
 
 
-def raise_faults(faults: list[tuple[str, torch.Tensor]]) -> None:
-    flags = torch.stack([bad.reshape(()) for _, bad in faults]).tolist()
-    for (message, _), bad in zip(faults, flags):
-        if bad:
-            raise ValueError(f"flash_attn_with_kvcache: {message} (check_lengths=False skips "
-                             "this check)")
-
-
 def dense_as_pages(cache: torch.Tensor, rows: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense cache (batch_cache, seqlen_cache, heads, head_dim) as ``attention_paged``'s
@@ -219,4 +211,4 @@ def dense_as_key_pages(cache: torch.Tensor, rows: torch.Tensor, start: torch.Ten
 
 __all__ = ["append_", "apply_rotary", "as_lengths", "check_new_keys", "check_rotary",
            "dense_as_key_pages", "dense_as_pages", "dense_pages", "dense_slots", "leftpad_faults",
-           "paged_slots", "positions", "raise_faults", "room_faults", "row_faults"]
+           "paged_slots", "positions", "room_faults", "row_faults"]

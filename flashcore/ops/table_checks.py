@@ -62,6 +62,10 @@ def checking(op: str, check_lengths: bool) -> bool:
 
 
 def raise_faults(op: str, faults: list) -> None:
+    """Raise the first fault whose flag is set: (message, a one-element bool tensor) pairs,
+    read back from the device in one synchronisation."""
+    if not faults:
+        return
     flags = torch.stack([torch.as_tensor(bad).reshape(()) for _, bad in faults]).tolist()
     for (message, _), bad in zip(faults, flags):
         if bad:
