@@ -208,21 +208,27 @@ def _check_masked(b, hkv, group, sq, sk, d, dtype, causal, align, window, softca
 
 WINDOWS = st.one_of(st.none(), st.tuples(st.integers(-1, 700), st.integers(-1, 700)),
                     st.sampled_from([(0, 0), (-1, 0), (0, -1), (5000, 5000), (-1, 10)]))
+# a masked call's dtype and masks, as the Hopper mask properties draw them
+MASKED = {"dtype": st.sampled_from(["float16", "bfloat16"]), "causal": st.booleans(),
+          "align": st.sampled_from(["top_left", "bottom_right"]), "window": WINDOWS}
+SOFTCAPS = st.one_of(st.none(), st.floats(0.5, 50))
+
+
+def call_shapes(sq_max: int, sk_max: int, short: int = 300, groups=(1, 2, 4),
+                dims=(64, 128)) -> dict:
+    """A call's batch, K/V heads, query heads per K/V head, lengths (up to ``short``, or up to
+    the maxima) and head dim, as the Hopper mask properties draw them."""
+    return {"b": st.integers(1, 2), "hkv": st.integers(1, 3), "group": st.sampled_from(groups),
+            "sq": st.one_of(st.integers(1, short), st.integers(1, sq_max)),
+            "sk": st.one_of(st.integers(1, short), st.integers(1, sk_max)),
+            "d": st.sampled_from(dims)}
 
 
 @settings(settings.get_profile("gpu"))
 @given(
-    b=st.integers(1, 2),
-    hkv=st.integers(1, 3),
-    group=st.sampled_from([1, 2, 4]),
-    sq=st.one_of(st.integers(1, 300), st.integers(1, 2000)),
-    sk=st.one_of(st.integers(1, 300), st.integers(1, 3000)),
-    d=st.sampled_from([64, 128]),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    causal=st.booleans(),
-    align=st.sampled_from(["top_left", "bottom_right"]),
-    window=WINDOWS,
-    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    **call_shapes(2000, 3000),
+    **MASKED,
+    softcap=SOFTCAPS,
     config=st.sampled_from(WGMMA_MASK_CONFIGS),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -269,17 +275,9 @@ def test_wgmma_ws_masks_match_the_reference(b, hkv, group, sq, sk, d, dtype, cau
 
 @settings(settings.get_profile("gpu"))
 @given(
-    b=st.integers(1, 2),
-    hkv=st.integers(1, 3),
-    group=st.sampled_from([1, 2, 4]),
-    sq=st.one_of(st.integers(1, 300), st.integers(1, 1500)),
-    sk=st.one_of(st.integers(1, 300), st.integers(1, 2000)),
-    d=st.sampled_from([32, 80, 96, 256]),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    causal=st.booleans(),
-    align=st.sampled_from(["top_left", "bottom_right"]),
-    window=st.one_of(st.none(), WINDOWS),
-    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    **call_shapes(1500, 2000, dims=(32, 80, 96, 256)),
+    **MASKED,
+    softcap=SOFTCAPS,
     config=st.sampled_from(WGMMA_HEAD_DIM_CONFIGS),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -312,16 +310,8 @@ def test_wgmma_ws_head_dims_match_the_reference(b, hkv, group, sq, sk, d, dtype,
 
 @settings(settings.get_profile("gpu"))
 @given(
-    b=st.integers(1, 2),
-    hkv=st.integers(1, 3),
-    group=st.sampled_from([1, 2]),
-    sq=st.one_of(st.integers(1, 200), st.integers(1, 700)),
-    sk=st.one_of(st.integers(1, 200), st.integers(1, 1200)),
-    d=st.sampled_from([64, 128]),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    causal=st.booleans(),
-    align=st.sampled_from(["top_left", "bottom_right"]),
-    window=WINDOWS,
+    **call_shapes(700, 1200, short=200, groups=(1, 2)),
+    **MASKED,
     config=st.sampled_from(WGMMA_FP8_MASK_CONFIGS),
     k_scale=st.sampled_from(["token", "head"]),
     seed=st.integers(0, 2**31 - 1),
