@@ -4,7 +4,7 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
                                       fp8-paged|wgmma|wgmma-fp8|wgmma-masks|wgmma-head-dims|
-                                      wgmma-varlen|
+                                      wgmma-varlen|wgmma-paged|
                                       fp8-khead|serving|
                                       hostile|backward|backward-deterministic|
                                       backward-varlen|kv-splits|head-dims]
@@ -352,6 +352,60 @@ def wgmma_varlen_cases():
     for config in (TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                    TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")):
         yield from varlen_cases({"config": config})
+
+
+def wgmma_paged_cases():
+    # a paged cache on the Hopper family (sm_90): pages of one and two key blocks, shuffled,
+    # NaN past each sequence's keys (the first block's V rows there are zeroed in shared
+    # memory: the consumers' barrier), an empty sequence; q dense (queries that see no key) and
+    # packed (chunked prefill); a lying table with its checks off stays inside the cache
+    from tests.gpu_utils import WGMMA_PAGED_CONFIGS
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    lens, lq = [300, 0, 129, 1], [40, 0, 129, 1]
+    for config, per in itertools.product(WGMMA_PAGED_CONFIGS, (1, 2)):
+        page = config.tile_n * per
+        n = -(-max(lens) // page)
+        table = torch.randperm(4 * n + 1, device="cuda", generator=g)[:4 * n]
+        table = table.view(4, n).to(torch.int32)
+        kc, vc = (torch.randn(4 * n + 1, page, 2, 128, device="cuda", generator=g,
+                              dtype=torch.float16) for _ in range(2))
+        for b, length in enumerate(lens):
+            last = max(length - 1, 0) // page  # the page of its last key (empty: its first)
+            for c in (kc, vc):
+                c[table[b, last], length - last * page:] = float("nan")
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        name = f"wgmma_ws paged {config} page {page}"
+        q = torch.randn(4, 8, 50, 128, device="cuda", generator=g, dtype=torch.float16)
+        (out, _), families = launched_families(
+            attention_paged, q, kc, vc, table, seqlens, causal=True, return_lse=True,
+            mask_align="bottom_right", config=config)
+        ok = families == ["wgmma_ws"]
+        for b, length in enumerate(lens):
+            kb, vb = (reference.gather_pages(c, table, length, b) for c in (kc, vc))
+            ok &= check(f"{name} dense len {length}", out[b:b + 1], q[b:b + 1], kb, vb, True,
+                        mask_align="bottom_right")
+        cq = [0, *torch.tensor(lq).cumsum(0).tolist()]
+        qp = torch.randn(cq[-1], 8, 128, device="cuda", generator=g, dtype=torch.float16)
+        masks = {"mask_align": "bottom_right", "window": (100, 0), "softcap": 20.0}
+        if config.warps == 12:  # a soft-cap beside a mask is not built on 192x128 at d128
+            masks = {"mask_align": "bottom_right", "window": (100, 0)}
+        out, _ = attention_paged(qp, kc, vc, table, seqlens, causal=True, return_lse=True,
+                                 cu_seqlens_q=torch.tensor(cq, dtype=torch.int32, device="cuda"),
+                                 max_seqlen_q=max(lq), config=config, **masks)
+        for b, length in enumerate(lens):
+            kb, vb = (reference.gather_pages(c, table, length, b) for c in (kc, vc))
+            rows = slice(cq[b], cq[b + 1])
+            ok &= check(f"{name} packed chunk {lq[b]} of {length} {masks}",
+                        out[rows].transpose(0, 1)[None], qp[rows].transpose(0, 1)[None], kb, vb,
+                        True, **masks)
+        # pages past the cache and lengths past the table, unchecked: no access outside
+        bad = table.clone()
+        bad[0, 0], bad[2, -1] = 10**6, -5
+        attention_paged(q, kc, vc, bad, seqlens + 10**4, causal=True, config=config,
+                        mask_align="bottom_right", check_lengths=False)
+        torch.cuda.synchronize()
+        yield ok
 
 
 def wgmma_masks_cases():
@@ -810,6 +864,7 @@ def main() -> int:
              "fp8-paged": fp8_paged_cases, "wgmma": wgmma_cases, "wgmma-16bit": wgmma_16bit_cases,
              "wgmma-fp8": wgmma_fp8_cases, "wgmma-masks": wgmma_masks_cases,
              "wgmma-head-dims": wgmma_head_dim_cases, "wgmma-varlen": wgmma_varlen_cases,
+             "wgmma-paged": wgmma_paged_cases,
              "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),

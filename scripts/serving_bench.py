@@ -7,9 +7,12 @@
   and FlashAttention-4's varlen where it is installed;
 * paged decode: one query token per sequence against a paged cache (pages of 16 and 128,
   shuffled) against the same decode on a contiguous cache (ours and SDPA flash), and the same
-  with an e4m3 cache (per-key scales), paged and contiguous.
+  with an e4m3 cache (per-key scales), paged and contiguous;
+* paged chunked prefill: 2048 new tokens a sequence against 8192 cached keys, bottom-right
+  causal, pages of 16, 128 and 256 against the contiguous cache and FlashAttention-4's paged
+  varlen.
 
-    python scripts/serving_bench.py [varlen] [paged]
+    python scripts/serving_bench.py [varlen] [paged] [prefill]
 """
 
 from __future__ import annotations
@@ -154,19 +157,54 @@ def paged_decode_case(fa4, gen, b, hq, hkv, s, d) -> None:
            [(q, k, v)], moved, unit="TB/s")
 
 
+def paged_prefill(fa4) -> None:
+    """Chunked prefill: each sequence's next 2048 tokens against its 8192 cached keys
+    (bottom-right causal), the cache paged (pages of 128 and 256 on the Hopper family on sm_90,
+    16 gathered) or contiguous (the dense call that does the same work)."""
+    gen = torch.Generator().manual_seed(1)
+    b, hq, hkv, sq, s, d = 4, 32, 8, 2048, 8192, 128
+    q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    q_packed = q.transpose(1, 2).reshape(b * sq, hq, d).contiguous()
+    cu_q = torch.arange(0, b * sq + 1, sq, dtype=torch.int32, device="cuda")
+    mask = {"causal": True, "mask_align": "bottom_right"}
+
+    def ours_paged(cache):
+        kc, vc, table = cache
+        return lambda q, k, v: attention_paged(q, kc, vc, table, lens, **mask)
+
+    def fa4_paged(cache):
+        kc, vc, table = cache
+        return lambda q, k, v: fa4(q_packed, kc, vc, cu_seqlens_q=cu_q, seqused_k=lens,
+                                   page_table=table, causal=True)
+
+    caches = {page: _paged(k, v, page, gen) for page in (16, 128, 256)}
+    impls = {"flashcore contiguous": lambda q, k, v: attention(q, k, v, **mask),
+             "flashcore paged, page 128": ours_paged(caches[128]),
+             "flashcore paged, page 256": ours_paged(caches[256]),
+             "flashcore paged, page 16": ours_paged(caches[16]),
+             "FA4 paged, page 128": None if fa4 is None else fa4_paged(caches[128])}
+    seen = sq * (s - sq) + sq * (sq + 1) // 2
+    report(f"paged chunked prefill {b},{hq}/{hkv},{sq}x{s},{d}, bottom-right causal", impls,
+           [(q, k, v)], 4 * b * hq * d * seen)
+
+
 def _sdpa_flash(q, k, v):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 
 
 def main() -> None:
-    parts = sys.argv[1:] or ["varlen", "paged"]
+    parts = sys.argv[1:] or ["varlen", "paged", "prefill"]
     print(torch.cuda.get_device_name(), "| ratio = time / first row's time (< 1: faster)\n")
     fa4 = _fa4_varlen()
     if "varlen" in parts:
         varlen_prefill(fa4)
     if "paged" in parts:
         paged_decode(fa4)
+    if "prefill" in parts:
+        paged_prefill(fa4)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from tests.gpu_utils import (
     WGMMA_FP8_MASK_CONFIGS,
     WGMMA_HEAD_DIM_CONFIGS,
     WGMMA_MASK_CONFIGS,
+    WGMMA_PAGED_CONFIGS,
     WGMMA_VARLEN_CONFIGS,
 )
 
@@ -191,7 +192,30 @@ def wgmma_specs(arch: str) -> list:
         config = _tuned(arch, bucket, d, causal, features=tuple(feature.items()))
         fallback = _tuned(arch, bucket, d, causal, features=(("split_kv", True),))
         specs += _specs(arch, [config, fallback], head_dim=d, causal=causal, **feature)
-    return specs + wgmma_mask_specs(arch) + wgmma_head_dim_specs(arch) + wgmma_varlen_specs(arch)
+    return (specs + wgmma_mask_specs(arch) + wgmma_head_dim_specs(arch)
+            + wgmma_varlen_specs(arch) + wgmma_paged_specs(arch))
+
+
+def wgmma_paged_specs(arch: str) -> list:
+    """A paged cache on the Hopper family: test_gpu_serving.py's configs over pages of one and
+    two key blocks, q dense or packed (bottom-right, with LSE; plain, causal, and with a window
+    and a soft-cap), and the tuned entries' kernels for such a cache (``tile=None``)."""
+    specs = []
+    for config, pages in itertools.product(WGMMA_PAGED_CONFIGS, (1, 2)):
+        fixed = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "paged_kv": True,
+                 "page_size": config.tile_n * pages, "varlen": [False, True],
+                 "return_lse": True, "mask_align": "bottom_right"}
+        specs += _specs(arch, [config], causal=[False, True], **fixed)
+        specs += _specs(arch, [config], causal=True, window=True, softcap=True, **fixed)
+    for bucket, d, causal, page_size in itertools.product(
+            [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), (128, 256)):
+        features = (("paged_kv", True), ("page_size", page_size))
+        config = _tuned(arch, bucket, d, causal, features=features)
+        if config.family == "wgmma_ws":
+            specs += _specs(arch, [config], head_dim=d, causal=causal, paged_kv=True,
+                            page_size=page_size, return_lse=[False, True],
+                            mask_align=["top_left", "bottom_right"])
+    return list(dict.fromkeys(specs))
 
 
 def wgmma_varlen_specs(arch: str) -> list:
@@ -472,7 +496,7 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
 GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs,
           "wgmma-masks": wgmma_mask_specs, "wgmma-head-dims": wgmma_head_dim_specs,
-          "wgmma-varlen": wgmma_varlen_specs,
+          "wgmma-varlen": wgmma_varlen_specs, "wgmma-paged": wgmma_paged_specs,
           "backward": backward_specs, "head_dims": head_dim_specs}
 
 

@@ -99,6 +99,11 @@ WGMMA_HEAD_DIM_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmm
 WGMMA_VARLEN_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                         TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),
                         TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+# a paged cache on the Hopper family: 128- and 64-key blocks (pages of whole blocks), three
+# consumers
+WGMMA_PAGED_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
+                       TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),
+                       TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
 # FP8 operands with masks: the d128 causal winner, and three consumers taking turns
 WGMMA_FP8_MASK_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]

@@ -149,12 +149,14 @@ def test_a_hopper_winner_gives_way_to_its_fallback_where_its_family_cannot_run(t
     tables("sm_90", {"d128-full-long-fp16": {"config": HOPPER, "fallback": {"config": MMA}}})
     hopper, mma = TileConfig.from_dict(HOPPER), TileConfig.from_dict(MMA)
     assert table.lookup("sm_90", 128, False, "long") == hopper
-    # features the Hopper family does not build: a paged cache, split keys
-    for features in [(("paged_kv", True),), (("split_kv", True),)]:
+    # features the Hopper family does not build: pages that are not whole key blocks, split
+    # keys
+    for features in [(("paged_kv", True),), (("paged_kv", True), ("page_size", 16)),
+                     (("split_kv", True),)]:
         assert table.lookup("sm_90", 128, False, "long", "fp16", features) == mma, features
-    # its masks and packed batches it builds
+    # its masks, packed batches and paged caches of whole key blocks it builds
     for features in [(("window", True),), (("softcap", True),), (("window", False),),
-                     (("varlen", True),)]:
+                     (("varlen", True),), (("paged_kv", True), ("page_size", 256))]:
         assert table.lookup("sm_90", 128, False, "long", "fp16", features) == hopper, features
     assert table.lookup("sm_89", 128, False, "long") == mma  # borrowed: no wgmma on an L4
     specs = table.winner_specs("sm_90", precisions=("fp16",))

@@ -23,6 +23,7 @@ from flashcore.errors import SpecError
 from flashcore.ops import attention, attention_paged, attention_varlen
 from flashcore.specs import AttentionSpec, TileConfig
 from tests.gpu_utils import (
+    WGMMA_PAGED_CONFIGS,
     WGMMA_VARLEN_CONFIGS,
     allowed_error,
     current_arch,
@@ -38,6 +39,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 TILE = TileConfig((64, 64))  # the varlen / prefill kernels these tests build
 WS_VARLEN = WGMMA_VARLEN_CONFIGS  # and on the Hopper family (sm_90)
+WS_PAGED = WGMMA_PAGED_CONFIGS
 LENGTH = st.one_of(st.sampled_from([0, 1]), st.integers(0, 200), st.integers(0, 1200))
 
 
@@ -242,6 +244,81 @@ def test_packed_chunks_against_a_paged_cache(lens, page_size, d, dtype, seed):
         _check_sequence(out[rows].transpose(0, 1)[None], lse[None, :, rows],
                         q[rows].transpose(0, 1)[None], k, v, True, _masks(True, None, None), dt,
                         f"sequence {b} of {lens}")
+
+
+def _poison_past_keys(cache: torch.Tensor, table: torch.Tensor, lens) -> None:
+    """NaN in every cache row a sequence's pages hold past its keys: a kernel that reads them
+    must not let them reach its output (P is 0 there; 0 * NaN is not)."""
+    page_size = cache.shape[1]
+    for b, n in enumerate(lens):
+        pages = max(1, -(-n // page_size))
+        last = int(table[b, pages - 1])
+        cache[last, n - (pages - 1) * page_size:] = float("nan")
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 3000)), min_size=1, max_size=4),
+    packed=st.booleans(),
+    pages_per_block=st.sampled_from([1, 2]),
+    hkv=st.integers(1, 2),
+    group=st.sampled_from([1, 4]),
+    d=head_dims(),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
+    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    config=st.sampled_from(WS_PAGED),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(lens=[(70, 1000), (0, 0), (1, 129), (300, 300)], packed=True, pages_per_block=1,
+         hkv=2, group=4, d=128, dtype="float16", causal=True, window=None, softcap=None,
+         config=WS_PAGED[0], seed=1)  # chunked prefill: an empty sequence, one query
+@example(lens=[(200, 2500), (200, 77)], packed=False, pages_per_block=2, hkv=1, group=1,
+         d=64, dtype="bfloat16", causal=True, window=(500, 0), softcap=30.0,
+         config=WS_PAGED[2], seed=2)  # queries that see no key, a window, three consumers
+def test_paged_prefill_on_the_hopper_family(lens, packed, pages_per_block, hkv, group, d,
+                                            dtype, causal, window, softcap, config, seed):
+    """Prefill and chunked prefill (bottom-right) against a paged cache on the Hopper family
+    (sm_90): each key block one page's rows by TMA, the pages shuffled, the rows past each
+    sequence's keys NaN; q dense (every sequence the same query length) or packed."""
+    assume(current_arch() == "sm_90")
+    masks = _masks(causal, window, softcap)
+    page_size = config.tile_n * pages_per_block
+    try:
+        AttentionSpec(arch="sm_90", dtype=dtype, head_dim=d, causal=causal, paged_kv=True,
+                      page_size=page_size, varlen=packed, return_lse=True,
+                      mask_align="bottom_right", window=masks["window"] is not None,
+                      softcap=softcap is not None, config=config)
+    except SpecError:
+        assume(False)
+    lk = [b for _, b in lens]
+    lq = [min(a, b) if packed else lens[0][0] for a, b in lens]
+    dt = DTYPES[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k_cache, v_cache, table, seqlens, dense = _paged_cache(lk, page_size, hkv, d, dt, gen)
+    for cache in (k_cache, v_cache):
+        _poison_past_keys(cache, table, lk)
+    extra = {}
+    if packed:
+        q = torch.randn(sum(lq), hkv * group, d, device="cuda", generator=gen).to(dt)
+        extra = {"cu_seqlens_q": _cu(lq), "max_seqlen_q": max(lq)}
+    else:
+        q = torch.randn(len(lk), hkv * group, lq[0], d, device="cuda", generator=gen).to(dt)
+    out = torch.full_like(q, float("nan"))
+    res, lse = attention_paged(q, k_cache, v_cache, table, seqlens, causal=causal,
+                               return_lse=True, out=out, config=config, **masks, **extra)
+    torch.cuda.synchronize()
+    assert res is out
+    cq = _cu(lq).tolist()
+    for b, (k, v) in enumerate(dense):
+        if packed:
+            rows = slice(cq[b], cq[b + 1])
+            o, lb, qb = (out[rows].transpose(0, 1)[None], lse[None, :, rows],
+                         q[rows].transpose(0, 1)[None])
+        else:
+            o, lb, qb = out[b:b + 1], lse[b:b + 1], q[b:b + 1]
+        _check_sequence(o, lb, qb, k, v, causal, masks, dt, f"sequence {b} of {lens}")
 
 
 @pytest.mark.parametrize("lens,sq,page_size,hkv,group,d,dtype,causal,num_splits", [

@@ -14,7 +14,7 @@ import pytest
 from flashcore.compiler.abi import CoordParam, TensorMapParam, params_for
 from flashcore.compiler.inspect import sass, sass_opcodes
 from flashcore.errors import LaunchError, SpecError
-from flashcore.specs import AttentionSpec, TileConfig, dsl_arch
+from flashcore.specs import AttentionSpec, TileConfig, dsl_arch, family
 from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 WS = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
@@ -97,11 +97,13 @@ def test_the_spec_counts_the_producer_warpgroup():
     assert params[0] == TensorMapParam("q_tma", "q", 128) and params[1] == CoordParam("q_extents")
 
 
-def test_masks_and_packed_batches_are_built_paged_caches_refused():
+def test_masks_and_serving_layouts_are_built():
     """Bottom-right alignment, windows and soft-capping are specs of the family (FP8 with its
     masks), their run-time sizes after ``q_group`` in the ABI; a packed batch (``varlen``)
-    takes its two offset tables last; soft-capping beside a mask where P goes through shared
-    memory, a paged cache, FP8 packed batches and split keys are refused."""
+    takes its two offset tables last, a paged cache its block table and lengths, with its
+    page size compiled in as whole key blocks; soft-capping beside a mask where P goes through
+    shared memory, pages that are not whole key blocks, FP8 serving layouts and split keys are
+    refused."""
     spec = AttentionSpec(arch="sm_90", head_dim=128, causal=True, mask_align="bottom_right",
                          window=True, softcap=True, return_lse=True, config=WS)
     assert spec.name.endswith("_wgmma_ws_causal_lse_br_window_softcap")
@@ -119,14 +121,26 @@ def test_masks_and_packed_batches_are_built_paged_caches_refused():
     for masks in ({"causal": True}, {"window": True}):
         with pytest.raises(SpecError, match="softcap=True beside a causal mask or a window"):
             AttentionSpec(arch="sm_90", head_dim=128, softcap=True, config=shared, **masks)
-    for extra in ({"split_kv": True}, {"paged_kv": True}):
-        with pytest.raises(SpecError, match=next(iter(extra))):
-            spec.replace(**extra)
+    with pytest.raises(SpecError, match="split_kv"):
+        spec.replace(split_kv=True)
     packed = spec.replace(varlen=True)
     assert packed.name.endswith("_softcap_varlen")
     assert [p.name for p in params_for(packed)][-2:] == ["cu_seqlens_q", "cu_seqlens_k"]
     with pytest.raises(SpecError, match="precision='fp8' is for dense tensors"):
         fp8.replace(varlen=True)
+    paged = spec.replace(paged_kv=True, page_size=256)
+    assert paged.name.endswith("_softcap_paged256")
+    assert [p.name for p in params_for(paged)][-2:] == ["block_table", "seqlens_k"]
+    assert [p.name for p in params_for(paged.replace(varlen=True))][-3:] == [
+        "cu_seqlens_q", "block_table", "seqlens_k"]
+    assert family("wgmma_ws").copies_whole_pages(paged, 128)
+    for page_size in (0, 16, 64, 192):  # not whole 128-key blocks (0: any size, gathered)
+        assert not family("wgmma_ws").copies_whole_pages(paged, page_size)
+        with pytest.raises(SpecError, match="page size compiled in, a multiple of tile_n=128"):
+            spec.replace(paged_kv=True, page_size=page_size)
+    spec.replace(paged_kv=True, page_size=64, config=WS.replace(tile=(128, 64)))
+    with pytest.raises(SpecError, match="kv_fp8"):
+        paged.replace(kv_fp8=True)
 
 
 def test_fp8_specs_describe_byte_tiles_and_a_transposed_v():
@@ -223,6 +237,12 @@ WS_SPECS = [
                   mask_align="bottom_right", return_lse=True, config=WS),
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, varlen=True, window=True,
                   softcap=True, config=WS.replace(tile=(192, 128), warps=12)),
+    # a paged cache: each key block one page's rows at its offset, by TMA
+    AttentionSpec(arch="sm_90", head_dim=128, paged_kv=True, page_size=128, causal=True,
+                  mask_align="bottom_right", return_lse=True, config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, varlen=True, paged_kv=True,
+                  page_size=256, window=True, softcap=True,
+                  config=WS.replace(tile=(192, 128), warps=12)),
     *MASK_SPECS,
 ]
 
@@ -255,9 +275,14 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
     assert (re.search(r"wgmma\.mma_async\S*\.f32\.e4m3\.e4m3", body) is not None) == fp8
     assert sixteen != fp8
     # the CTA barrier once after the mbarriers' init; else named barriers of consumer threads
-    # only: a warpgroup's own in the epilogue (128), turns between two (256) with ping-pong
+    # only: a warpgroup's own in the epilogue (128), turns between two (256) with ping-pong,
+    # and a paged cache's: every consumer's, once the first block's V rows past the keys are 0
     bars = re.findall(r"bar\.(sync|arrive)\s+([^,;]+)(?:,\s*(\d+))?;", body)
     assert bars.count(("sync", "0", "")) == 1
+    if spec.paged_kv:
+        all_consumers = ("sync", "7", str(spec.config.warps * 32))
+        assert bars.count(all_consumers) == 1
+        bars.remove(all_consumers)
     counts = {n for kind, _, n in bars if n}
     turns = takes_turns(consumers, spec.config.tile_n)
     assert counts == ({"128", "256"} if turns else {"128"})
@@ -601,7 +626,8 @@ def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifact
         stores = [op for op, _ in body if op.startswith("STSM")]
         assert len(stores) == (8 if shared else 0), stores
     body = art.ptx[art.ptx.index(".entry"):]
-    assert ("fence.proxy.async.shared::cta" in body) == shared
+    # (a paged cache's first V block is fenced after its rows past the keys are zeroed)
+    assert ("fence.proxy.async.shared::cta" in body) == (shared or spec.paged_kv)
 
 
 @pytest.mark.parametrize("spec", [s for s in WS_SPECS if s.precision == "fp8"],

@@ -6,6 +6,7 @@ split-KV the combine kernel)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
@@ -15,7 +16,7 @@ from ..runtime import tensor_map
 from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..runtime.scratch import scratch
-from ..specs import DEFAULT_FAMILY, AttentionSpec, CombineSpec, TileConfig, family
+from ..specs import DEFAULT_FAMILY, AttentionSpec, CombineSpec, SpecError, TileConfig, family
 from . import plan
 from .inputs import DTYPE_NAMES, rows_arg, tensor_arg
 from .masks import NO_MASK, Masking
@@ -67,18 +68,22 @@ class KernelKey(NamedTuple):
 def loaded_kernel(device: int, key: KernelKey) -> Any:
     """The loaded attention kernel of ``key`` on CUDA device index ``device`` (from the
     runtime's one registry, ``runtime.launch.kernel_for``). A paged cache's page size is
-    compiled in when the family can copy such pages whole, else the kernel gathers any page
-    size."""
+    compiled in when the family can copy such pages whole (the Hopper family's only way),
+    else the kernel gathers any page size."""
     align, window, softcap, alibi = key.masks
-    spec = AttentionSpec(
-        arch=arch_of(device), dtype=key.dtype, head_dim=key.head_dim, config=key.config,
-        causal=key.causal, return_lse=key.return_lse, precision=key.precision,
+    spec_of = partial(
+        AttentionSpec, arch=arch_of(device), dtype=key.dtype, head_dim=key.head_dim,
+        config=key.config, causal=key.causal, return_lse=key.return_lse, precision=key.precision,
         k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv, mask_align=align,
         window=window, softcap=softcap, alibi=alibi, varlen=key.varlen,
         paged_kv=key.page_size > 0, packed_tokens=key.packed_tokens)
-    if key.page_size and family(spec.family).copies_whole_pages(spec, key.page_size):
-        spec = spec.replace(page_size=key.page_size)
-    return kernel_for(spec, device)
+    spec = None
+    if key.page_size:
+        try:
+            spec = spec_of(page_size=key.page_size)
+        except SpecError:  # pages this family does not copy whole: it gathers them
+            pass
+    return kernel_for(spec or spec_of(), device)
 
 
 def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> Any:

@@ -305,7 +305,8 @@ def run_paged(
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q,
                          precision="fp16" if kd is None else "fp8kv",
-                         features=(("paged_kv", True), ("varlen", packed), *mask.features),
+                         features=(("paged_kv", True), ("page_size", page_size),
+                                   ("varlen", packed), *mask.features),
                          group=1 if packed else heads // kv_heads)
     # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes; any
     # copies prepared() makes stay referenced until the launches have been issued

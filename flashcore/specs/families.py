@@ -255,12 +255,17 @@ class WgmmaWs:
         def bad(what: str) -> SpecError:
             return SpecError(f"AttentionSpec ({self.name}): {what}")
 
-        unsupported = [f for f in ("kv_fp8", "split_kv", "paged_kv", "packed_tokens", "alibi")
+        unsupported = [f for f in ("kv_fp8", "split_kv", "packed_tokens", "alibi")
                        if getattr(spec, f, False)]
         if spec.precision not in self.precisions:
             unsupported.append(f"precision={spec.precision!r}")
         if unsupported:
             raise bad(f"not built yet: {', '.join(unsupported)} (the mma_sync family has them)")
+        paged = getattr(spec, "paged_kv", False)
+        if paged and not self.copies_whole_pages(spec, spec.page_size):
+            raise bad(f"a paged cache needs its page size compiled in, a multiple of tile_n="
+                      f"{c.tile_n} (each key block one page's rows, by TMA), got page_size="
+                      f"{spec.page_size}; the mma_sync family reads any page size")
         if spec.head_dim not in WGMMA_HEAD_DIMS:
             raise bad(f"head_dim={spec.head_dim} is not built (only {WGMMA_HEAD_DIMS}); the "
                       "mma_sync family builds it")
@@ -285,7 +290,8 @@ class WgmmaWs:
                       "warps=8 or (192, 64) with warps=12")
 
     def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool:
-        return False
+        """A key block is one TMA box of a page's rows: pages of whole blocks."""
+        return page_size > 0 and page_size % spec.config.tile_n == 0
 
     def tensor_map_params(self, spec: FamilySpec, arg) -> tuple[Packed, ...]:
         """An operand's TMA descriptor and its coordinate tensor's (seq, heads, batch)

@@ -26,6 +26,13 @@ def _clamped(value, lo, hi):
     return cutlass.min(cutlass.max(value, lo), hi)
 
 
+def cache_page(block_table: cute.Tensor, pages, batch, index):
+    """The cache page of sequence ``batch``'s ``index``-th page, inside a cache of ``pages``:
+    one unsigned minimum (a negative entry is a large unsigned one)."""
+    page = cutlass.Uint32(block_table[batch, index])
+    return cutlass.Int32(cutlass.min(page, cutlass.Uint32(pages - 1)))
+
+
 class Sequences:
     """The serving tables of one kernel (None where the spec does not use them)."""
 
@@ -62,7 +69,7 @@ class Sequences:
         """How many keys sequence ``batch`` has (for a paged cache, at most its block-table
         row's pages hold)."""
         if self.paged:
-            return _clamped(self.seqlens_k[batch], 0, self.block_table.shape[1] * mK.shape[2])
+            return self.paged_key_len(batch, mK.shape[2])
         if self.varlen:
             if self.k_span is None:
                 self.k_span = self._span(self.cu_k, batch, mK.shape[2])
@@ -91,11 +98,13 @@ class Sequences:
             return cute.domain_offset((self.k_span[0], 0), t[0, kv_head, None, None])
         return t[batch, kv_head, None, None]
 
+    def paged_key_len(self, batch, page_size):
+        """How many keys paged sequence ``batch`` has: at most its block-table row's pages
+        hold."""
+        return _clamped(self.seqlens_k[batch], 0, self.block_table.shape[1] * page_size)
+
     def _page_index(self, t: cute.Tensor, batch, index):
-        """The cache page of a sequence's ``index``-th page, inside the cache: one unsigned
-        minimum (a negative entry is a large unsigned one)."""
-        page = cutlass.Uint32(self.block_table[batch, index])
-        return cutlass.Int32(cutlass.min(page, cutlass.Uint32(t.shape[0] - 1)))
+        return cache_page(self.block_table, t.shape[0], batch, index)
 
     def paged_slot(self, t: cute.Tensor, batch, key):
         """Where key ``key`` of sequence ``batch`` sits in paged ``t``: (cache page, row of the

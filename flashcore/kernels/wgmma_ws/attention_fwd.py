@@ -1,11 +1,11 @@
 """The warp-specialised Hopper forward kernel (sm_90a): TMA loads, mbarrier pipelines, a producer
 warpgroup and 1-3 consumer warpgroups.
 
-* Warpgroup 0 produces: its warp 0 issues every load as TMA (``cp.async.bulk.tensor``) into
-  128-byte-swizzled tiles, Q once, then K and V of each key block into rings of ``stages``
-  blocks, each stage guarded by a full mbarrier (TMA's transaction count) and an empty one (one
-  arrival per consumer warp). It keeps 24 registers (``setmaxnreg``); the consumers take the
-  rest (240 each for two, 160 for three).
+* Warpgroup 0 produces (``producer.py``): its warp 0 issues every load as TMA
+  (``cp.async.bulk.tensor``) into swizzled tiles, Q once, then K and V of each key block into
+  rings of ``stages`` blocks, each stage guarded by a full mbarrier (TMA's transaction count)
+  and an empty one (one arrival per consumer warp). It keeps 24 registers (``setmaxnreg``);
+  the consumers take the rest (240 each for two, 160 for three).
 * Warpgroups 1.. consume, 64 query rows each, with no CTA barrier in the key loop: the wgmma
   family's overlapped schedule (S_i = Q·K_iᵀ issued, then P_{i-1}·V_{i-1}, softmax of S_i while
   P·V runs), shared softmax, masks and key-block range (``flashcore/kernels/common``). With
@@ -29,6 +29,12 @@ warpgroup and 1-3 consumer warpgroups.
   its start, so a tile's rows past its end are the next sequence's (or TMA's zeros past the
   tensor), which its key bounds mask and its epilogue does not store. Rows no CTA owns are
   zeroed (``common.epilogue.clear_rows_no_cta_owns``), as in the mma_sync family.
+* A paged cache (``paged_kv``, its page size a multiple of tile_n, compiled in): the producer
+  finds each key block's page in the block table and loads that page's rows at the block's
+  offset; the sequence's keys come from ``seqlens_k``. The first block walked (the last) may
+  reach past them into the rest of its page, which may hold anything: its V rows there are
+  zeroed in shared memory before any P·V reads them (``consumer.clear_rows``), as P is 0
+  there but 0 * NaN is not.
 * ``precision="fp8"``: Q, K and Vᵀ in e4m3 (``flashcore.ops.fp8``'s layout: Vᵀ keys-contiguous,
   permuted within each 32), both MMAs e4m3 wgmma (k32), fp32 accumulators. Vᵀ tiles are the
   K-major B operand the 8-bit wgmma requires; the permutation lets P's accumulator registers
@@ -64,9 +70,10 @@ from ..common.softmax import OnlineSoftmax
 from ..hopper.fragments import acc_mn_view
 from ..hopper.layouts import WARPGROUP
 from ..hopper.mma import refuse_extras, wgmma, wgmmas
-from .consumer import Consumer
+from .consumer import Consumer, clear_rows
 from .epilogue import store_output
 from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
+from .producer import Producer, v_tiling
 from .row_sums import fill_ones, totals
 from .turns import Turns
 
@@ -81,17 +88,24 @@ def sequence_rows(spec, serving, mO, mLSE, total_k, batch, head) -> tuple:
     at trace time. Dense: the tensors' lengths, rows from 0, nothing packed. A packed batch
     (``varlen``): its rows of the (1, heads, total, head_dim) tensors, and for the epilogue
     the (seq, head_dim) and (seq,) views of its output and LSE rows, its (first row, rows)
-    and the last sequence's index (``epilogue.store_output``). (The kernel's dynamic branches
-    cannot carry the ``Sequences`` itself: only what it reads.)"""
-    if not spec.varlen:
+    and the last sequence's index (``epilogue.store_output``). A paged cache: the sequence's
+    keys from ``seqlens_k`` (``total_k`` is then a page's rows; the producer finds the pages).
+    (The kernel's dynamic branches cannot carry the ``Sequences`` itself: only what it
+    reads.)"""
+    if not spec.varlen and not spec.paged_kv:
         return mO.shape[2], total_k, (0, 0), None
     seqs = Sequences(spec, serving)
-    seqlen_q = seqs.query_len(mO, batch)
+    seqlen_q, q_start, packed = mO.shape[2], 0, None
+    if spec.varlen:
+        seqlen_q = seqs.query_len(mO, batch)
+        q_start = seqs.q_span[0]
+        packed = (seqs.query_rows(mO, batch, head),
+                  None if mLSE is None else seqs.query_rows(mLSE, batch, head), seqs.q_span,
+                  seqs.cu_q.shape[0] - 2)
+    if spec.paged_kv:
+        return seqlen_q, seqs.paged_key_len(batch, spec.page_size), (q_start, 0), packed
     k_start, seqlen_k = seqs.packed_keys(total_k, batch)
-    packed = (seqs.query_rows(mO, batch, head),
-              None if mLSE is None else seqs.query_rows(mLSE, batch, head), seqs.q_span,
-              seqs.cu_q.shape[0] - 2)
-    return seqlen_q, seqlen_k, (seqs.q_span[0], k_start), packed
+    return seqlen_q, seqlen_k, (q_start, k_start), packed
 
 
 class WgmmaWsAttentionForward:
@@ -108,9 +122,12 @@ class WgmmaWsAttentionForward:
         ``args``: ``flashcore.specs.params.ATTENTION``'s; the kernel gets them with each
         operand as its TMA atom and coordinate tensor."""
         lay = WsLayouts(self.spec)
-        serving = args.serving  # a packed batch's offsets are built; paged tables are not
-        tables = (serving.block_table, serving.seqlens_k) if self.spec.varlen else tuple(serving)
-        refuse_extras("wgmma_ws", tables + (() if lay.fp8 else tuple(args.descales)))
+        serving, spec = args.serving, self.spec  # the tables of the layouts the spec names
+        unused = (() if spec.varlen else (serving.cu_seqlens_q,)) + (
+            (serving.cu_seqlens_k,) if spec.paged_kv else
+            () if spec.varlen else (serving.cu_seqlens_k,)) + (
+            () if spec.paged_kv else (serving.block_table, serving.seqlens_k))
+        refuse_extras("wgmma_ws", unused + (() if lay.fp8 else tuple(args.descales)))
         mQ, mK, mV = args.operands.q, args.operands.k, args.operands.v
         self.smem_size = lay.storage.size_in_bytes()
         c, d = self.spec.config, self.spec.head_dim
@@ -122,20 +139,12 @@ class WgmmaWsAttentionForward:
         # FP8 Vᵀ (batch, heads, head_dim, keys) is seen as (head_dim, keys, heads, batch)
         atom_v, tma_v = cpasync.make_tiled_tma_atom(op, _sdhb(mV),
                                                     cute.select(lay.sV, mode=[0, 1]),
-                                                    self.v_tiling()[0])
+                                                    v_tiling(self.spec)[0])
         m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
         tmas = args.operands._replace(q=(atom_q, tma_q), k=(atom_k, tma_k), v=(atom_v, tma_v))
         self.kernel(args._replace(operands=tmas)).launch(
             grid=(m_blocks * mQ.shape[1] * mQ.shape[0], 1, 1),
             block=[self.spec.threads, 1, 1], smem=self.smem_size)
-
-    def v_tiling(self) -> tuple:
-        """One V stage's tile of the TMA view and the coordinate that walks the key blocks:
-        (keys, head_dim), or FP8 Vᵀ's (head_dim, keys)."""
-        c, d = self.spec.config, self.spec.head_dim
-        if self.spec.precision == "fp8":
-            return (d, c.tile_n), (0, None)
-        return (c.tile_n, d), (None, 0)
 
     @cute.kernel
     def kernel(self, args):
@@ -183,9 +192,9 @@ class WgmmaWsAttentionForward:
         if warp < 4:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0 and n_hi > n_lo:  # (a tile with no key block reads nothing)
-                self.produce(lay, pipes, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v),
-                             (sQ, sK, sV), m_block, head, kv_head, batch, n_lo, n_hi,
-                             starts)
+                Producer(spec).produce(pipes, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v),
+                                       (sQ, sK, sV), m_block, head, kv_head, batch, n_lo,
+                                       n_hi, starts, args.serving)
         else:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
             cons = Consumer(lay, sQ, sK, sV, sO, sP, sOnes, tidx - WARPGROUP, m_block,
@@ -217,48 +226,6 @@ class WgmmaWsAttentionForward:
             softmax.finish(None if cons.acc_L is None else totals(cons.acc_L))
             store_output(cons, softmax, mO, mLSE, head, batch, o_scale, packed)
 
-    # ---- producer ----------------------------------------------------------------------------
-    @cute.jit
-    def produce(self, lay: WsLayouts, pipes, atoms, tmas, smem, m_block, head, kv_head, batch,
-                n_lo, n_hi, starts):
-        """Warp 0: Q, then K and V of blocks n_hi - 1 down to n_lo, each into the next free
-        stage of its ring (TMA issued by one elected lane; the full barrier counts the bytes).
-        A packed batch's sequence starts at rows ``starts`` (of Q, of K and V) of batch 0: its
-        tiles' rows past its end are the next sequence's (or TMA's zeros past the tensor),
-        which the masks and the epilogue leave unused."""
-        c, d = self.spec.config, self.spec.head_dim
-        (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), (sQ, sK, sV) = atoms, tmas, smem
-        pipe_q, pipe_k, pipe_v = pipes
-        one = cute.make_layout(1)
-        q_rows = tma_q[None, None, head, batch]
-        k_rows, v_rows = tma_k[None, None, kv_head, batch], tma_v[None, None, kv_head, batch]
-        if cutlass.const_expr(self.spec.varlen):
-            q_rows = cute.domain_offset((starts[0], 0), tma_q[None, None, head, 0])
-            k_rows = cute.domain_offset((starts[1], 0), tma_k[None, None, kv_head, 0])
-            v_rows = cute.domain_offset((starts[1], 0), tma_v[None, None, kv_head, 0])
-        gQ = cute.local_tile(q_rows, (c.tile_m, d), (m_block, 0))
-        gK = cute.local_tile(k_rows, (c.tile_n, d), (None, 0))
-        gV = cute.local_tile(v_rows, *self.v_tiling())
-        sQt, gQt = cpasync.tma_partition(atom_q, 0, one, cute.group_modes(sQ, 0, 2),
-                                         cute.group_modes(gQ, 0, 2))
-        sKt, gKt = cpasync.tma_partition(atom_k, 0, one, cute.group_modes(sK, 0, 2),
-                                         cute.group_modes(gK, 0, 2))
-        sVt, gVt = cpasync.tma_partition(atom_v, 0, one, cute.group_modes(sV, 0, 2),
-                                         cute.group_modes(gV, 0, 2))
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(atom_q, gQt, sQt, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, c.stages)
-        for i in range(n_hi - n_lo):
-            n_block = n_hi - 1 - i
-            pipe_k.producer_acquire(state)
-            cute.copy(atom_k, gKt[None, n_block], sKt[None, state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
-            pipe_v.producer_acquire(state)
-            cute.copy(atom_v, gVt[None, n_block], sVt[None, state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
-            state.advance()
-
     # ---- consumers -----------------------------------------------------------------------------
     @cute.jit
     def walk_keys(self, cons: Consumer, softmax: OnlineSoftmax, pipes, n_lo, n_hi):
@@ -283,6 +250,10 @@ class WgmmaWsAttentionForward:
         turns.open()
         pipe_q.consumer_wait(pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1))
         ks = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, c.stages)
+        if cutlass.const_expr(self.spec.paged_kv):
+            # the first block's rows past the sequence's keys are the rest of its last page,
+            # whatever that holds: P is 0 there, and 0 * NaN is not
+            self.clear_keys_past_end(pipe_v, ks, cons.sV, cons.ctid, cons.seqlen_k, n_hi)
         pipe_k.consumer_wait(ks)
         kd = cons.new_key_descales()
         self.load_key_descales(cons, kd, n_hi - 1, masked=True)
@@ -327,6 +298,16 @@ class WgmmaWsAttentionForward:
         warpgroup.wait_group(0)
         pipe_v.consumer_release(ks)
         turns.close()
+
+    @cute.jit
+    def clear_keys_past_end(self, pipe_v, ks, sV, ctid, seqlen_k, n_hi):
+        """V rows of the first block (n_hi - 1) past the sequence's keys zeroed once they have
+        landed, by every consumer thread (``consumer.clear_rows``)."""
+        c = self.spec.config
+        past = cutlass.max(seqlen_k - (n_hi - 1) * c.tile_n, 0)
+        if past < c.tile_n:
+            pipe_v.consumer_wait(ks)
+            clear_rows(sV[None, None, ks.index], past, ctid, c.warps // 4 * WARPGROUP)
 
     @cute.jit
     def overlapped_step(self, cons: Consumer, softmax: OnlineSoftmax, pipes, turns: Turns, ks,

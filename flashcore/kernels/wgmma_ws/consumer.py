@@ -12,7 +12,7 @@ from ..common.sync import st_shared_b32
 from ..hopper.fragments import ThreadCoords, acc_as_fp8_operand_a, acc_as_operand_a, acc_mn_view
 from ..hopper.layouts import WARPGROUP
 from . import row_sums
-from .layouts import WsLayouts
+from .layouts import CONSUMERS_BARRIER, WsLayouts
 
 
 def p_word_place(w: int) -> tuple[int, int]:
@@ -37,7 +37,7 @@ class Consumer(ThreadCoords):
         self.softcap = (None, None)  # soft-capping's run-time factors (in, out)
         self.n_lo_unmasked = None  # a window's lower edge: blocks below it mask again
         wg = cute.arch.make_warp_uniform(ctid // WARPGROUP)
-        self.sQ, self.sO, self.ctid, self.wg = sQ, sO, ctid, wg
+        self.sQ, self.sV, self.sO, self.ctid, self.wg = sQ, sV, sO, ctid, wg
         sVt = sV  # FP8: Vᵀ tiles as stored; else V's tiles seen as (head_dim, keys)
         if not lay.fp8:
             sVt = cute.composition(sV, cute.make_ordered_layout((d, tn, c.stages),
@@ -155,3 +155,19 @@ class Consumer(ThreadCoords):
         c = self.config
         return cute.make_rmem_tensor(self.thr_qk.partition_shape_C((c.tile_m, c.tile_n)),
                                      cutlass.Float32)
+
+
+@cute.jit
+def clear_rows(stage: cute.Tensor, first, ctid, threads: cutlass.Constexpr):
+    """Zero rows ``first``.. of a (rows, cols) shared tile, ``threads`` threads a share (this
+    one ``ctid``), fenced for the async proxy; then those threads meet at
+    ``CONSUMERS_BARRIER`` (none of them reads the tile before all have written)."""
+    rows, cols = cute.size(stage, mode=[0]), cute.size(stage, mode=[1])
+    chunks = cols // 8  # 16-byte chunks a row: the swizzle moves chunks, not their elements
+    zero = cute.make_rmem_tensor((8,), stage.element_type)
+    zero.fill(0.0)
+    for i in range(ctid, (rows - first) * chunks, threads):
+        row = first + i // chunks
+        cute.autovec_copy(zero, cute.local_tile(stage[row, None], (8,), (i % chunks,)))
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=CONSUMERS_BARRIER, number_of_threads=threads)

@@ -16,6 +16,7 @@ from ..hopper.layouts import WARPGROUP, k_major, smem_tiles, tiled_mmas
 from . import row_sums
 
 EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
+CONSUMERS_BARRIER = 7  # every consumer thread (4..6 are ``turns``')
 PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
 REGISTERS_PER_SM = 65536
 

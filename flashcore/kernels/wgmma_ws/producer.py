@@ -1,0 +1,96 @@
+"""The producer warp of the warp-specialised Hopper kernel (``attention_fwd.py``): Q once, then
+K and V of each key block the consumers walk, as TMA copies into the stages of their rings
+(dense, a packed batch's rows from its start, or a paged cache's pages)."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass.cute.nvgpu import cpasync
+
+from ..common.sequences import cache_page
+
+
+def v_tiling(spec) -> tuple:
+    """One V stage's tile of the TMA view and the coordinate that walks the key blocks:
+    (keys, head_dim), or FP8 Vᵀ's (head_dim, keys)."""
+    c, d = spec.config, spec.head_dim
+    if spec.precision == "fp8":
+        return (d, c.tile_n), (0, None)
+    return (c.tile_n, d), (None, 0)
+
+
+class Producer:
+    """Trace-time configuration of the producer warp."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    @cute.jit
+    def produce(self, pipes, atoms, tmas, smem, m_block, head, kv_head, batch, n_lo, n_hi,
+                starts, serving):
+        """Warp 0: Q, then K and V of blocks n_hi - 1 down to n_lo, each into the next free
+        stage of its ring (TMA issued by one elected lane; the full barrier counts the bytes).
+        A packed batch's sequence starts at rows ``starts`` (of Q, of K and V) of batch 0: its
+        tiles' rows past its end are the next sequence's (or TMA's zeros past the tensor),
+        which the masks and the epilogue leave unused. A paged cache's key block lies inside
+        one page (``WgmmaWs.copies_whole_pages``): its page is looked up in the block table
+        (``serving``) and the block is that page's rows at its offset."""
+        c, d = self.spec.config, self.spec.head_dim
+        (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), (sQ, sK, sV) = atoms, tmas, smem
+        pipe_q = pipes[0]
+        one = cute.make_layout(1)
+        q_rows = tma_q[None, None, head, batch]
+        if cutlass.const_expr(self.spec.varlen):
+            q_rows = cute.domain_offset((starts[0], 0), tma_q[None, None, head, 0])
+        gQ = cute.local_tile(q_rows, (c.tile_m, d), (m_block, 0))
+        sQt, gQt = cpasync.tma_partition(atom_q, 0, one, cute.group_modes(sQ, 0, 2),
+                                         cute.group_modes(gQ, 0, 2))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(atom_q, gQt, sQt, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, c.stages)
+        if cutlass.const_expr(self.spec.paged_kv):
+            table, per_page = serving.block_table, self.spec.page_size // c.tile_n
+            for i in range(n_hi - n_lo):
+                n_block = n_hi - 1 - i
+                page = cache_page(table, tma_k.shape[3], batch, n_block // per_page)
+                sKt, gKt = self.key_tiles(atom_k, sK, tma_k[None, None, kv_head, page],
+                                          (c.tile_n, d))
+                sVt, gVt = self.key_tiles(atom_v, sV, tma_v[None, None, kv_head, page],
+                                          *v_tiling(self.spec))
+                self.load_kv(pipes, (atom_k, atom_v), (gKt, sKt, gVt, sVt),
+                             n_block % per_page, state)
+                state.advance()
+        else:
+            k_rows = tma_k[None, None, kv_head, batch]
+            v_rows = tma_v[None, None, kv_head, batch]
+            if cutlass.const_expr(self.spec.varlen):
+                k_rows = cute.domain_offset((starts[1], 0), tma_k[None, None, kv_head, 0])
+                v_rows = cute.domain_offset((starts[1], 0), tma_v[None, None, kv_head, 0])
+            sKt, gKt = self.key_tiles(atom_k, sK, k_rows, (c.tile_n, d))
+            sVt, gVt = self.key_tiles(atom_v, sV, v_rows, *v_tiling(self.spec))
+            for i in range(n_hi - n_lo):
+                self.load_kv(pipes, (atom_k, atom_v), (gKt, sKt, gVt, sVt), n_hi - 1 - i,
+                             state)
+                state.advance()
+
+    @staticmethod
+    def key_tiles(atom, smem: cute.Tensor, rows: cute.Tensor, tile, coord=(None, 0)) -> tuple:
+        """(stages' TMA views, the key blocks' TMA views) of K or V ``rows``."""
+        blocks = cute.local_tile(rows, tile, coord)
+        return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                     cute.group_modes(blocks, 0, 2))
+
+    @cute.jit
+    def load_kv(self, pipes, atoms, tiles, n_block, state):
+        """K and V of key block ``n_block`` of ``tiles`` (``key_tiles``' of K, then of V) into
+        stage ``state``."""
+        _, pipe_k, pipe_v = pipes
+        atom_k, atom_v = atoms
+        gKt, sKt, gVt, sVt = tiles
+        pipe_k.producer_acquire(state)
+        cute.copy(atom_k, gKt[None, n_block], sKt[None, state.index],
+                  tma_bar_ptr=pipe_k.producer_get_barrier(state))
+        pipe_v.producer_acquire(state)
+        cute.copy(atom_v, gVt[None, n_block], sVt[None, state.index],
+                  tma_bar_ptr=pipe_v.producer_get_barrier(state))
