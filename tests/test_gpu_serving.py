@@ -75,17 +75,23 @@ def _cu(lens, device="cuda"):
     return torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device)
 
 
+# a call's head dim, dtype and masks, as the serving properties draw them
+MASKED_CALL = {
+    "d": head_dims(),
+    "dtype": st.sampled_from(["float16", "bfloat16"]),
+    "causal": st.booleans(),
+    "window": st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
+    "softcap": st.one_of(st.none(), st.floats(0.5, 50)),
+}
+
+
 @settings(settings.get_profile("gpu"))
 @given(
     lens=st.lists(st.tuples(LENGTH, LENGTH), min_size=1, max_size=5),
     self_attention=st.booleans(),
     hkv=st.integers(1, 3),
     group=st.sampled_from([1, 4]),
-    d=head_dims(),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    causal=st.booleans(),
-    window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
-    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    **MASKED_CALL,
     config=st.sampled_from([TILE, *WS_VARLEN]),
     seed=st.integers(0, 2**31 - 1),
 )
@@ -263,11 +269,7 @@ def _poison_past_keys(cache: torch.Tensor, table: torch.Tensor, lens) -> None:
     pages_per_block=st.sampled_from([1, 2]),
     hkv=st.integers(1, 2),
     group=st.sampled_from([1, 4]),
-    d=head_dims(),
-    dtype=st.sampled_from(["float16", "bfloat16"]),
-    causal=st.booleans(),
-    window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
-    softcap=st.one_of(st.none(), st.floats(0.5, 50)),
+    **MASKED_CALL,
     config=st.sampled_from(WS_PAGED),
     seed=st.integers(0, 2**31 - 1),
 )
