@@ -332,3 +332,26 @@ def test_alibi_slopes_follow_a_packed_batch_split_over_launches():
           pytest.raises(ValueError, match=r"alibi_slopes must be float32 of shape \(4,\)")):
         serving.run_varlen(q, q, q, cu, cu, 1, 1, alibi_slopes=torch.rand(2, h),
                            check_lengths=False)
+
+
+def test_a_paged_kernel_compiles_its_page_size_in_where_its_family_copies_such_pages():
+    """``launcher.loaded_kernel``: mma_sync compiles pages of 16 in and gathers pages of 24; the
+    Hopper family compiles pages of whole key blocks in and refuses the others by name."""
+    from unittest import mock
+
+    from flashcore.ops import launcher
+    from flashcore.ops.masks import NO_MASK
+
+    def key(config, page_size):
+        return launcher.KernelKey("float16", 128, config, True, False, "fp16", "token", False,
+                                  False, NO_MASK.spec_fields, False, page_size, False)
+
+    ws = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
+    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+          mock.patch.object(launcher, "kernel_for", side_effect=lambda spec, dev: spec)):
+        assert launcher.loaded_kernel(0, key(TileConfig((64, 64)), 16)).page_size == 16
+        gathered = launcher.loaded_kernel(0, key(TileConfig((64, 64)), 24))
+        assert gathered.paged_kv and gathered.page_size == 0
+        assert launcher.loaded_kernel(0, key(ws, 256)).page_size == 256
+        with pytest.raises(SpecError, match="page size compiled in, a multiple of tile_n=128"):
+            launcher.loaded_kernel(0, key(ws, 16))
