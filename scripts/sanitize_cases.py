@@ -4,7 +4,7 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
 
     python scripts/sanitize_cases.py [all|splits-equal|splits-unequal|fp8-kv|masks|varlen|paged|
                                       fp8-paged|wgmma|wgmma-fp8|wgmma-masks|wgmma-head-dims|
-                                      wgmma-varlen|wgmma-paged|
+                                      wgmma-varlen|wgmma-paged|wgmma-tile-n|
                                       fp8-khead|serving|
                                       hostile|backward|backward-deterministic|
                                       backward-varlen|kv-splits|head-dims]
@@ -343,6 +343,28 @@ def wgmma_head_dim_cases():
             print(f"skip {name}: not built", flush=True)
             continue
         yield families == ["wgmma_ws"] and check(name, out, q, k, v, causal, **masks)
+
+
+def wgmma_tile_n_cases():
+    # key blocks other than 64 and 128 keys on the Hopper family (sm_90): ragged lengths above
+    # and below a block, causal top-left and bottom-right, GQA, at the head dims each builds
+    from flashcore.errors import SpecError
+    from tests.gpu_utils import WGMMA_TILE_N_CONFIGS
+
+    shapes = ((1, 4, 2, 77, 300, True, {}), (2, 2, 1, 333, 170, True,
+                                             {"mask_align": "bottom_right"}),
+              (1, 2, 2, 190, 401, False, {}))
+    for config, d in itertools.product(WGMMA_TILE_N_CONFIGS, (64, 96, 128, 256)):
+        for b, hq, hkv, sq, sk, causal, masks in shapes:
+            q, k, v = qkv(b, hq, hkv, sq, sk, d, torch.bfloat16, seed=sq + d)
+            name = f"wgmma_ws {config} d{d} {(b, hq, hkv, sq, sk)} causal={causal} {masks}"
+            try:
+                out, families = launched_families(attention, q, k, v, causal=causal,
+                                                  config=config, **masks)
+            except SpecError:  # a block this head dim does not build (shared memory)
+                print(f"skip {name}: not built", flush=True)
+                continue
+            yield families == ["wgmma_ws"] and check(name, out, q, k, v, causal, **masks)
 
 
 def wgmma_varlen_cases():
@@ -865,6 +887,7 @@ def main() -> int:
              "wgmma-fp8": wgmma_fp8_cases, "wgmma-masks": wgmma_masks_cases,
              "wgmma-head-dims": wgmma_head_dim_cases, "wgmma-varlen": wgmma_varlen_cases,
              "wgmma-paged": wgmma_paged_cases,
+             "wgmma-tile-n": wgmma_tile_n_cases,
              "fp8-khead": fp8_khead_cases,
              "causal-order": causal_order_cases,
              "serving": lambda: itertools.chain(varlen_cases(), paged_cases()),

@@ -33,6 +33,7 @@ from tests.gpu_utils import (
     WGMMA_HEAD_DIM_CONFIGS,
     WGMMA_MASK_CONFIGS,
     WGMMA_PAGED_CONFIGS,
+    WGMMA_TILE_N_CONFIGS,
     WGMMA_VARLEN_CONFIGS,
 )
 
@@ -193,7 +194,8 @@ def wgmma_specs(arch: str) -> list:
         fallback = _tuned(arch, bucket, d, causal, features=(("split_kv", True),))
         specs += _specs(arch, [config, fallback], head_dim=d, causal=causal, **feature)
     return (specs + wgmma_mask_specs(arch) + wgmma_head_dim_specs(arch)
-            + wgmma_varlen_specs(arch) + wgmma_paged_specs(arch))
+            + wgmma_varlen_specs(arch) + wgmma_paged_specs(arch)
+            + wgmma_tile_n_specs(arch))
 
 
 def wgmma_paged_specs(arch: str) -> list:
@@ -216,6 +218,17 @@ def wgmma_paged_specs(arch: str) -> list:
                             page_size=page_size, return_lse=[False, True],
                             mask_align=["top_left", "bottom_right"])
     return list(dict.fromkeys(specs))
+
+
+def wgmma_tile_n_specs(arch: str) -> list:
+    """tests/test_gpu_wgmma.py's Hopper kernels of key blocks other than 64 and 128 keys, at
+    every head dim each builds: with LSE, plain and causal, and with a bottom-right causal
+    window (other combinations it draws compile on first use)."""
+    fixed = {"dtype": DTYPES, "head_dim": [32, 64, 80, 96, 128, 256], "return_lse": True}
+    specs = _specs(arch, WGMMA_TILE_N_CONFIGS, causal=[False, True], **fixed)
+    specs += _specs(arch, WGMMA_TILE_N_CONFIGS, causal=True, mask_align="bottom_right",
+                    window=True, **fixed)
+    return specs
 
 
 def wgmma_varlen_specs(arch: str) -> list:
@@ -497,6 +510,7 @@ GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "fp8": fp8_specs, "serving": serving_specs, "wgmma": wgmma_specs,
           "wgmma-masks": wgmma_mask_specs, "wgmma-head-dims": wgmma_head_dim_specs,
           "wgmma-varlen": wgmma_varlen_specs, "wgmma-paged": wgmma_paged_specs,
+          "wgmma-tile-n": wgmma_tile_n_specs,
           "backward": backward_specs, "head_dims": head_dim_specs}
 
 

@@ -95,6 +95,15 @@ WGMMA_HEAD_DIM_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmm
                           TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),
                           TileConfig((64, 64), warps=4, stages=2, family="wgmma_ws"),
                           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+# the Hopper family's key blocks other than 64 and 128 keys: FlashAttention-3's d256 128x80
+# (shared memory full at two stages), d128 128x176, three consumers of 192 (d64) and 144 (d96)
+# keys with P through shared memory, 112 keys in three stages, one consumer of 96
+WGMMA_TILE_N_CONFIGS = [TileConfig((128, 80), warps=8, stages=2, family="wgmma_ws"),
+                        TileConfig((128, 176), warps=8, stages=2, family="wgmma_ws"),
+                        TileConfig((192, 192), warps=12, stages=2, family="wgmma_ws"),
+                        TileConfig((192, 144), warps=12, stages=2, family="wgmma_ws"),
+                        TileConfig((128, 112), warps=8, stages=3, family="wgmma_ws"),
+                        TileConfig((64, 96), warps=4, stages=2, family="wgmma_ws")]
 # packed batches on the Hopper family: two consumers of 128- and 64-key steps, three
 WGMMA_VARLEN_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                         TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),

@@ -24,6 +24,7 @@ from tests.gpu_utils import (
     WGMMA_FP8_MASK_CONFIGS,
     WGMMA_HEAD_DIM_CONFIGS,
     WGMMA_MASK_CONFIGS,
+    WGMMA_TILE_N_CONFIGS,
     allowed_error,
     check_masked_result,
     current_arch,
@@ -304,6 +305,34 @@ def test_wgmma_ws_head_dims_match_the_reference(b, hkv, group, sq, sk, d, dtype,
     """The warp-specialised kernels at head dims 32, 80, 96 and 256 (rows of 64, 160, 192
     and 512 bytes: swizzles of 64, 32, 64 and 128 bytes), masks included, against the float64
     reference with the masks tests' bound. The kernel launched is the named wgmma_ws one."""
+    _check_masked(b, hkv, group, sq, sk, d, dtype, causal, align, window, softcap, config,
+                  seed)
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    **call_shapes(1500, 2000, dims=(32, 64, 80, 96, 128, 256)),
+    **MASKED,
+    softcap=SOFTCAPS,
+    config=st.sampled_from(WGMMA_TILE_N_CONFIGS),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, group=2, sq=333, sk=1000, d=256, dtype="bfloat16", causal=True,
+         align="bottom_right", window=None, softcap=None, config=WGMMA_TILE_N_CONFIGS[0],
+         seed=1)  # 80-key blocks: no power of two, the diagonal anywhere in them
+@example(b=2, hkv=1, group=4, sq=700, sk=900, d=128, dtype="float16", causal=False,
+         align="top_left", window=None, softcap=None, config=WGMMA_TILE_N_CONFIGS[1],
+         seed=2)  # 176-key blocks, ping-pong, ragged keys
+@example(b=1, hkv=2, group=1, sq=500, sk=777, d=64, dtype="float16", causal=True,
+         align="top_left", window=None, softcap=None, config=WGMMA_TILE_N_CONFIGS[2],
+         seed=3)  # three consumers, P through shared memory at d64
+@example(b=1, hkv=1, group=2, sq=300, sk=1200, d=96, dtype="bfloat16", causal=True,
+         align="bottom_right", window=(200, 0), softcap=None, config=WGMMA_TILE_N_CONFIGS[3],
+         seed=4)
+def test_wgmma_ws_key_blocks_of_any_16_keys(b, hkv, group, sq, sk, d, dtype, causal, align,
+                                            window, softcap, config, seed):
+    """Key blocks of 80 to 192 keys (``WgmmaWs.knobs``), every head dim and mask, against the
+    float64 reference with the masks tests' bound."""
     _check_masked(b, hkv, group, sq, sk, d, dtype, causal, align, window, softcap, config,
                   seed)
 

@@ -232,6 +232,15 @@ WS_SPECS = [
                   config=WS.replace(tile=(128, 64))),
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=256, window=True, softcap=True,
                   config=WS.replace(tile=(64, 64), warps=4)),
+    # key blocks other than 64 and 128 keys: d256's 80 (shared memory full), d128's 176,
+    # three consumers of 192 (d64) and 144 (d96) with P through shared memory
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=256, causal=True,
+                  mask_align="bottom_right", return_lse=True, config=WS.replace(tile=(128, 80))),
+    AttentionSpec(arch="sm_90", head_dim=128, config=WS.replace(tile=(128, 176))),
+    AttentionSpec(arch="sm_90", head_dim=64, causal=True,
+                  config=WS.replace(tile=(192, 192), warps=12)),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=96, window=True, return_lse=True,
+                  config=WS.replace(tile=(192, 144), warps=12)),
     # packed batches: each sequence's rows through TMA coordinates offset to its start
     AttentionSpec(arch="sm_90", head_dim=128, varlen=True, causal=True,
                   mask_align="bottom_right", return_lse=True, config=WS),
@@ -588,13 +597,16 @@ def test_p_words_follow_the_key_permutation_of_v():
 
 def _p_operand_loops(art, spec, mma: str) -> tuple[bool, list]:
     """Whether P goes to P·V through its shared tile (``WgmmaWs.p_in_shared``: three consumers
-    of 128-key steps at d80 to d128), checked against the key loops' ``mma`` instructions: S = Q·Kᵀ
-    reads both operands through descriptors, P·V reads P from registers unless it is shared.
-    Returns (shared, the key loops); skips where nvdisasm is missing."""
+    of 128-key steps at d80 to d128, of 144 at d96, of 192 at d64), checked against the key
+    loops' ``mma`` instructions: S = Q·Kᵀ reads both operands through descriptors, P·V reads P
+    from registers unless it is shared. Returns (shared, the key loops); skips where nvdisasm
+    is missing."""
     from flashcore.specs.families import WgmmaWs
 
     shared = WgmmaWs.p_in_shared(spec)
-    assert shared == (80 <= spec.head_dim <= 128 and spec.config.tile == (192, 128))
+    c, d = spec.config, spec.head_dim
+    assert shared == (c.warps == 12 and (
+        (80 <= d <= 128 and c.tile_n >= 128) or (d == 64 and c.tile_n > 128)))
     text = sass(art.cubin)
     if text is None:
         pytest.skip("nvdisasm is not installed")
@@ -611,7 +623,7 @@ def _p_operand_loops(art, spec, mma: str) -> tuple[bool, list]:
                          ids=lambda s: s.name)
 def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifacts, spec):
     """Three consumers of 128-key steps at d128 (``WgmmaWs.p_in_shared``): the P·V HGMMAs read
-    P through a descriptor, after eight ``stmatrix`` x4 a key step and an async-proxy fence,
+    P through a descriptor, after a ``stmatrix`` x4 a 16 keys of a step and an async-proxy fence,
     with no spills; else P is the register A operand. The shared-memory budget counts P's
     16-bit tile."""
     from flashcore.specs.families import WgmmaWs
@@ -624,7 +636,7 @@ def test_16bit_p_reaches_p_v_in_registers_or_through_its_shared_tile(ws_artifact
     shared, loops = _p_operand_loops(art, spec, "HGMMA")
     for body in loops:
         stores = [op for op, _ in body if op.startswith("STSM")]
-        assert len(stores) == (8 if shared else 0), stores
+        assert len(stores) == (c.tile_n // 16 if shared else 0), stores  # x4: 16 keys each
     body = art.ptx[art.ptx.index(".entry"):]
     # (a paged cache's first V block is fenced after its rows past the keys are zeroed)
     assert ("fence.proxy.async.shared::cta" in body) == (shared or spec.paged_kv)

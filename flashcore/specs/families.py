@@ -73,7 +73,8 @@ def _copy_pass_rows(threads: int, row_bytes: int) -> int:
 class KernelFamily(Protocol):
     name: str
     archs: tuple[str, ...]
-    knobs: Mapping[str, tuple[int, ...]]
+    knobs: Mapping[str, tuple[int, ...]]  # every value a spec may take
+    search_grid: Mapping[str, tuple[int, ...]]  # the values the autotuner times
     splits_keys: bool  # builds split_kv kernels (flash-decoding's partials)
     packs_tokens: bool  # builds packed_tokens kernels (multi-token GQA decode)
     producer_threads: int  # threads a CTA has beyond config.threads (a producer warpgroup)
@@ -118,6 +119,10 @@ class MmaSync:
             "stages": (1, 2, 3),
             "kv_splits": (1, 2, 4),
         }
+
+    @property
+    def search_grid(self) -> Mapping[str, tuple[int, ...]]:
+        return self.knobs
 
     def validate(self, spec: FamilySpec) -> None:
         c = spec.config
@@ -246,8 +251,14 @@ class WgmmaWs:
 
     @property
     def knobs(self) -> Mapping[str, tuple[int, ...]]:
-        return {"tile_m": (64, 128, 192), "tile_n": (64, 128), "warps": (4, 8, 12),
-                "stages": (2, 3, 4), "kv_splits": (1,)}
+        # key blocks of any 16 keys from 64 to 192 (wgmma's N, and P·V's k16 steps): 128x80
+        # fills shared memory at d256 with two stages, 128x176 at d128
+        return {"tile_m": (64, 128, 192), "tile_n": tuple(range(64, 193, 16)),
+                "warps": (4, 8, 12), "stages": (2, 3, 4), "kv_splits": (1,)}
+
+    @property
+    def search_grid(self) -> Mapping[str, tuple[int, ...]]:
+        return {**self.knobs, "tile_n": (64, 128)}
 
     def validate(self, spec: FamilySpec) -> None:
         c = spec.config
@@ -271,6 +282,9 @@ class WgmmaWs:
                       "mma_sync family builds it")
         if spec.precision == "fp8" and spec.head_dim not in (64, 128):
             raise bad(f"FP8 operands at head_dim={spec.head_dim} are not built (64 and 128)")
+        if spec.precision == "fp8" and c.tile_n not in (64, 128):
+            raise bad(f"FP8 operands take key blocks of 64 or 128 (Vᵀ's rows of keys are one "
+                      f"64- or 128-byte swizzle), not tile_n={c.tile_n}")
         for knob, allowed in self.knobs.items():
             v = getattr(c, knob)
             if v not in allowed:
@@ -312,12 +326,14 @@ class WgmmaWs:
     @staticmethod
     def p_in_shared(spec: FamilySpec) -> bool:
         """Whether P reaches the P·V wgmma through shared memory (its SS form) rather than in
-        registers: head_dim 80 to 128 with three consumer warpgroups of 128-key steps, whose
-        160 registers a thread hold S (64) and O (40 to 64) but not P beside them (d128 FP8:
-        288 bytes of spills with P in registers, d96 144; 64-key steps fit). Head dims above
-        128 have no room for three consumers' tiles."""
+        registers: with three consumer warpgroups (160 registers a thread) where a thread's S
+        (tile_n / 2 fp32), O (head_dim / 2) and 16-bit P (tile_n / 4) come to more than 128
+        registers: d80-d128 at 128-key steps (d128 FP8: 288 bytes of spills with P in
+        registers, d96 144), d64 past 128 keys, d96 at 144. Head dims above 128 have no room
+        for three consumers' tiles."""
         c = spec.config
-        return 80 <= spec.head_dim <= 128 and c.warps == 12 and c.tile_n == 128
+        return (c.warps == 12 and spec.head_dim <= 128
+                and 3 * c.tile_n // 4 + spec.head_dim // 2 > 128)
 
     @staticmethod
     def sums_by_mma(spec: FamilySpec) -> bool:

@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                          "descaled per token and per head)")
     ap.add_argument("--wgmma", action="store_true",
                     help="also the Hopper family (sm_90): wgmma_ws tiles of 128 and 192 query "
-                         "rows")
+                         "rows and 64 to 192 keys")
     ap.add_argument("--rounds", type=int, default=1,
                     help="time each shape's implementations this many times in turn, keep the "
                          "median (close comparisons: 3)")
@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     ours["read-floor-fp8kv"] = read_floor(0.5)
     if a.wgmma:
         for tm, tn, stages in ((128, 128, 2), (128, 64, 3), (128, 64, 2), (192, 64, 2),
-                               (192, 128, 2)):  # d256 fits (128, 64, 2) only of these
+                               (192, 128, 2), (128, 80, 2), (128, 176, 2), (192, 144, 2),
+                               (192, 192, 2)):  # d256 fits (128, 64|80, 2) only of these
             name = f"flashcore-ws-n{tn}-s{stages}" if tm == 128 else f"flashcore-ws-m{tm}-n{tn}"
             ours[name] = _flashcore(config=TileConfig((tm, tn), warps=tm // 16, stages=stages,
                                                       family="wgmma_ws"))

@@ -67,7 +67,7 @@ def family_configs(name: str, bucket: str | None = None) -> list[TileConfig]:
     fam = FAMILIES[name]
     if bucket == "decode" and not fam.splits_keys:
         return []
-    knobs = fam.knobs
+    knobs = fam.search_grid
     return [TileConfig((m, n), warps=w, stages=s, kv_splits=k, family=name)
             for m, n, w, s, k in itertools.product(knobs["tile_m"], knobs["tile_n"],
                                                    knobs["warps"], knobs["stages"],
