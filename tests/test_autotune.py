@@ -169,12 +169,17 @@ def test_a_hopper_winner_gives_way_to_its_fallback_where_its_family_cannot_run(t
 def test_the_tuner_draws_from_every_family_of_the_arch_and_keeps_a_fallback():
     hopper = [s for s in search.candidates("sm_90", 128, False, "fp16", "long")
               if s.family == "wgmma_ws"]
-    # the knob grid, where each consumer warpgroup owns 64 rows and the rings fit 227 KB
+    # the search grid, where each consumer warpgroup owns 64 rows and the rings fit 227 KB:
+    # 64- and 128-key blocks, and d128's widest, 176 (two stages fit, not beside 192 rows)
     tiles = {(64, 64): (2, 3, 4), (64, 128): (2, 3), (128, 64): (2, 3, 4), (128, 128): (2, 3),
-             (192, 64): (2, 3, 4), (192, 128): (2,)}
+             (192, 64): (2, 3, 4), (192, 128): (2,), (64, 176): (2,), (128, 176): (2,)}
     assert {s.config.tag for s in hopper} == {
         f"m{m}n{n}_w{m // 16}_s{st}_wgmma_ws" for (m, n), stages in tiles.items()
         for st in stages}
+    # the widest block of each head dim: d256's 80 (shared memory full at two stages)
+    wide = {s.config.tile for s in search.candidates("sm_90", 256, True, "fp16", "long")
+            if s.family == "wgmma_ws"}
+    assert wide == {(64, 64), (64, 80), (128, 64), (128, 80), (192, 64)}
     assert not any(s.family == "wgmma_ws" for s in search.candidates(
         "sm_89", 128, False, "fp16", "long"))
     assert not any(s.family == "wgmma_ws" for s in search.candidates(

@@ -74,7 +74,6 @@ class KernelFamily(Protocol):
     name: str
     archs: tuple[str, ...]
     knobs: Mapping[str, tuple[int, ...]]  # every value a spec may take
-    search_grid: Mapping[str, tuple[int, ...]]  # the values the autotuner times
     splits_keys: bool  # builds split_kv kernels (flash-decoding's partials)
     packs_tokens: bool  # builds packed_tokens kernels (multi-token GQA decode)
     producer_threads: int  # threads a CTA has beyond config.threads (a producer warpgroup)
@@ -83,6 +82,10 @@ class KernelFamily(Protocol):
     e4m3_mma_archs: tuple[str, ...]  # archs whose e4m3 MMAs are instructions, not emulated
 
     def dsl_arch(self, arch: str) -> str: ...
+
+    def search_grid(self, head_dim: int) -> Mapping[str, tuple[int, ...]]:
+        """The knob values the autotuner times at ``head_dim`` (a subset of ``knobs``)."""
+        ...
 
     def validate(self, spec: FamilySpec) -> None: ...
 
@@ -120,8 +123,7 @@ class MmaSync:
             "kv_splits": (1, 2, 4),
         }
 
-    @property
-    def search_grid(self) -> Mapping[str, tuple[int, ...]]:
+    def search_grid(self, head_dim: int) -> Mapping[str, tuple[int, ...]]:
         return self.knobs
 
     def validate(self, spec: FamilySpec) -> None:
@@ -256,9 +258,12 @@ class WgmmaWs:
         return {"tile_m": (64, 128, 192), "tile_n": tuple(range(64, 193, 16)),
                 "warps": (4, 8, 12), "stages": (2, 3, 4), "kv_splits": (1,)}
 
-    @property
-    def search_grid(self) -> Mapping[str, tuple[int, ...]]:
-        return {**self.knobs, "tile_n": (64, 128)}
+    def search_grid(self, head_dim: int) -> Mapping[str, tuple[int, ...]]:
+        """64- and 128-key blocks, and the widest that still fits beside them at this head dim
+        (FlashAttention-3's choice: 192 at d64, 144 at d96, 176 at d128, 80 past d128)."""
+        widest = 192 if head_dim <= 64 else 144 if head_dim <= 96 else (
+            176 if head_dim <= 128 else 80)
+        return {**self.knobs, "tile_n": (64, 128, widest)}
 
     def validate(self, spec: FamilySpec) -> None:
         c = spec.config

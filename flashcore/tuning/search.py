@@ -61,13 +61,14 @@ def candidate_configs(bucket: str | None = None) -> list[TileConfig]:
     return out
 
 
-def family_configs(name: str, bucket: str | None = None) -> list[TileConfig]:
-    """Every point of a non-default family's knob grid (validity is the spec's to check); none
-    for decode where the family cannot split keys (``bucket=None``: every bucket's)."""
+def family_configs(name: str, head_dim: int, bucket: str | None = None) -> list[TileConfig]:
+    """Every point of a non-default family's search grid at ``head_dim`` (validity is the
+    spec's to check); none for decode where the family cannot split keys (``bucket=None``:
+    every bucket's)."""
     fam = FAMILIES[name]
     if bucket == "decode" and not fam.splits_keys:
         return []
-    knobs = fam.search_grid
+    knobs = fam.search_grid(head_dim)
     return [TileConfig((m, n), warps=w, stages=s, kv_splits=k, family=name)
             for m, n, w, s, k in itertools.product(knobs["tile_m"], knobs["tile_n"],
                                                    knobs["warps"], knobs["stages"],
@@ -84,7 +85,7 @@ def candidates(arch: str, head_dim: int, causal: bool, precision: str = "fp16",
     configs = candidate_configs(bucket) if default in names else []
     for name in names:
         if name != default:
-            configs += family_configs(name, bucket)
+            configs += family_configs(name, head_dim, bucket)
     for config in dict.fromkeys(configs):
         try:
             spec = AttentionSpec(arch=arch, dtype="float16", head_dim=head_dim, config=config,
