@@ -103,10 +103,10 @@ def test_shipped_table_is_read_and_its_winners_are_candidates():
 def test_every_shipped_hopper_winner_has_its_tile_in_the_gpu_tests():
     """A tuned default must have been checked against the reference: the GPU tests run each
     Hopper winner's tile, warps and family (the stage counts share one ring code)."""
-    from tests.test_gpu_wgmma import CONFIGS, FP8_CONFIGS
+    from tests.test_gpu_wgmma import CONFIGS, FP8_CONFIGS, WGMMA_TILE_N_CONFIGS
 
     table.clear()
-    for precision, configs in (("fp16", CONFIGS), ("fp8", FP8_CONFIGS)):
+    for precision, configs in (("fp16", CONFIGS + WGMMA_TILE_N_CONFIGS), ("fp8", FP8_CONFIGS)):
         tested = {(c.tile, c.warps, c.family) for c in configs}
         for name, config in table.winner_specs("sm_90", precisions=(precision,)).items():
             if config.family != "mma_sync":
