@@ -7,7 +7,8 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
                                       wgmma-varlen|wgmma-paged|wgmma-tile-n|
                                       fp8-khead|serving|
                                       hostile|backward|backward-deterministic|
-                                      backward-varlen|kv-splits|head-dims]
+                                      backward-varlen|backward-hopper|kv-splits|
+                                      head-dims]
 
 ``hostile``: misaligned and strided views, and serving tables that lie with their checks off
 (offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
@@ -15,6 +16,7 @@ table): memcheck must see no access outside the tensors, and each output stays f
 ``backward``: the backward kernels on ragged shapes, against float64 autograd;
 ``backward-deterministic``: the same and more key blocks per query block, dQ's adds in turns;
 ``backward-varlen``: a packed batch's backward (empty sequences, blocks past a sequence's end).
+``backward-hopper``: the three above on the Hopper backward (sm_90).
 ``head-dims``: the head dims only the 16-bit forward builds (32, 80, 96, 256) on ragged shapes:
 prefill (tuned and explicit tiles), GQA decode split over CTAs and its combine, masks, varlen
 and paged.
@@ -740,6 +742,18 @@ def backward_cases(deterministic: bool = False, head_dims: bool = False):
         yield ok
 
 
+def backward_hopper_cases():
+    """The Hopper backward (sm_90: the d64 and d128 default there): the backward cases' ragged
+    shapes, free dQ adds and in turns (more key blocks per query block, a window), and a
+    packed batch's."""
+    from flashcore.ops.backward import backward_choices_override
+
+    with backward_choices_override("64x128w8s2-hopper"):
+        yield from backward_cases()
+        yield from backward_cases(deterministic=True)
+        yield from backward_varlen_cases()
+
+
 def backward_varlen_cases():
     """The packed batch's backward through autograd: sequences empty on either side, a query
     block running past its sequence into the next, GQA, bottom-right causal and a window."""
@@ -896,6 +910,7 @@ def main() -> int:
              "hostile": hostile_cases, "backward": backward_cases,
              "backward-deterministic": lambda: backward_cases(True),
              "backward-varlen": backward_varlen_cases,
+             "backward-hopper": backward_hopper_cases,
              "backward-head-dims": lambda: backward_cases(head_dims=True),
              "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
              "alibi": alibi_cases, "kv-append": kv_append_cases}[mode]

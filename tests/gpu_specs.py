@@ -414,6 +414,10 @@ BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), war
                          TileConfig((32, 64), warps=4, stages=2)]
 
 
+# the Hopper backward's tile (its sm_90 default at d64 and d128)
+HOPPER_BWD_CONFIGS = [TileConfig((64, 128), warps=8, stages=2, family="hopper")]
+
+
 # every mask combination the backward builds: (causal, mask_align, window, softcap), as
 # flashcore.ops.masks.masking normalises them (bottom-right aligns a causal mask or a window)
 BACKWARD_MASKS = [(c, a, w, cap) for c in (False, True) for a in ("top_left", "bottom_right")
@@ -456,7 +460,7 @@ def backward_specs(arch: str) -> list:
     variants) and post, of every head dim; those that fit ``arch``."""
     from flashcore.ops.backward import backward_specs as one_pass
     from flashcore.ops.masks import Masking
-    from flashcore.specs.backward import default_backward_config
+    from flashcore.specs.backward import HOPPER_BWD_HEAD_DIMS, default_backward_config
 
     specs = []
     for dtype, d, (causal, align, window, cap) in itertools.product(DTYPES, HEAD_DIMS,
@@ -469,6 +473,15 @@ def backward_specs(arch: str) -> list:
         except SpecError:
             pass
     specs += backward_variant_specs(arch)
+    # the Hopper backward's tiles (sm_90), every mask, free and ordered dQ adds, packed batches
+    for config, d, dtype, (causal, align, window, cap), variant in itertools.product(
+            HOPPER_BWD_CONFIGS, HOPPER_BWD_HEAD_DIMS, DTYPES, BACKWARD_MASKS,
+            ({}, {"deterministic": True}, {"varlen": True})):
+        masks = Masking(align, (1, 0) if window else None, 1.0 if cap else None)
+        try:
+            specs.append(one_pass(arch, dtype, d, config, causal, masks)[1].replace(**variant))
+        except SpecError:
+            break  # another arch: none of them builds
     # the deterministic and the packed-batch (varlen) main kernels of every mask
     for dtype, d, (causal, align, window, cap), variant in itertools.product(
             DTYPES, HEAD_DIMS, BACKWARD_MASKS, ({"deterministic": True}, {"varlen": True})):

@@ -22,6 +22,7 @@ from flashcore.specs import (
 from flashcore.specs.arch import swizzle_line_bytes
 from flashcore.specs.backward import (
     BACKWARD_KNOBS,
+    HOPPER_BWD,
     default_backward_config,
     default_warps_m,
     parse_backward_choices,
@@ -33,8 +34,12 @@ from tests.kernels import assert_no_spills_in_loops, compiled_in_fresh_cache
 
 
 def _main(arch: str, dtype: str, d: int, causal: bool, **masks) -> BackwardSpec:
-    """The main kernel as a call without a config builds it on ``arch``."""
+    """The mma_sync main kernel as a call without a config builds it on ``arch`` (sm_90's d64
+    and d128 default is the Hopper backward, ``HOPPER``: there sm_80's tile, which mma_sync
+    ran on sm_90 before)."""
     config = default_backward_config(d, arch)
+    if config.family == HOPPER_BWD:
+        config = default_backward_config(d, "sm_80")
     return BackwardSpec(arch=arch, dtype=dtype, head_dim=d, config=config, causal=causal,
                         warps_m=default_warps_m(d, config), **masks)
 
@@ -97,12 +102,22 @@ HEAD_DIMS = [
     _main("sm_90", "float16", 256, True, mask_align="bottom_right", window=True, softcap=True),
 ]
 MAINS += HEAD_DIMS
+# the Hopper backward (sm_90): plain, every mask, dQ in turns, a packed batch, both dtypes
+HOPPER_TILE = TileConfig((64, 128), warps=8, stages=2, family=HOPPER_BWD)
+HOPPER = [BackwardSpec(arch="sm_90", dtype=dt, head_dim=d, config=HOPPER_TILE, causal=c, **m)
+          for dt, d, c, m in (
+              ("float16", 128, False, {}),
+              ("bfloat16", 64, True, {}),
+              ("float16", 64, True, {"mask_align": "bottom_right", "window": True,
+                                     "softcap": True}),
+              ("bfloat16", 128, True, {"softcap": True, "deterministic": True}),
+              ("float16", 128, True, {"mask_align": "bottom_right", "varlen": True}))]
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
                          ("sm_90", "float16", 128), ("sm_89", "float16", 80),
                          ("sm_90", "bfloat16", 96), ("sm_80", "bfloat16", 256))
         for op in ("attention_bwd_pre", "attention_bwd_post")]
-SPECS = MAINS + ROWS + DETERMINISTIC
+SPECS = MAINS + ROWS + DETERMINISTIC + HOPPER
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +265,51 @@ def test_main_kernel_has_the_instructions_we_meant(artifacts, spec):
         assert wait < first
     else:
         assert "griddepcontrol" not in body
+
+
+@pytest.mark.parametrize("spec", HOPPER, ids=lambda s: s.name)
+def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
+    ptx = artifacts[spec].ptx
+    assert re.search(r"\.target\s+sm_90a\b", ptx)
+    dt = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
+    # per query block and warpgroup: Sᵀ and dPᵀ (64 x 64 over d: d / 16 each), dV and dK
+    # (64 x d over 64 rows: 4 each), dQ (its 64 x d / 2 over 128 keys: 8); no mma.sync
+    mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.{dt}\.{dt}", ptx)
+    d = spec.head_dim
+    assert sorted(mma) == sorted(["64"] * (2 * d // 16) + [str(d)] * 8
+                                 + [str(d // 2)] * 8), mma
+    assert "mma.sync" not in ptx and "ldmatrix" not in ptx
+    assert ptx.count("stmatrix.sync.aligned") == 4  # dSᵀ, 32 values a thread
+    assert "fence.proxy.async.shared::cta" in ptx
+    assert "red.global.add.v2.f32" in ptx and "red.global.add.f32" not in ptx
+    assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    body = ptx[ptx.index(".entry"):]
+    wait = body.index("griddepcontrol.wait;")
+    first = min(body.index(op) for op in ("cp.async", "ld.global", "st.global", "red.global")
+                if op in body)
+    assert wait < first
+
+
+def test_hopper_defaults_and_refusals():
+    for d in (64, 128):
+        assert default_backward_config(d, "sm_90") == HOPPER_TILE
+        assert default_backward_config(d, "sm_89").family == ""
+        assert default_warps_m(d, HOPPER_TILE) == ()
+    assert default_backward_config(96, "sm_90").family == ""
+    assert parse_backward_choices("64x128w8s2-hopper")[None] == (HOPPER_TILE, None)
+    with pytest.raises(SpecError, match="family 'sideways'"):
+        parse_backward_choices("64x128w8s2-sideways")
+    for bad, match in (({"arch": "sm_89"}, "sm_90 only"),
+                       ({"head_dim": 96}, "head_dim in"),
+                       ({"config": TileConfig((128, 128), warps=8, stages=2, family="hopper")},
+                        "tile=\\(64, 128\\)"),
+                       ({"config": TileConfig((64, 128), warps=8, stages=1, family="hopper")},
+                        "stages=2"),
+                       ({"warps_m": (2, 4, 2)}, "warps_m")):
+        kw = {"arch": "sm_90", "head_dim": 128, "config": HOPPER_TILE} | bad
+        with pytest.raises(SpecError, match=match):
+            BackwardSpec(**kw)
 
 
 @pytest.mark.parametrize("spec", MASKED, ids=lambda s: s.name)

@@ -20,8 +20,12 @@ from flashcore import reference
 from flashcore.errors import SpecError
 from flashcore.ops.backward import attention_backward
 from flashcore.specs import BackwardSpec
-from flashcore.specs.backward import default_warps_m, parse_backward_choices
-from tests.gpu_specs import BACKWARD_TEST_CONFIGS, BACKWARD_VARIANTS
+from flashcore.specs.backward import (
+    HOPPER_BWD_HEAD_DIMS,
+    default_warps_m,
+    parse_backward_choices,
+)
+from tests.gpu_specs import BACKWARD_TEST_CONFIGS, BACKWARD_VARIANTS, HOPPER_BWD_CONFIGS
 from tests.gpu_utils import current_arch, max_abs, poison_, requires_cuda, visible_keys
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -176,6 +180,48 @@ def test_gradients_match_reference_within_sdpa_error(b, hkv, ratio, sq, sk, d, d
     torch's math in the dtype, ``_math_grads``)."""
     _check(b, hkv * ratio, hkv, sq, sk, d, dtype, causal, scale, seed,
            masks=_masks(causal, align, window, softcap))
+
+
+@settings(settings.get_profile("gpu"))
+@given(
+    b=st.integers(1, 2),
+    hkv=st.integers(1, 3),
+    ratio=st.sampled_from([1, 2, 4]),
+    sq=st.integers(1, 400),
+    sk=st.integers(1, 400),
+    d=st.sampled_from(HOPPER_BWD_HEAD_DIMS),
+    dtype=st.sampled_from(["float16", "bfloat16"]),
+    causal=st.booleans(),
+    align=st.sampled_from(["top_left", "bottom_right"]),
+    window=st.one_of(st.none(), st.tuples(st.integers(-1, 300), st.integers(-1, 300))),
+    softcap=st.one_of(st.none(), st.floats(1.0, 50.0)),
+    config=st.sampled_from(HOPPER_BWD_CONFIGS),
+    deterministic=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+@example(b=1, hkv=2, ratio=2, sq=333, sk=190, d=128, dtype="float16", causal=True,
+         align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[0],
+         deterministic=False, seed=1)
+@example(b=2, hkv=1, ratio=4, sq=190, sk=333, d=64, dtype="bfloat16", causal=False,
+         align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[0],
+         deterministic=True, seed=2)
+@example(b=1, hkv=1, ratio=2, sq=77, sk=299, d=128, dtype="bfloat16", causal=True,
+         align="bottom_right", window=(40, 0), softcap=20.0, config=HOPPER_BWD_CONFIGS[0],
+         deterministic=False, seed=3)
+def test_hopper_backward_matches_reference(b, hkv, ratio, sq, sk, d, dtype, causal, align,
+                                           window, softcap, config, deterministic, seed):
+    """The Hopper backward (``kernels/wgmma_bwd``: warpgroup MMAs, Sᵀ by keys in rows): random
+    shapes over ragged key and query blocks, GQA, every mask, dQ's adds free or in turns; a
+    deterministic call repeats bit for bit."""
+    if current_arch() != "sm_90":
+        pytest.skip("the Hopper backward runs on sm_90")
+    grads, call = _check(b, hkv * ratio, hkv, sq, sk, d, dtype, causal, None, seed,
+                         config=config, masks=_masks(causal, align, window, softcap),
+                         deterministic=deterministic)
+    if deterministic:
+        again = [torch.empty_like(g) for g in grads]
+        call(*again)
+        assert all(torch.equal(x, y) for x, y in zip(grads, again))
 
 
 @pytest.mark.parametrize("masks", [

@@ -5,7 +5,8 @@ traces it) and the autograd formula of ``torch.ops.flashcore.attention``
 
 Three launches on torch's current stream (``flashcore.specs.backward``): the pre kernel (D =
 rowsum(dO ∘ O), the LSE in log2 units, dQ's fp32 accumulator zeroed), the main kernel (a CTA
-per key block: dK and dV in registers, dQ by fp32 atomics) and the post kernel (dQ in q's
+per key block: dK and dV in registers, dQ by fp32 atomics; on sm_90 at d64 and d128 the Hopper
+backward's warpgroup MMAs, elsewhere the mma_sync family's) and the post kernel (dQ in q's
 dtype). What it builds: fp16/bf16, every head dim of the forward (32, 64, 80, 96, 128, 256:
 ``spec.backward.default_backward_config`` picks each one's tile), any lengths, the forward's masks (causal
 top-left as torch's ``is_causal`` or bottom-right, sliding windows, soft-capping), any softmax

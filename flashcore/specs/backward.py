@@ -15,7 +15,9 @@ Three kernels make one backward pass, each a spec of its own (``op``):
   packed rows as one sequence.
   ``deterministic``: the key blocks add into each query block's dQ rows one after another,
   the highest first (a counter per (batch, head, query block)), so dQ's sums are the same every
-  run.
+  run. Two families build it: ``mma_sync`` (``kernels/mma_sync_bwd``, every arch and head dim)
+  and, on sm_90 at d64 and d128, ``hopper`` (``kernels/wgmma_bwd``: warpgroup MMAs; the same
+  walk, ABI and row kernels).
 * ``attention_bwd_post``: dQ = accumulator · softmax_scale in the input dtype.
 
 The workspaces have ``ROW_PAD``-aligned rows per (batch, head), so the main kernel's query
@@ -49,6 +51,13 @@ ROW_THREADS = 128  # threads of a pre/post CTA
 # block while this one computes
 BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
                   "stages": (1, 2), "kv_splits": (1,)}
+# The Hopper backward (``kernels/wgmma_bwd``): warpgroup MMAs on sm_90, two warpgroups of 64
+# keys, query blocks of 64 rows, two stages of Q and dO. (128-row blocks spill: 56 bytes at d64,
+# 1092 at d128; one warpgroup's 64-row dQ spills at d128.)
+HOPPER_BWD = "hopper"
+HOPPER_BWD_HEAD_DIMS = (64, 128)
+HOPPER_BWD_TILE = (64, 128)
+BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
 _SMEM_ALIGN = 1024
 
 
@@ -87,9 +96,12 @@ def squarest_grid(rows: int, cols: int, warps: int) -> int:
     return best
 
 
-def default_warps_m(head_dim: int, config: TileConfig) -> tuple[int, int, int]:
-    """``BackwardSpec.warps_m`` of a config: the squarest warp tiles of S/dP, dK/dV and dQ."""
+def default_warps_m(head_dim: int, config: TileConfig) -> tuple[int, ...]:
+    """``BackwardSpec.warps_m`` of a config: the squarest warp tiles of S/dP, dK/dV and dQ (the
+    Hopper family places its warpgroups itself: ())."""
     c = config
+    if c.family == HOPPER_BWD:
+        return ()
     return (squarest_grid(c.tile_m, c.tile_n, c.warps),
             squarest_grid(c.tile_n, head_dim, c.warps),
             squarest_grid(c.tile_m, head_dim, c.warps))
@@ -154,8 +166,38 @@ class BackwardSpec(SpecData, TiledKernel):
         for knob, allowed in BACKWARD_KNOBS.items():
             if getattr(c, knob) not in allowed:
                 raise bad(f"{knob}={getattr(c, knob)} is not supported; choose one of {allowed}")
-        if c.family not in ("", "mma_sync"):
-            raise bad(f"family={c.family!r}: the backward is built in the mma_sync family only")
+        if c.family not in BACKWARD_FAMILIES:
+            raise bad(f"family={c.family!r}: the backward is built in the families "
+                      f"{BACKWARD_FAMILIES[1:]}")
+        if c.family == HOPPER_BWD:
+            self._check_hopper(bad)
+        else:
+            self._check_warp_grids(bad)
+        budget = SMEM_PER_BLOCK[self.arch]
+        if self.smem_bytes > budget:
+            raise bad(f"needs {self.smem_bytes} bytes of shared memory, over {self.arch}'s "
+                      f"per-block budget of {budget} (tile {c.tile}, head_dim {self.head_dim})")
+
+    def _check_hopper(self, bad) -> None:
+        c = self.config
+        if self.arch != "sm_90":
+            raise bad(f"family={HOPPER_BWD!r} runs warpgroup MMAs: sm_90 only, not {self.arch}")
+        if self.head_dim not in HOPPER_BWD_HEAD_DIMS:
+            raise bad(f"family={HOPPER_BWD!r} is built for head_dim in {HOPPER_BWD_HEAD_DIMS}, "
+                      f"not head_dim={self.head_dim} (family 'mma_sync' builds it)")
+        if c.tile != HOPPER_BWD_TILE or c.warps != 8:
+            raise bad(f"family={HOPPER_BWD!r} is built for tile={HOPPER_BWD_TILE} (query rows, "
+                      f"keys) with warps=8 (two warpgroups of 64 keys), not tile={c.tile} "
+                      f"warps={c.warps}")
+        if c.stages != 2:
+            raise bad(f"family={HOPPER_BWD!r} keeps two query blocks in flight: stages=2, got "
+                      f"stages={c.stages}")
+        if self.warps_m:
+            raise bad(f"family={HOPPER_BWD!r} places its warps itself: warps_m must be (), got "
+                      f"{self.warps_m!r}")
+
+    def _check_warp_grids(self, bad) -> None:
+        c = self.config
         wms = self.warps_m or (0, 0, 0)
         if (not isinstance(self.warps_m, tuple) or len(wms) != 3
                 or any(isinstance(w, bool) or not isinstance(w, int) or w < 0 for w in wms)):
@@ -168,10 +210,6 @@ class BackwardSpec(SpecData, TiledKernel):
             if wm * wn != c.warps or cols % (16 * wn) or rows % (16 * wm):
                 raise bad(f"{c.warps} warps cannot share the {rows}x{cols} tile of {what} "
                           "(16x16 per warp at least)")
-        budget = SMEM_PER_BLOCK[self.arch]
-        if self.smem_bytes > budget:
-            raise bad(f"needs {self.smem_bytes} bytes of shared memory, over {self.arch}'s "
-                      f"per-block budget of {budget} (tile {c.tile}, head_dim {self.head_dim})")
 
     # -- derived -------------------------------------------------------------------------------
     @property
@@ -203,6 +241,16 @@ class BackwardSpec(SpecData, TiledKernel):
         return self.arch in PDL_ARCHS
 
     @property
+    def hopper(self) -> bool:
+        """Built by the Hopper backward (``kernels/wgmma_bwd``)."""
+        return self.config.family == HOPPER_BWD
+
+    @property
+    def dsl_target(self) -> str:
+        """What the DSL compiles for (``families.dsl_arch``): wgmma needs sm_90a."""
+        return "sm_90a" if self.hopper else self.arch
+
+    @property
     def prefetch_rows(self) -> bool:
         """The main kernel copies each query block's LSE and D rows into shared memory with its
         Q and dO (two stages), rather than reading them from global memory when it starts it."""
@@ -217,6 +265,9 @@ class BackwardSpec(SpecData, TiledKernel):
         if self.op != "attention_bwd":
             return 0
         c, d, e = self.config, self.head_dim, DTYPE_BYTES[self.dtype]
+        if self.hopper:  # Q, dO staged; K, V; dS (keys x query rows); LSE and D rows staged
+            return (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
+                    + _align(c.tile_n * c.tile_m * e) + 2 * _align(c.tile_m * 4 * c.stages))
         n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
              + 2 * _align(c.tile_m * c.tile_n * e))
         if self.prefetch_rows:  # the struct's size rounds up to its 1 KB member alignment
@@ -252,7 +303,9 @@ class BackwardSpec(SpecData, TiledKernel):
 
 
 def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
-    """The main kernel's config: eight warps, 64 query rows x 128 keys, two query blocks in
+    """The main kernel's config. sm_90 at d64 and d128: the Hopper backward, 64 query rows x
+    128 keys (1.23-1.29x the mma_sync backward on an H200). Else the
+    mma_sync backward: eight warps, 64 query rows x 128 keys, two query blocks in
     flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
     ``arch``) take 64 keys: d96 two blocks in flight (89 KB), d128 one (80 KB); sm_80 and
     sm_90 hold 64 x 128 up to d128 (FlashAttention-2's A100/H100 tile): twice the keys per CTA,
@@ -261,6 +314,8 @@ def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfi
     warps) beside 64 x 64 scores; an L4's 99 KB hold 32 x 32 tiles of four warps. (d64 at
     128 x 128, FlashAttention-2's H100 choice, runs at 255 registers with a few spilled: a
     variant to time, not the default.)"""
+    if arch == "sm_90" and head_dim in HOPPER_BWD_HEAD_DIMS:
+        return TileConfig(HOPPER_BWD_TILE, warps=8, stages=2, family=HOPPER_BWD)
     big = arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024
     if head_dim == 80:
         return TileConfig((64, 64), warps=4, stages=2)
@@ -273,24 +328,29 @@ def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfi
     return TileConfig((64, 64), warps=8)
 
 
-_CHOICE = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)w(\d+)s(\d+)(?:a(\d{3}|-))?$")
+_CHOICE = re.compile(r"^(?:(\d+):)?(\d+)x(\d+)w(\d+)s(\d+)(?:a(\d{3}|-))?(?:-(\w+))?$")
 
 
 def parse_backward_choices(text: str) -> dict[int | None, tuple[TileConfig, tuple[int, ...]
                                                                 | None]]:
-    """Main-kernel choices written as ``[D:]MxNwWsS[aXYZ|a-]`` separated by ``;``: for head dim
-    D (every head dim without ``D:``) tiles of M query rows x N keys, W warps, S stages, and
-    warps along the rows of S/dP, dK/dV and dQ (``aXYZ``; ``a-``: 16-row strips first; none:
-    ``default_warps_m``). E.g. ``128:64x128w8s2a242;64:128x128w8s2``. Returns {D or None:
+    """Main-kernel choices written as ``[D:]MxNwWsS[aXYZ|a-][-FAMILY]`` separated by ``;``:
+    for head dim D (every head dim without ``D:``) tiles of M query rows x N keys, W warps, S
+    stages, warps along the rows of S/dP, dK/dV and dQ (``aXYZ``; ``a-``: 16-row strips first;
+    none: ``default_warps_m``) and the kernel family (none: mma_sync). E.g.
+    ``128:64x128w8s2a242;64:128x128w8s2`` or ``64x128w8s2-hopper``. Returns {D or None:
     (config, warps_m or None)}."""
     out: dict[int | None, tuple[TileConfig, tuple[int, ...] | None]] = {}
     for part in filter(None, (p.strip() for p in text.split(";"))):
         m = _CHOICE.match(part)
         if m is None:
-            raise SpecError(f"backward choice {part!r} is not [D:]MxNwWsS[aXYZ|a-] (e.g. "
-                            "128:64x128w8s2a242)")
-        d, tm, tn, w, st, a = m.groups()
-        config = TileConfig((int(tm), int(tn)), warps=int(w), stages=int(st))
+            raise SpecError(f"backward choice {part!r} is not [D:]MxNwWsS[aXYZ|a-][-FAMILY] "
+                            "(e.g. 128:64x128w8s2a242 or 64x128w8s2-hopper)")
+        d, tm, tn, w, st, a, family = m.groups()
+        if family is not None and family not in BACKWARD_FAMILIES:
+            raise SpecError(f"backward choice {part!r}: family {family!r} is not one of "
+                            f"{BACKWARD_FAMILIES[1:]}")
+        config = TileConfig((int(tm), int(tn)), warps=int(w), stages=int(st),
+                            family="" if family in (None, "mma_sync") else family)
         warps_m = None if a is None else (() if a == "-" else tuple(int(x) for x in a))
         out[None if d is None else int(d)] = (config, warps_m)
     return out

@@ -376,6 +376,9 @@ DEFAULT_FAMILY = {"sm_80": "mma_sync", "sm_89": "mma_sync", "sm_90": "mma_sync"}
 def dsl_arch(spec) -> str:
     """The target the DSL compiles ``spec`` for (CUTE_DSL_ARCH): the arch, or the family's
     variant of it (wgmma needs sm_90a)."""
+    own = getattr(spec, "dsl_target", None)  # a spec that names its own (the backward's)
+    if own is not None:
+        return own
     fam = getattr(spec, "family", "")
     return family(fam).dsl_arch(spec.arch) if fam else spec.arch
 

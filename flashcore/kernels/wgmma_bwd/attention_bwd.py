@@ -1,0 +1,249 @@
+"""The Hopper backward kernel: the mma_sync backward's walk (``mma_sync_bwd/attention_bwd.py``:
+one CTA per (batch, K/V head, block of ``tile_n`` keys), every query block of every query head
+of the K/V head's group that sees some key of the block, dK and dV in registers, dQ into the
+fp32 accumulator by ``red.global.add``, in key-block order when ``deterministic``), each step's
+five products as warpgroup MMAs (``layouts.py``).
+
+All threads copy (cp.async, the next query block's Q, dO, LSE and D rows into the other stage
+while this one computes) and all compute: warpgroup w holds keys 64w .. 64w + 63 of the block.
+ABI: ``flashcore.specs.params.BACKWARD``.
+"""
+
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+
+from ...specs import BackwardSpec
+from ..common.block_info import KeyBounds, token_keys
+from ..common.copies import load_rows
+from ..common.grid import wait_for_previous_grid
+from ..common.mask import soft_cap
+from ..common.sequences import Sequences
+from ..hopper.fragments import acc_as_operand_a, acc_mn_view
+from ..hopper.layouts import WARPGROUP
+from ..hopper.mma import wgmmas
+from ..mma_sync_bwd.cta import BackwardCta, key_block_coords
+from ..mma_sync_bwd.epilogue import store_key_grads
+from ..mma_sync_bwd.query_block import add_dq, issue_block, needs_mask
+from .layouts import HopperBackwardLayouts, transposed
+
+
+class HopperCta(BackwardCta):
+    """Trace-time view of one CTA: the mma_sync CTA's coordinates, bounds and copies
+    (``BackwardCta``'s methods), with warpgroup MMA fragments over the swizzled tiles."""
+
+    def __init__(self, lay: HopperBackwardLayouts, storage, mQ, mK, mV, window_left,
+                 window_right, seqs: Sequences):
+        spec, c = lay.spec, lay.spec.config
+        d, tm, tn, st = spec.head_dim, c.tile_m, c.tile_n, c.stages
+        self.lay, self.spec, self.config = lay, spec, c
+        self.tidx, _, _ = cute.arch.thread_idx()
+        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn, spec.deterministic,
+                                                                  spec.varlen)
+        self.heads = mQ.shape[1]
+        self.q_group = mQ.shape[1] // mK.shape[1]
+        self.seqs = seqs
+        self.seqlen_q = seqs.query_len(mQ, self.batch)
+        self.seqlen_k = seqs.key_len(mK, self.batch)
+        self.bounds = self.key_bounds(window_left, window_right)
+
+        def tile(buf, layout):
+            return buf.get_tensor(layout.outer, swizzle=layout.inner)
+
+        self.sQ, self.sdO = tile(storage.sQ, lay.sQ), tile(storage.sdO, lay.sQ)
+        self.sK, self.sV = tile(storage.sK, lay.sK), tile(storage.sV, lay.sK)
+        self.sdS = tile(storage.sdS, lay.sdS)
+        self.sLSE = storage.sLSE.get_tensor(lay.sRows)
+        self.sD = storage.sD.get_tensor(lay.sRows)
+
+        # global -> shared (``BackwardCta``'s names: ``issue_block`` and ``load_rows`` use them)
+        self.g2s = g2s = lay.g2s.get_slice(self.tidx)
+        gK = cute.local_tile(self.key_rows(mK), (tn, d), (self.n_block, 0))
+        gV = cute.local_tile(self.key_rows(mV), (tn, d), (self.n_block, 0))
+        cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d),
+                              (self.n_block, 0))
+        self.tKgK, self.tKsK = g2s.partition_S(gK), g2s.partition_D(self.sK)
+        self.tVgV, self.tVsV = g2s.partition_S(gV), g2s.partition_D(self.sV)
+        self.tKVcKV = g2s.partition_S(cKV)
+        self.tQsQ, self.tQsdO = g2s.partition_D(self.sQ), g2s.partition_D(self.sdO)
+        self.tQcQ = g2s.partition_S(cute.local_tile(
+            cute.make_identity_tensor((self.seqlen_q, d)), (tm, d), (None, 0)))
+
+        # warpgroup MMA fragments (each warpgroup's slice; the thread slices for coordinates)
+        wg = cute.arch.make_warp_uniform(self.tidx // WARPGROUP)
+        sdp = lay.mma_sdp.get_slice(wg * WARPGROUP)
+        self.tSrK = sdp.make_fragment_A(sdp.partition_A(self.sK))
+        self.tSrV = sdp.make_fragment_A(sdp.partition_A(self.sV))
+        self.tSrQ = sdp.make_fragment_B(sdp.partition_B(self.sQ))
+        self.tSrdO = sdp.make_fragment_B(sdp.partition_B(self.sdO))
+        dkv = lay.mma_dkv.get_slice(wg * WARPGROUP)
+        self.tKrQt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sQ, tm, d, st)))
+        self.tVrdOt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sdO, tm, d, st)))
+        dq = lay.mma_dq.get_slice(wg * WARPGROUP)
+        self.tQrdS = dq.make_fragment_A(dq.partition_A(transposed(self.sdS, tn, tm)))
+        self.tQrKt = dq.make_fragment_B(dq.partition_B(transposed(self.sK, tn, d)))
+        self.thr_sdp = lay.mma_sdp.get_slice(self.tidx)
+        self.thr_dkv = lay.mma_dkv.get_slice(self.tidx)
+        self.thr_dq = lay.mma_dq.get_slice(self.tidx)
+        r2s = lay.r2s_ds.get_slice(self.tidx)
+        self.r2s_ds, self.tdSsdS = r2s, r2s.partition_D(self.sdS)
+
+        self.acc_dK = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
+                                            cutlass.Float32)
+        self.acc_dV = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
+                                            cutlass.Float32)
+        self.acc_dK.fill(0.0)
+        self.acc_dV.fill(0.0)
+
+
+@cute.jit
+def mask_keys_in_rows(S: cute.Tensor, coords: cute.Tensor, seqlen_k, bounds: KeyBounds):
+    """``common.mask.mask_scores`` for a (keys, query rows) view, the backward's Sᵀ:
+    ``coords[r, c]`` is the (key, query row) of each score, a row a token."""
+    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+        lo, limit = 0, seqlen_k
+        if cutlass.const_expr(bounds.causal or bounds.shifted):
+            token = coords[0, c][1]
+            if cutlass.const_expr(bounds.shifted):
+                lo, limit = token_keys(bounds, token, seqlen_k, cutlass.min, cutlass.max)
+            else:
+                limit = cutlass.min(token + 1, seqlen_k)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            key = coords[r, 0][0]
+            if cute.elem_less(limit, key + 1):
+                S[r, c] = -cutlass.Float32.inf
+            if cutlass.const_expr(bounds.windowed):  # noqa: SIM102 (compile-time, then run-time)
+                if cute.elem_less(key, lo):
+                    S[r, c] = -cutlass.Float32.inf
+
+
+@cute.jit
+def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
+    """Block ``m_block`` of query head ``head``, its Q, dO, LSE and D rows landed in stage
+    ``slot`` (and fenced for the async proxy)."""
+    c, d, lay = cta.config, cta.spec.head_dim, cta.lay
+    tm, tn = c.tile_m, c.tile_n
+    acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
+    acc_dP = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
+    wgmmas([(lay.mma_sdp, acc_S, cta.tSrK, cta.tSrQ[None, None, None, slot]),
+            (lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, 0)
+
+    S, dP = acc_mn_view(acc_S), acc_mn_view(acc_dP)  # (keys, query rows)
+    # each column's query row within the block (static), and its LSE (log2) and D
+    local = acc_mn_view(cta.thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+    cols = cute.size(S, mode=[1])
+    lse2 = cute.make_rmem_tensor(cols, cutlass.Float32)
+    dpsum = cute.make_rmem_tensor(cols, cutlass.Float32)
+    for j in cutlass.range_constexpr(cols):
+        row = local[0, j][1]
+        lse2[j] = cta.sLSE[row, slot]
+        dpsum[j] = cta.sD[row, slot]
+        # past the sequence: the next one's rows (compile-time, then run-time)
+        if cutlass.const_expr(cta.spec.varlen):  # noqa: SIM102
+            if m_block * tm + row >= cta.seqlen_q:
+                lse2[j] = cutlass.Float32.inf
+    if cutlass.const_expr(cta.spec.softcap):
+        soft_cap(S, *cta.softcap)  # S -> (c / scale) · tanh(S · scale / c), as the forward
+        for j in cutlass.range_constexpr(cols):  # dP - D times the cap's slope 1 - tanh²
+            t = S[None, j].load() * cta.softcap[0]
+            dP[None, j] = (dP[None, j].load() - dpsum[j]) * (cute.full_like(t, 1.0) - t * t)
+    coords = acc_mn_view(cta.thr_sdp.partition_C(cute.local_tile(
+        cute.make_identity_tensor((cta.seqlen_k, cta.seqlen_q)), (tn, tm),
+        (cta.n_block, m_block))))
+    if needs_mask(cta, m_block):
+        mask_keys_in_rows(S, coords, cta.seqlen_k, cta.bounds)
+    # Pᵀ = exp2(Sᵀ · scale · log2 e − LSE · log2 e), dSᵀ = Pᵀ ∘ (dPᵀ − D)
+    for j in cutlass.range_constexpr(cols):
+        col = S[None, j].load()
+        p = cute.math.exp2(cute.math.fma(col, cute.full_like(col, scale_log2),
+                                         cute.full_like(col, -lse2[j])), fastmath=True)
+        S[None, j] = p
+        if cutlass.const_expr(cta.spec.softcap):
+            dP[None, j] = p * dP[None, j].load()
+        else:
+            dP[None, j] = p * (dP[None, j].load() - dpsum[j])
+
+    dt = lay.dtype
+    rP = cute.make_rmem_tensor(acc_S.layout, dt)
+    rP.store(acc_S.load().to(dt))
+    rdS = cute.make_rmem_tensor(acc_dP.layout, dt)
+    rdS.store(acc_dP.load().to(dt))
+    # dV += Pᵀ·dO, dK += dSᵀ·Q: A in place in the registers
+    wgmmas([(lay.mma_dkv, cta.acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
+             cta.tVrdOt[None, None, None, slot]),
+            (lay.mma_dkv, cta.acc_dK,
+             cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
+             cta.tKrQt[None, None, None, slot])], False, None)
+    # dSᵀ to shared memory for dQ: every warpgroup's keys before either reads it
+    cute.copy(cta.r2s_ds, cta.r2s_ds.retile(rdS), cta.tdSsdS)
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.sync_threads()
+    acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
+    wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
+    add_dq(cta, acc_dQ, mdQacc, head, m_block)
+
+
+class HopperBackward:
+    def __init__(self, spec: BackwardSpec):
+        self.spec = spec
+        self.smem_size = 0
+
+    @cute.jit
+    def host(self, args):
+        """The launch; the runtime repeats this geometry (``abi.backward_grid``). ``args``:
+        ``flashcore.specs.params.BACKWARD``'s."""
+        lay = HopperBackwardLayouts(self.spec)
+        self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
+        mK = args.inputs.k
+        n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
+        grid = (n_blocks, mK.shape[1] * mK.shape[0], 1)  # chunks of one (batch, head) pair
+        if cutlass.const_expr(self.spec.varlen):  # the runtime sizes x by the longest sequence
+            grid = (n_blocks * mK.shape[1], 1, args.serving.cu_seqlens_k.shape[0] - 1)
+        self.kernel(args).launch(grid=grid, block=[self.spec.threads, 1, 1],
+                                 smem=self.smem_size)
+
+    @cute.kernel
+    def kernel(self, args):
+        inputs, work, masks = args.inputs, args.workspaces, args.masks
+        mQ, mdO = inputs.q, inputs.do
+        mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
+        lay = HopperBackwardLayouts(self.spec)
+        storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
+        if cutlass.const_expr(self.spec.varlen):  # the previous grid may still write them
+            wait_for_previous_grid(self.spec)
+        seqs = Sequences(self.spec, SimpleNamespace(
+            cu_seqlens_q=args.serving.cu_seqlens_q, cu_seqlens_k=args.serving.cu_seqlens_k,
+            block_table=None, seqlens_k=None))
+        cta = HopperCta(lay, storage, mQ, inputs.k, inputs.v, masks.window_left,
+                        masks.window_right, seqs)
+        cta.softcap = (masks.softcap_in, masks.softcap_out)
+        cta.dq_turns = args.order.dq_turns  # None unless deterministic
+        if cutlass.const_expr(not self.spec.varlen):
+            wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
+        lo, hi = cta.query_blocks()
+        per_head = cutlass.max(hi - lo, 0)
+        steps = per_head * cta.q_group
+        first = cta.kv_head * cta.q_group
+        load_rows(lay.g2s, cta.tKgK, cta.tKsK, cta.tKVcKV, cta.seqlen_k)
+        load_rows(lay.g2s, cta.tVgV, cta.tVsV, cta.tKVcKV, cta.seqlen_k)
+        if steps > 0:
+            issue_block(cta, mQ, mdO, mLSE2, mD, first, lo, 0)
+        cute.arch.cp_async_commit_group()
+        for step in range(steps):
+            # this step's tiles landed, seen by the async proxy; every warpgroup is done with
+            # the last step's (its dQ product waited), so the other stage and dSᵀ are free
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            after = step + 1
+            slot = step % 2
+            if after < steps:
+                issue_block(cta, mQ, mdO, mLSE2, mD, first + after // per_head,
+                            lo + after % per_head, 1 - slot)
+            cute.arch.cp_async_commit_group()
+            query_block(cta, mdQacc, first + step // per_head, lo + step % per_head,
+                        args.scales.scale_log2, slot)
+        cute.arch.cp_async_wait_group(0)  # K and V landed even where no step ran
+        store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)

@@ -1,0 +1,86 @@
+"""The Hopper backward's trace-time data: shared tiles (the canonical swizzled K-major wgmma
+layouts of ``hopper/layouts.py``), the three tiled warpgroup MMAs and the copies.
+
+* Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: (tile_n, tile_m) over head_dim, both operands K-major as stored,
+  64 keys a warpgroup.
+* dV += Pᵀ·dO and dK += dSᵀ·Q: (tile_n, head_dim) over tile_m, A from the registers Sᵀ and dPᵀ
+  became, B the Q and dO tiles read through a transposed (head_dim, rows) view (MN-major).
+* dQ = dS·K: (tile_m, head_dim) over tile_n, A the dSᵀ tile read transposed (MN-major), B K
+  read transposed; the warpgroups split its rows where there are 64 each, else head_dim.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync
+
+from ...specs import BackwardSpec
+from ..common.copies import g2s_copy
+from ..common.dtypes import DTYPES
+from ..hopper.layouts import ROWS_PER_WARPGROUP, WARPGROUP, k_major
+
+_ALIGN = 1024
+K, MN = OperandMajorMode.K, OperandMajorMode.MN
+
+
+def transposed(tile: cute.Tensor, rows: int, cols: int, stages: int = 0) -> cute.Tensor:
+    """A (rows, cols[, stages]) tile seen as (cols, rows[, stages]): the MN-major operand view
+    of a K-major tile (the transposed K-major swizzle atom is the MN-major one)."""
+    if stages:
+        return cute.composition(tile, cute.make_ordered_layout((cols, rows, stages),
+                                                               order=(1, 0, 2)))
+    return cute.composition(tile, cute.make_ordered_layout((cols, rows), order=(1, 0)))
+
+
+class HopperBackwardLayouts:
+    def __init__(self, spec: BackwardSpec):
+        c = spec.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
+        self.spec = spec
+        self.dtype = dt = DTYPES[spec.dtype]
+        self.warpgroups = wgs = c.warps // 4
+        self.sQ = k_major(dt, (tm, d, c.stages))  # and dO
+        self.sK = k_major(dt, (tn, d))  # and V
+        self.sdS = k_major(dt, (tn, tm))  # dSᵀ as the Sᵀ accumulator holds it
+        self.sRows = cute.make_layout((tm, c.stages))  # each stage's LSE and D rows
+        f32 = cutlass.Float32
+        self.mma_sdp = sm90.make_trivial_tiled_mma(dt, dt, K, K, f32, (wgs, 1, 1),
+                                                   (ROWS_PER_WARPGROUP, tm))
+        self.mma_dkv = sm90.make_trivial_tiled_mma(dt, dt, K, MN, f32, (wgs, 1, 1),
+                                                   (ROWS_PER_WARPGROUP, d),
+                                                   sm90.OperandSource.RMEM)
+        along_m = tm // ROWS_PER_WARPGROUP  # warpgroups along dQ's rows; the rest split d
+        self.mma_dq = sm90.make_trivial_tiled_mma(dt, dt, MN, MN, f32,
+                                                  (along_m, wgs // along_m, 1),
+                                                  (ROWS_PER_WARPGROUP, d * along_m // wgs))
+        self.g2s = g2s_copy(dt, d, c.threads)
+        self.rows_atom = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), f32,
+            num_bits_per_copy=32)
+        # dSᵀ registers -> shared by stmatrix (the accumulator's rows are the tile's rows)
+        self.r2s_ds = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dt), self.mma_sdp)
+        # the epilogue's shared -> global: 16-byte stores, 8 threads a row
+        self.r2g = cute.make_tiled_copy_tv(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=128),
+            cute.make_layout((c.threads // 8, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+        self.storage = self._shared_storage()
+        assert c.threads == wgs * WARPGROUP
+
+    def _shared_storage(self):
+        dt = self.dtype
+        n_q, n_k, n_ds = (cute.cosize(x) for x in (self.sQ, self.sK, self.sdS))
+        n_r = cute.cosize(self.sRows)
+        Align, Mem = cute.struct.Align, cute.struct.MemRange
+
+        @cute.struct
+        class SharedStorage:
+            sQ: Align[Mem[dt, n_q], _ALIGN]
+            sdO: Align[Mem[dt, n_q], _ALIGN]
+            sK: Align[Mem[dt, n_k], _ALIGN]
+            sV: Align[Mem[dt, n_k], _ALIGN]
+            sdS: Align[Mem[dt, n_ds], _ALIGN]
+            sLSE: Align[Mem[cutlass.Float32, n_r], _ALIGN]
+            sD: Align[Mem[cutlass.Float32, n_r], _ALIGN]
+
+        return SharedStorage
