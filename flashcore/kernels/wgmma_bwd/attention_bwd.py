@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
 
 from ...specs import BackwardSpec
 from ..common.block_info import KeyBounds, token_keys
@@ -127,8 +128,9 @@ def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
     tm, tn = c.tile_m, c.tile_n
     acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
     acc_dP = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
-    wgmmas([(lay.mma_sdp, acc_S, cta.tSrK, cta.tSrQ[None, None, None, slot]),
-            (lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, 0)
+    # two groups: P's exponentials run while dPᵀ's MMAs do (no soft-cap)
+    wgmmas([(lay.mma_sdp, acc_S, cta.tSrK, cta.tSrQ[None, None, None, slot])], True, None)
+    wgmmas([(lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, 1)
 
     S, dP = acc_mn_view(acc_S), acc_mn_view(acc_dP)  # (keys, query rows)
     # each column's query row within the block (static), and its LSE (log2) and D
@@ -144,7 +146,8 @@ def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
         if cutlass.const_expr(cta.spec.varlen):  # noqa: SIM102
             if m_block * tm + row >= cta.seqlen_q:
                 lse2[j] = cutlass.Float32.inf
-    if cutlass.const_expr(cta.spec.softcap):
+    if cutlass.const_expr(cta.spec.softcap):  # dPᵀ first: its slope needs the capped Sᵀ
+        warpgroup.wait_group(0)
         soft_cap(S, *cta.softcap)  # S -> (c / scale) · tanh(S · scale / c), as the forward
         for j in cutlass.range_constexpr(cols):  # dP - D times the cap's slope 1 - tanh²
             t = S[None, j].load() * cta.softcap[0]
@@ -162,8 +165,10 @@ def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
         S[None, j] = p
         if cutlass.const_expr(cta.spec.softcap):
             dP[None, j] = p * dP[None, j].load()
-        else:
-            dP[None, j] = p * (dP[None, j].load() - dpsum[j])
+    if cutlass.const_expr(not cta.spec.softcap):
+        warpgroup.wait_group(0)  # dPᵀ, while P's exponentials ran
+        for j in cutlass.range_constexpr(cols):
+            dP[None, j] = S[None, j].load() * (dP[None, j].load() - dpsum[j])
 
     dt = lay.dtype
     rP = cute.make_rmem_tensor(acc_S.layout, dt)
