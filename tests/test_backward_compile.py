@@ -281,7 +281,14 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
     assert ptx.count("stmatrix.sync.aligned") == 4  # dSᵀ, 32 values a thread
     assert "fence.proxy.async.shared::cta" in ptx
-    assert "red.global.add.v2.f32" in ptx and "red.global.add.f32" not in ptx
+    # dQ: a bulk reduction a query block from shared memory, or (deterministic) the turns'
+    # per-thread pairs
+    bulk = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32" in ptx
+    assert bulk == spec.bulk_dq == (not spec.deterministic)
+    assert ("red.global.add.v2.f32" in ptx) != bulk and "red.global.add.f32" not in ptx
+    if bulk:
+        assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
+        assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
     assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
     assert "ld.local" not in ptx and "st.local" not in ptx
     body = ptx[ptx.index(".entry"):]

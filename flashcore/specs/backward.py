@@ -246,6 +246,12 @@ class BackwardSpec(SpecData, TiledKernel):
         return self.config.family == HOPPER_BWD
 
     @property
+    def bulk_dq(self) -> bool:
+        """dQ's adds as one bulk reduction a query block (``kernels/wgmma_bwd/dq_bulk.py``);
+        the deterministic kernel keeps its turns' per-thread adds."""
+        return self.hopper and not self.deterministic
+
+    @property
     def dsl_target(self) -> str:
         """What the DSL compiles for (``families.dsl_arch``): wgmma needs sm_90a."""
         return "sm_90a" if self.hopper else self.arch
@@ -265,9 +271,11 @@ class BackwardSpec(SpecData, TiledKernel):
         if self.op != "attention_bwd":
             return 0
         c, d, e = self.config, self.head_dim, DTYPE_BYTES[self.dtype]
-        if self.hopper:  # Q, dO staged; K, V; dS (keys x query rows); LSE and D rows staged
+        if self.hopper:  # Q, dO staged; K, V; dS (keys x query rows); LSE and D rows staged;
+            # two fp32 dQ blocks for the bulk reductions
             return (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
-                    + _align(c.tile_n * c.tile_m * e) + 2 * _align(c.tile_m * 4 * c.stages))
+                    + _align(c.tile_n * c.tile_m * e) + 2 * _align(c.tile_m * 4 * c.stages)
+                    + (2 * _align(c.tile_m * d * 4) if self.bulk_dq else 0))
         n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
              + 2 * _align(c.tile_m * c.tile_n * e))
         if self.prefetch_rows:  # the struct's size rounds up to its 1 KB member alignment

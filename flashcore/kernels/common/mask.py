@@ -35,6 +35,27 @@ def mask_scores(S: cute.Tensor, coords: cute.Tensor, seqlen_k, bounds: KeyBounds
 
 
 @cute.jit
+def mask_keys_in_rows(S: cute.Tensor, coords: cute.Tensor, seqlen_k, bounds: KeyBounds):
+    """``common.mask.mask_scores`` for a (keys, query rows) view, the backward's Sᵀ:
+    ``coords[r, c]`` is the (key, query row) of each score, a row a token."""
+    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
+        lo, limit = 0, seqlen_k
+        if cutlass.const_expr(bounds.causal or bounds.shifted):
+            token = coords[0, c][1]
+            if cutlass.const_expr(bounds.shifted):
+                lo, limit = token_keys(bounds, token, seqlen_k, cutlass.min, cutlass.max)
+            else:
+                limit = cutlass.min(token + 1, seqlen_k)
+        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
+            key = coords[r, 0][0]
+            if cute.elem_less(limit, key + 1):
+                S[r, c] = -cutlass.Float32.inf
+            if cutlass.const_expr(bounds.windowed):  # noqa: SIM102 (compile-time, then run-time)
+                if cute.elem_less(key, lo):
+                    S[r, c] = -cutlass.Float32.inf
+
+
+@cute.jit
 def soft_cap(S: cute.Tensor, scale_in, scale_out):
     """S = (cap / scale) * tanh(S * scale / cap), so that the softmax's scale makes the logits
     cap * tanh(scale * S / cap). Full-precision tanh: the approximate one's 2^-11 relative

@@ -17,10 +17,9 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
 from ...specs import BackwardSpec
-from ..common.block_info import KeyBounds, token_keys
 from ..common.copies import load_rows
 from ..common.grid import wait_for_previous_grid
-from ..common.mask import soft_cap
+from ..common.mask import mask_keys_in_rows, soft_cap
 from ..common.sequences import Sequences
 from ..hopper.fragments import acc_as_operand_a, acc_mn_view
 from ..hopper.layouts import WARPGROUP
@@ -28,6 +27,7 @@ from ..hopper.mma import wgmmas
 from ..mma_sync_bwd.cta import BackwardCta, key_block_coords
 from ..mma_sync_bwd.epilogue import store_key_grads
 from ..mma_sync_bwd.query_block import add_dq, issue_block, needs_mask
+from .dq_bulk import issue_dq, stage_dq, wait_dq_done, wait_dq_read
 from .layouts import HopperBackwardLayouts, transposed
 
 
@@ -58,6 +58,7 @@ class HopperCta(BackwardCta):
         self.sdS = tile(storage.sdS, lay.sdS)
         self.sLSE = storage.sLSE.get_tensor(lay.sRows)
         self.sD = storage.sD.get_tensor(lay.sRows)
+        self.sdQ = storage.sdQ.get_tensor(lay.sdQ) if spec.bulk_dq else None
 
         # global -> shared (``BackwardCta``'s names: ``issue_block`` and ``load_rows`` use them)
         self.g2s = g2s = lay.g2s.get_slice(self.tidx)
@@ -90,6 +91,7 @@ class HopperCta(BackwardCta):
         self.thr_dq = lay.mma_dq.get_slice(self.tidx)
         r2s = lay.r2s_ds.get_slice(self.tidx)
         self.r2s_ds, self.tdSsdS = r2s, r2s.partition_D(self.sdS)
+        self.tdQsdQ = self.thr_dq.partition_C(self.sdQ) if spec.bulk_dq else None
 
         self.acc_dK = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
                                             cutlass.Float32)
@@ -97,27 +99,6 @@ class HopperCta(BackwardCta):
                                             cutlass.Float32)
         self.acc_dK.fill(0.0)
         self.acc_dV.fill(0.0)
-
-
-@cute.jit
-def mask_keys_in_rows(S: cute.Tensor, coords: cute.Tensor, seqlen_k, bounds: KeyBounds):
-    """``common.mask.mask_scores`` for a (keys, query rows) view, the backward's Sᵀ:
-    ``coords[r, c]`` is the (key, query row) of each score, a row a token."""
-    for c in cutlass.range_constexpr(cute.size(S, mode=[1])):
-        lo, limit = 0, seqlen_k
-        if cutlass.const_expr(bounds.causal or bounds.shifted):
-            token = coords[0, c][1]
-            if cutlass.const_expr(bounds.shifted):
-                lo, limit = token_keys(bounds, token, seqlen_k, cutlass.min, cutlass.max)
-            else:
-                limit = cutlass.min(token + 1, seqlen_k)
-        for r in cutlass.range_constexpr(cute.size(S, mode=[0])):
-            key = coords[r, 0][0]
-            if cute.elem_less(limit, key + 1):
-                S[r, c] = -cutlass.Float32.inf
-            if cutlass.const_expr(bounds.windowed):  # noqa: SIM102 (compile-time, then run-time)
-                if cute.elem_less(key, lo):
-                    S[r, c] = -cutlass.Float32.inf
 
 
 @cute.jit
@@ -187,7 +168,16 @@ def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
     cute.arch.sync_threads()
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
     wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
-    add_dq(cta, acc_dQ, mdQacc, head, m_block)
+    if cutlass.const_expr(cta.spec.bulk_dq):  # added by one bulk reduction after a barrier
+        stage_dq(acc_dQ, cta.tdQsdQ, slot)
+    else:
+        add_dq(cta, acc_dQ, mdQacc, head, m_block)
+
+
+def dq_block(cta: HopperCta, mdQacc, head, m_block) -> cute.Tensor:
+    """Query block ``m_block``'s rows of head ``head`` in the fp32 dQ accumulator."""
+    return cute.local_tile(cta.query_rows(mdQacc, head), (cta.config.tile_m, cta.spec.head_dim),
+                           (m_block, 0))
 
 
 class HopperBackward:
@@ -236,14 +226,23 @@ class HopperBackward:
         if steps > 0:
             issue_block(cta, mQ, mdO, mLSE2, mD, first, lo, 0)
         cute.arch.cp_async_commit_group()
+        bulk = self.spec.bulk_dq
         for step in range(steps):
             # this step's tiles landed, seen by the async proxy; every warpgroup is done with
-            # the last step's (its dQ product waited), so the other stage and dSᵀ are free
+            # the last step's (its dQ product waited), so the other stage and dSᵀ are free;
+            # (bulk dQ) the last step's block is staged whole and this step's buffer was read
             cute.arch.cp_async_wait_group(0)
             cute.arch.fence_proxy("async.shared", space="cta")
+            if cutlass.const_expr(bulk):
+                wait_dq_read(cta.tidx)
             cute.arch.sync_threads()
             after = step + 1
             slot = step % 2
+            if cutlass.const_expr(bulk):  # noqa: SIM102 - compile time, then run time
+                if step > 0:
+                    before = step - 1
+                    issue_dq(cta.sdQ, dq_block(cta, mdQacc, first + before // per_head,
+                                               lo + before % per_head), 1 - slot, cta.tidx)
             if after < steps:
                 issue_block(cta, mQ, mdO, mLSE2, mD, first + after // per_head,
                             lo + after % per_head, 1 - slot)
@@ -251,4 +250,11 @@ class HopperBackward:
             query_block(cta, mdQacc, first + step // per_head, lo + step % per_head,
                         args.scales.scale_log2, slot)
         cute.arch.cp_async_wait_group(0)  # K and V landed even where no step ran
+        if cutlass.const_expr(bulk):  # the last block's dQ, and every reduction done
+            cute.arch.sync_threads()
+            if steps > 0:
+                last = steps - 1
+                issue_dq(cta.sdQ, dq_block(cta, mdQacc, first + last // per_head,
+                                           lo + last % per_head), last % 2, cta.tidx)
+            wait_dq_done(cta.tidx)
         store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)

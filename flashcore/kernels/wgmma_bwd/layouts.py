@@ -43,6 +43,8 @@ class HopperBackwardLayouts:
         self.sK = k_major(dt, (tn, d))  # and V
         self.sdS = k_major(dt, (tn, tm))  # dSᵀ as the Sᵀ accumulator holds it
         self.sRows = cute.make_layout((tm, c.stages))  # each stage's LSE and D rows
+        # two fp32 dQ blocks, row-major as the accumulator lies (``dq_bulk.py``)
+        self.sdQ = cute.make_layout((tm, d, 2), stride=(d, 1, tm * d)) if spec.bulk_dq else None
         f32 = cutlass.Float32
         self.mma_sdp = sm90.make_trivial_tiled_mma(dt, dt, K, K, f32, (wgs, 1, 1),
                                                    (ROWS_PER_WARPGROUP, tm))
@@ -71,6 +73,7 @@ class HopperBackwardLayouts:
         dt = self.dtype
         n_q, n_k, n_ds = (cute.cosize(x) for x in (self.sQ, self.sK, self.sdS))
         n_r = cute.cosize(self.sRows)
+        bulk, n_dq = self.spec.bulk_dq, cute.cosize(self.sdQ) if self.spec.bulk_dq else 0
         Align, Mem = cute.struct.Align, cute.struct.MemRange
 
         @cute.struct
@@ -82,5 +85,7 @@ class HopperBackwardLayouts:
             sdS: Align[Mem[dt, n_ds], _ALIGN]
             sLSE: Align[Mem[cutlass.Float32, n_r], _ALIGN]
             sD: Align[Mem[cutlass.Float32, n_r], _ALIGN]
+            if bulk:
+                sdQ: Align[Mem[cutlass.Float32, n_dq], _ALIGN]
 
         return SharedStorage
