@@ -312,7 +312,7 @@ class BackwardSpec(SpecData, TiledKernel):
 
 def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
     """The main kernel's config. sm_90 at d64 and d128: the Hopper backward, 64 query rows x
-    128 keys (1.20-1.29x the mma_sync backward on an H200). Else the
+    128 keys (1.32-1.40x the mma_sync backward on an H200). Else the
     mma_sync backward: eight warps, 64 query rows x 128 keys, two query blocks in
     flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
     ``arch``) take 64 keys: d96 two blocks in flight (89 KB), d128 one (80 KB); sm_80 and
