@@ -24,16 +24,18 @@ import cutlass
 import cutlass.cute as cute
 
 from ...specs import BackwardSpec
-from ..common.copies import load_rows
 from ..common.grid import wait_for_previous_grid
 from ..common.sequences import Sequences
 from .cta import BackwardCta
 from .epilogue import store_key_grads
 from .layouts import BackwardLayouts
-from .query_block import issue_block, query_block
+from .query_block import issue_block, issue_first, query_block
 
 
 class AttentionBackward:
+    layouts = BackwardLayouts  # the family's trace-time data and CTA view (the Hopper one's
+    cta = BackwardCta  # subclass names its own)
+
     def __init__(self, spec: BackwardSpec):
         self.spec = spec
         self.smem_size = 0
@@ -42,7 +44,7 @@ class AttentionBackward:
     def host(self, args):
         """The launch; the runtime repeats this geometry (``abi.backward_grid``). ``args``:
         ``flashcore.specs.params.BACKWARD``'s."""
-        lay = BackwardLayouts(self.spec)
+        lay = self.layouts(self.spec)
         self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
         mK = args.inputs.k
         n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
@@ -52,12 +54,12 @@ class AttentionBackward:
         self.kernel(args).launch(grid=grid, block=[self.spec.threads, 1, 1],
                                  smem=self.smem_size)
 
-    @cute.kernel
-    def kernel(self, args):
-        inputs, work, masks = args.inputs, args.workspaces, args.masks
-        mQ, mdO = inputs.q, inputs.do
-        mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
-        lay = BackwardLayouts(self.spec)
+    def begin(self, args):
+        """Trace time, the start both families' kernels share: this CTA (``cta``, over the
+        shared storage) and its walk, (cta, first query head, first query block, query
+        blocks a head, steps)."""
+        inputs, masks = args.inputs, args.masks
+        lay = self.layouts(self.spec)
         storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
         # a packed batch's offsets (the forward's reader of them; no paged cache here), read
         # only once the grids before are done: the previous one may still be writing them
@@ -66,8 +68,8 @@ class AttentionBackward:
         seqs = Sequences(self.spec, SimpleNamespace(
             cu_seqlens_q=args.serving.cu_seqlens_q, cu_seqlens_k=args.serving.cu_seqlens_k,
             block_table=None, seqlens_k=None))
-        cta = BackwardCta(lay, storage, mQ, inputs.k, inputs.v, masks.window_left,
-                          masks.window_right, seqs)
+        cta = self.cta(lay, storage, inputs.q, inputs.k, inputs.v, masks.window_left,
+                       masks.window_right, seqs)
         cta.softcap = (masks.softcap_in, masks.softcap_out)
         cta.dq_turns = args.order.dq_turns  # None unless deterministic
         if cutlass.const_expr(not self.spec.varlen):
@@ -75,13 +77,15 @@ class AttentionBackward:
         lo, hi = cta.query_blocks()
         per_head = cutlass.max(hi - lo, 0)
         steps = per_head * cta.q_group
-        first = cta.kv_head * cta.q_group
-        # K, V and the first block's Q and dO (and rows): one commit group
-        load_rows(cta.lay.g2s, cta.tKgK, cta.tKsK, cta.tKVcKV, cta.seqlen_k)
-        load_rows(cta.lay.g2s, cta.tVgV, cta.tVsV, cta.tKVcKV, cta.seqlen_k)
-        if steps > 0:
-            issue_block(cta, mQ, mdO, mLSE2, mD, first, lo, 0)
-        cute.arch.cp_async_commit_group()
+        return cta, cta.kv_head * cta.q_group, lo, per_head, steps
+
+    @cute.kernel
+    def kernel(self, args):
+        inputs, work = args.inputs, args.workspaces
+        mQ, mdO = inputs.q, inputs.do
+        mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
+        cta, first, lo, per_head, steps = self.begin(args)
+        issue_first(cta, mQ, mdO, mLSE2, mD, first, lo, steps)
         for step in range(steps):
             # the step's blocks have landed, and every warp is done with the last step's P, dS
             # (and, two stages, with the stage the next block goes into)
@@ -102,4 +106,3 @@ class AttentionBackward:
         # epilogue reuses their tiles
         cute.arch.cp_async_wait_group(0)
         store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)
-

@@ -41,20 +41,8 @@ class BackwardCta:
 
     def __init__(self, lay: BackwardLayouts, storage, mQ, mK, mV, window_left=None,
                  window_right=None, seqs: Sequences | None = None):
-        spec, c = lay.spec, lay.spec.config
-        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
-        self.lay, self.spec, self.config = lay, spec, c
-        self.tidx, _, _ = cute.arch.thread_idx()
-        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn, spec.deterministic,
-                                                                  spec.varlen)
-        self.heads = mQ.shape[1]
-        self.q_group = mQ.shape[1] // mK.shape[1]
-        # where this batch entry's rows live (a packed batch: its offsets' rows)
-        self.seqs = seqs
-        self.seqlen_q = seqs.query_len(mQ, self.batch)
-        self.seqlen_k = seqs.key_len(mK, self.batch)
-        self.bounds = self.key_bounds(window_left, window_right)
-
+        self.place(lay, mQ, mK, window_left, window_right, seqs)
+        spec = self.spec
         # ---- shared tiles -------------------------------------------------------------------
         self.sQ = storage.sQ.get_tensor(lay.sQ)
         self.sdO = storage.sdO.get_tensor(lay.sQ)
@@ -65,9 +53,32 @@ class BackwardCta:
         if cutlass.const_expr(spec.prefetch_rows):
             self.sLSE = storage.sLSE.get_tensor(lay.sRows)
             self.sD = storage.sD.get_tensor(lay.sRows)
+        self.copies(mK, mV)
+        self.operands()
+        self.key_grads()
 
-        # ---- global->shared copies ----------------------------------------------------------
-        self.g2s = g2s = lay.g2s.get_slice(self.tidx)
+    def place(self, lay, mQ, mK, window_left, window_right, seqs: Sequences):
+        """Where this CTA sits: its key block, K/V head and batch entry, the lengths of that
+        entry's sequences and the keys each token sees (the Hopper CTA's too)."""
+        spec = lay.spec
+        self.lay, self.spec, self.config = lay, spec, spec.config
+        self.tidx, _, _ = cute.arch.thread_idx()
+        self.n_block, self.kv_head, self.batch = key_block_coords(mK, spec.tile_n,
+                                                                  spec.deterministic,
+                                                                  spec.varlen)
+        self.heads = mQ.shape[1]
+        self.q_group = mQ.shape[1] // mK.shape[1]
+        # where this batch entry's rows live (a packed batch: its offsets' rows)
+        self.seqs = seqs
+        self.seqlen_q = seqs.query_len(mQ, self.batch)
+        self.seqlen_k = seqs.key_len(mK, self.batch)
+        self.bounds = self.key_bounds(window_left, window_right)
+
+    def copies(self, mK, mV):
+        """The global->shared partitions over the shared tiles (``sQ``, ``sdO``, ``sK``,
+        ``sV``): K and V of this key block, and each query block's Q and dO rows."""
+        d, tm, tn = self.spec.head_dim, self.config.tile_m, self.config.tile_n
+        self.g2s = g2s = self.lay.g2s.get_slice(self.tidx)
         gK = cute.local_tile(self.key_rows(mK), (tn, d), (self.n_block, 0))
         gV = cute.local_tile(self.key_rows(mV), (tn, d), (self.n_block, 0))
         cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d),
@@ -80,11 +91,11 @@ class BackwardCta:
         self.tQcQ = g2s.partition_S(cute.local_tile(
             cute.make_identity_tensor((self.seqlen_q, d)), (tm, d), (None, 0)))
 
-        self.operands()
-        self.acc_dK = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
-                                            cutlass.Float32)
-        self.acc_dV = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
-                                            cutlass.Float32)
+    def key_grads(self):
+        """dK and dV of this key block, fp32 in the dK/dV product's accumulators, zeroed."""
+        shape = self.thr_dkv.partition_shape_C((self.config.tile_n, self.spec.head_dim))
+        self.acc_dK = cute.make_rmem_tensor(shape, cutlass.Float32)
+        self.acc_dV = cute.make_rmem_tensor(shape, cutlass.Float32)
         self.acc_dK.fill(0.0)
         self.acc_dV.fill(0.0)
 

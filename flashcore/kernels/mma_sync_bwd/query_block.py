@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common.block_info import block_needs_mask, dq_turn
-from ..common.copies import load_block
+from ..common.copies import load_block, load_rows
 from ..common.fragments import mn_view
 from ..common.mask import mask_scores, soft_cap
 from ..common.mma import gemm_ss
@@ -63,6 +63,17 @@ def issue_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, head, m_block, slot):
         else:
             load_row_values(cta, cta.query_rows(mD, head), cta.sD[None, slot], m_block)
         load_row_values(cta, cta.query_rows(mLSE2, head), cta.sLSE[None, slot], m_block)
+
+
+@cute.jit
+def issue_first(cta: BackwardCta, mQ, mdO, mLSE2, mD, head, m_block, steps):
+    """cp.async the CTA's K and V and, where it walks any, its first query block (``head``,
+    ``m_block``) into stage 0: one commit group."""
+    load_rows(cta.lay.g2s, cta.tKgK, cta.tKsK, cta.tKVcKV, cta.seqlen_k)
+    load_rows(cta.lay.g2s, cta.tVgV, cta.tVsV, cta.tKVcKV, cta.seqlen_k)
+    if steps > 0:
+        issue_block(cta, mQ, mdO, mLSE2, mD, head, m_block, 0)
+    cute.arch.cp_async_commit_group()
 
 
 @cute.jit

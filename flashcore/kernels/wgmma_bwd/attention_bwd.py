@@ -10,25 +10,23 @@ ABI: ``flashcore.specs.params.BACKWARD``.
 """
 
 
-from types import SimpleNamespace
 
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from ...specs import BackwardSpec
-from ..common.copies import load_rows
-from ..common.grid import wait_for_previous_grid
 from ..common.mask import mask_keys_in_rows, soft_cap
 from ..common.sequences import Sequences
 from ..hopper.fragments import acc_as_operand_a, acc_mn_view
 from ..hopper.layouts import WARPGROUP
 from ..hopper.mma import wgmmas
-from ..mma_sync_bwd.cta import BackwardCta, key_block_coords
+from ..mma_sync_bwd.attention_bwd import AttentionBackward
+from ..mma_sync_bwd.cta import BackwardCta
 from ..mma_sync_bwd.epilogue import store_key_grads
-from ..mma_sync_bwd.query_block import add_dq, issue_block, needs_mask
+from ..mma_sync_bwd.layouts import transposed
+from ..mma_sync_bwd.query_block import add_dq, issue_block, issue_first, needs_mask
 from .dq_bulk import issue_dq, stage_dq, wait_dq_done, wait_dq_read
-from .layouts import HopperBackwardLayouts, transposed
+from .layouts import HopperBackwardLayouts
 
 
 class HopperCta(BackwardCta):
@@ -37,18 +35,9 @@ class HopperCta(BackwardCta):
 
     def __init__(self, lay: HopperBackwardLayouts, storage, mQ, mK, mV, window_left,
                  window_right, seqs: Sequences):
-        spec, c = lay.spec, lay.spec.config
-        d, tm, tn, st = spec.head_dim, c.tile_m, c.tile_n, c.stages
-        self.lay, self.spec, self.config = lay, spec, c
-        self.tidx, _, _ = cute.arch.thread_idx()
-        self.n_block, self.kv_head, self.batch = key_block_coords(mK, tn, spec.deterministic,
-                                                                  spec.varlen)
-        self.heads = mQ.shape[1]
-        self.q_group = mQ.shape[1] // mK.shape[1]
-        self.seqs = seqs
-        self.seqlen_q = seqs.query_len(mQ, self.batch)
-        self.seqlen_k = seqs.key_len(mK, self.batch)
-        self.bounds = self.key_bounds(window_left, window_right)
+        self.place(lay, mQ, mK, window_left, window_right, seqs)
+        spec, c = self.spec, self.config
+        d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
 
         def tile(buf, layout):
             return buf.get_tensor(layout.outer, swizzle=layout.inner)
@@ -59,19 +48,7 @@ class HopperCta(BackwardCta):
         self.sLSE = storage.sLSE.get_tensor(lay.sRows)
         self.sD = storage.sD.get_tensor(lay.sRows)
         self.sdQ = storage.sdQ.get_tensor(lay.sdQ) if spec.bulk_dq else None
-
-        # global -> shared (``BackwardCta``'s names: ``issue_block`` and ``load_rows`` use them)
-        self.g2s = g2s = lay.g2s.get_slice(self.tidx)
-        gK = cute.local_tile(self.key_rows(mK), (tn, d), (self.n_block, 0))
-        gV = cute.local_tile(self.key_rows(mV), (tn, d), (self.n_block, 0))
-        cKV = cute.local_tile(cute.make_identity_tensor((self.seqlen_k, d)), (tn, d),
-                              (self.n_block, 0))
-        self.tKgK, self.tKsK = g2s.partition_S(gK), g2s.partition_D(self.sK)
-        self.tVgV, self.tVsV = g2s.partition_S(gV), g2s.partition_D(self.sV)
-        self.tKVcKV = g2s.partition_S(cKV)
-        self.tQsQ, self.tQsdO = g2s.partition_D(self.sQ), g2s.partition_D(self.sdO)
-        self.tQcQ = g2s.partition_S(cute.local_tile(
-            cute.make_identity_tensor((self.seqlen_q, d)), (tm, d), (None, 0)))
+        self.copies(mK, mV)
 
         # warpgroup MMA fragments (each warpgroup's slice; the thread slices for coordinates)
         wg = cute.arch.make_warp_uniform(self.tidx // WARPGROUP)
@@ -81,8 +58,8 @@ class HopperCta(BackwardCta):
         self.tSrQ = sdp.make_fragment_B(sdp.partition_B(self.sQ))
         self.tSrdO = sdp.make_fragment_B(sdp.partition_B(self.sdO))
         dkv = lay.mma_dkv.get_slice(wg * WARPGROUP)
-        self.tKrQt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sQ, tm, d, st)))
-        self.tVrdOt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sdO, tm, d, st)))
+        self.tKrQt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sQ, tm, d)))
+        self.tVrdOt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sdO, tm, d)))
         dq = lay.mma_dq.get_slice(wg * WARPGROUP)
         self.tQrdS = dq.make_fragment_A(dq.partition_A(transposed(self.sdS, tn, tm)))
         self.tQrKt = dq.make_fragment_B(dq.partition_B(transposed(self.sK, tn, d)))
@@ -92,13 +69,7 @@ class HopperCta(BackwardCta):
         r2s = lay.r2s_ds.get_slice(self.tidx)
         self.r2s_ds, self.tdSsdS = r2s, r2s.partition_D(self.sdS)
         self.tdQsdQ = self.thr_dq.partition_C(self.sdQ) if spec.bulk_dq else None
-
-        self.acc_dK = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
-                                            cutlass.Float32)
-        self.acc_dV = cute.make_rmem_tensor(self.thr_dkv.partition_shape_C((tn, d)),
-                                            cutlass.Float32)
-        self.acc_dK.fill(0.0)
-        self.acc_dV.fill(0.0)
+        self.key_grads()
 
 
 @cute.jit
@@ -180,52 +151,17 @@ def dq_block(cta: HopperCta, mdQacc, head, m_block) -> cute.Tensor:
                            (m_block, 0))
 
 
-class HopperBackward:
-    def __init__(self, spec: BackwardSpec):
-        self.spec = spec
-        self.smem_size = 0
-
-    @cute.jit
-    def host(self, args):
-        """The launch; the runtime repeats this geometry (``abi.backward_grid``). ``args``:
-        ``flashcore.specs.params.BACKWARD``'s."""
-        lay = HopperBackwardLayouts(self.spec)
-        self.smem_size = lay.storage.size_in_bytes()  # read back by the build: the launch ABI
-        mK = args.inputs.k
-        n_blocks = cute.ceil_div(mK.shape[2], self.spec.tile_n)
-        grid = (n_blocks, mK.shape[1] * mK.shape[0], 1)  # chunks of one (batch, head) pair
-        if cutlass.const_expr(self.spec.varlen):  # the runtime sizes x by the longest sequence
-            grid = (n_blocks * mK.shape[1], 1, args.serving.cu_seqlens_k.shape[0] - 1)
-        self.kernel(args).launch(grid=grid, block=[self.spec.threads, 1, 1],
-                                 smem=self.smem_size)
+class HopperBackward(AttentionBackward):
+    layouts = HopperBackwardLayouts
+    cta = HopperCta
 
     @cute.kernel
     def kernel(self, args):
-        inputs, work, masks = args.inputs, args.workspaces, args.masks
+        inputs, work = args.inputs, args.workspaces
         mQ, mdO = inputs.q, inputs.do
         mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
-        lay = HopperBackwardLayouts(self.spec)
-        storage = cutlass.memory.SmemAllocator().allocate(lay.storage)
-        if cutlass.const_expr(self.spec.varlen):  # the previous grid may still write them
-            wait_for_previous_grid(self.spec)
-        seqs = Sequences(self.spec, SimpleNamespace(
-            cu_seqlens_q=args.serving.cu_seqlens_q, cu_seqlens_k=args.serving.cu_seqlens_k,
-            block_table=None, seqlens_k=None))
-        cta = HopperCta(lay, storage, mQ, inputs.k, inputs.v, masks.window_left,
-                        masks.window_right, seqs)
-        cta.softcap = (masks.softcap_in, masks.softcap_out)
-        cta.dq_turns = args.order.dq_turns  # None unless deterministic
-        if cutlass.const_expr(not self.spec.varlen):
-            wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
-        lo, hi = cta.query_blocks()
-        per_head = cutlass.max(hi - lo, 0)
-        steps = per_head * cta.q_group
-        first = cta.kv_head * cta.q_group
-        load_rows(lay.g2s, cta.tKgK, cta.tKsK, cta.tKVcKV, cta.seqlen_k)
-        load_rows(lay.g2s, cta.tVgV, cta.tVsV, cta.tKVcKV, cta.seqlen_k)
-        if steps > 0:
-            issue_block(cta, mQ, mdO, mLSE2, mD, first, lo, 0)
-        cute.arch.cp_async_commit_group()
+        cta, first, lo, per_head, steps = self.begin(args)
+        issue_first(cta, mQ, mdO, mLSE2, mD, first, lo, steps)
         bulk = self.spec.bulk_dq
         for step in range(steps):
             # this step's tiles landed, seen by the async proxy; every warpgroup is done with

@@ -7,6 +7,9 @@ layouts of ``hopper/layouts.py``), the three tiled warpgroup MMAs and the copies
   became, B the Q and dO tiles read through a transposed (head_dim, rows) view (MN-major).
 * dQ = dS·K: (tile_m, head_dim) over tile_n, A the dSᵀ tile read transposed (MN-major), B K
   read transposed; the warpgroups split its rows where there are 64 each, else head_dim.
+
+The transposed views are ``mma_sync_bwd.layouts.transposed``'s: the transposed K-major swizzle
+atom is the MN-major one.
 """
 
 import cutlass
@@ -21,15 +24,6 @@ from ..hopper.layouts import ROWS_PER_WARPGROUP, WARPGROUP, k_major
 
 _ALIGN = 1024
 K, MN = OperandMajorMode.K, OperandMajorMode.MN
-
-
-def transposed(tile: cute.Tensor, rows: int, cols: int, stages: int = 0) -> cute.Tensor:
-    """A (rows, cols[, stages]) tile seen as (cols, rows[, stages]): the MN-major operand view
-    of a K-major tile (the transposed K-major swizzle atom is the MN-major one)."""
-    if stages:
-        return cute.composition(tile, cute.make_ordered_layout((cols, rows, stages),
-                                                               order=(1, 0, 2)))
-    return cute.composition(tile, cute.make_ordered_layout((cols, rows), order=(1, 0)))
 
 
 class HopperBackwardLayouts:
