@@ -111,7 +111,10 @@ HOPPER = [BackwardSpec(arch="sm_90", dtype=dt, head_dim=d, config=HOPPER_TILE, c
               ("float16", 64, True, {"mask_align": "bottom_right", "window": True,
                                      "softcap": True}),
               ("bfloat16", 128, True, {"softcap": True, "deterministic": True}),
-              ("float16", 128, True, {"mask_align": "bottom_right", "varlen": True}))]
+              ("float16", 128, True, {"mask_align": "bottom_right", "varlen": True}),
+              # d96: the first warpgroup's dQ alone
+              ("bfloat16", 96, True, {"window": True}),
+              ("float16", 96, False, {"deterministic": True}))]
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
                          ("sm_90", "float16", 128), ("sm_89", "float16", 80),
@@ -273,11 +276,13 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     assert re.search(r"\.target\s+sm_90a\b", ptx)
     dt = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
     # per query block and warpgroup: Sᵀ and dPᵀ (64 x 64 over d: d / 16 each), dV and dK
-    # (64 x d over 64 rows: 4 each), dQ (its 64 x d / 2 over 128 keys: 8); no mma.sync
+    # (64 x d over 64 rows: 4 each), dQ (its 64 x d / 2 over 128 keys: 8; d96 the first
+    # warpgroup's 64 x 96); no mma.sync
     mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.{dt}\.{dt}", ptx)
     d = spec.head_dim
+    dq_n = d if d == 96 else d // 2
     assert sorted(mma) == sorted(["64"] * (2 * d // 16) + [str(d)] * 8
-                                 + [str(d // 2)] * 8), mma
+                                 + [str(dq_n)] * 8), mma
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
     assert ptx.count("stmatrix.sync.aligned") == 4  # dSᵀ, 32 values a thread
     assert "fence.proxy.async.shared::cta" in ptx
@@ -308,7 +313,7 @@ def test_hopper_defaults_and_refusals():
     with pytest.raises(SpecError, match="family 'sideways'"):
         parse_backward_choices("64x128w8s2-sideways")
     for bad, match in (({"arch": "sm_89"}, "sm_90 only"),
-                       ({"head_dim": 96}, "head_dim in"),
+                       ({"head_dim": 256}, "head_dim in"),
                        ({"config": TileConfig((128, 128), warps=8, stages=2, family="hopper")},
                         "tile=\\(64, 128\\)"),
                        ({"config": TileConfig((64, 128), warps=8, stages=1, family="hopper")},

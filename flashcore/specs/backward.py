@@ -55,7 +55,8 @@ BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4,
 # keys, query blocks of 64 rows, two stages of Q and dO. (128-row blocks spill: 56 bytes at d64,
 # 1092 at d128; one warpgroup's 64-row dQ spills at d128.)
 HOPPER_BWD = "hopper"
-HOPPER_BWD_HEAD_DIMS = (64, 128)
+HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
+HOPPER_BWD_DEFAULT_DIMS = (64, 128)  # where it is sm_90's default (d96: not yet timed)
 HOPPER_BWD_TILE = (64, 128)
 BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
 _SMEM_ALIGN = 1024
@@ -322,7 +323,7 @@ def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfi
     warps) beside 64 x 64 scores; an L4's 99 KB hold 32 x 32 tiles of four warps. (d64 at
     128 x 128, FlashAttention-2's H100 choice, runs at 255 registers with a few spilled: a
     variant to time, not the default.)"""
-    if arch == "sm_90" and head_dim in HOPPER_BWD_HEAD_DIMS:
+    if arch == "sm_90" and head_dim in HOPPER_BWD_DEFAULT_DIMS:
         return TileConfig(HOPPER_BWD_TILE, warps=8, stages=2, family=HOPPER_BWD)
     big = arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024
     if head_dim == 80:

@@ -208,15 +208,18 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
 
 
 @cute.jit
-def add_dq(cta: BackwardCta, acc_dQ, mdQacc, head, m_block):
+def add_dq(cta: BackwardCta, acc_dQ, mdQacc, head, m_block, adds=True):
     """This block's dQ into the fp32 accumulator (``deterministic``: at this key block's turn,
-    ``turns.py``)."""
+    ``turns.py``). ``adds`` (run time): whether this thread holds a share of dQ (a thread
+    without one still takes the turn's barriers)."""
     c, d = cta.config, cta.spec.head_dim
     gdQ = cute.local_tile(cta.query_rows(mdQacc, head), (c.tile_m, d), (m_block, 0))
     if cutlass.const_expr(cta.spec.deterministic):
         wait_turn(cta.dq_turns, turn_index(cta, head, m_block),
                   dq_turn(m_block, cta.n_block, c.tile_m, c.tile_n, cta.seqlen_q, cta.seqlen_k,
                           cta.bounds, cutlass.min), cta.tidx)
-    add_into(acc_dQ, cta.thr_dq.partition_C(gdQ), cta.spec.arch == "sm_90")
+    dst, pairs = cta.thr_dq.partition_C(gdQ), cta.spec.arch == "sm_90"
+    if adds:
+        add_into(acc_dQ, dst, pairs)
     if cutlass.const_expr(cta.spec.deterministic):
         pass_turn(cta.dq_turns, turn_index(cta, head, m_block), cta.tidx)

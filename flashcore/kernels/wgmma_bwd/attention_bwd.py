@@ -60,12 +60,14 @@ class HopperCta(BackwardCta):
         dkv = lay.mma_dkv.get_slice(wg * WARPGROUP)
         self.tKrQt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sQ, tm, d)))
         self.tVrdOt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sdO, tm, d)))
-        dq = lay.mma_dq.get_slice(wg * WARPGROUP)
+        self.wg = wg
+        dq = lay.mma_dq.get_slice(0 if lay.dq_single else wg * WARPGROUP)
         self.tQrdS = dq.make_fragment_A(dq.partition_A(transposed(self.sdS, tn, tm)))
         self.tQrKt = dq.make_fragment_B(dq.partition_B(transposed(self.sK, tn, d)))
         self.thr_sdp = lay.mma_sdp.get_slice(self.tidx)
         self.thr_dkv = lay.mma_dkv.get_slice(self.tidx)
-        self.thr_dq = lay.mma_dq.get_slice(self.tidx)
+        self.thr_dq = lay.mma_dq.get_slice(self.tidx % WARPGROUP if lay.dq_single
+                                           else self.tidx)
         r2s = lay.r2s_ds.get_slice(self.tidx)
         self.r2s_ds, self.tdSsdS = r2s, r2s.partition_D(self.sdS)
         self.tdQsdQ = self.thr_dq.partition_C(self.sdQ) if spec.bulk_dq else None
@@ -138,11 +140,19 @@ def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.sync_threads()
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
-    wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
-    if cutlass.const_expr(cta.spec.bulk_dq):  # added by one bulk reduction after a barrier
-        stage_dq(acc_dQ, cta.tdQsdQ, slot)
+    if cutlass.const_expr(lay.dq_single):  # the first warpgroup's alone
+        if cta.wg == 0:
+            wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
+            if cutlass.const_expr(cta.spec.bulk_dq):
+                stage_dq(acc_dQ, cta.tdQsdQ, slot)
+        if cutlass.const_expr(not cta.spec.bulk_dq):
+            add_dq(cta, acc_dQ, mdQacc, head, m_block, cta.wg == 0)
     else:
-        add_dq(cta, acc_dQ, mdQacc, head, m_block)
+        wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
+        if cutlass.const_expr(cta.spec.bulk_dq):  # added by one bulk reduction after a barrier
+            stage_dq(acc_dQ, cta.tdQsdQ, slot)
+        else:
+            add_dq(cta, acc_dQ, mdQacc, head, m_block)
 
 
 def dq_block(cta: HopperCta, mdQacc, head, m_block) -> cute.Tensor:

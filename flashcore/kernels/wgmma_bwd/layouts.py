@@ -6,7 +6,8 @@ layouts of ``hopper/layouts.py``), the three tiled warpgroup MMAs and the copies
 * dV += Pᵀ·dO and dK += dSᵀ·Q: (tile_n, head_dim) over tile_m, A from the registers Sᵀ and dPᵀ
   became, B the Q and dO tiles read through a transposed (head_dim, rows) view (MN-major).
 * dQ = dS·K: (tile_m, head_dim) over tile_n, A the dSᵀ tile read transposed (MN-major), B K
-  read transposed; the warpgroups split its rows where there are 64 each, else head_dim.
+  read transposed; the warpgroups split its rows where there are 64 each, else head_dim, or
+  (a half of head_dim no whole number of swizzle atoms: d96) the first computes it alone.
 
 The transposed views are ``mma_sync_bwd.layouts.transposed``'s: the transposed K-major swizzle
 atom is the MN-major one.
@@ -20,7 +21,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync
 from ...specs import BackwardSpec
 from ..common.copies import g2s_copy
 from ..common.dtypes import DTYPES
-from ..hopper.layouts import ROWS_PER_WARPGROUP, WARPGROUP, k_major
+from ..hopper.layouts import ROWS_PER_WARPGROUP, WARPGROUP, k_major, swizzle_bytes
 
 _ALIGN = 1024
 K, MN = OperandMajorMode.K, OperandMajorMode.MN
@@ -46,9 +47,16 @@ class HopperBackwardLayouts:
                                                    (ROWS_PER_WARPGROUP, d),
                                                    sm90.OperandSource.RMEM)
         along_m = tm // ROWS_PER_WARPGROUP  # warpgroups along dQ's rows; the rest split d
-        self.mma_dq = sm90.make_trivial_tiled_mma(dt, dt, MN, MN, f32,
-                                                  (along_m, wgs // along_m, 1),
-                                                  (ROWS_PER_WARPGROUP, d * along_m // wgs))
+        split = wgs // along_m
+        # a share of d that neither fills whole swizzle atoms of Kᵀ nor divides one (d96: 48
+        # of 32-wide atoms; d64's 32 of 64 and d128's 64 of 64 partition): the first
+        # warpgroup computes dQ alone
+        atom, share = swizzle_bytes(dt, d) * 8 // dt.width, d // split
+        self.dq_single = split > 1 and share % atom != 0 and atom % share != 0
+        if self.dq_single:
+            along_m, split = 1, 1
+        self.mma_dq = sm90.make_trivial_tiled_mma(dt, dt, MN, MN, f32, (along_m, split, 1),
+                                                  (ROWS_PER_WARPGROUP, d // split))
         self.g2s = g2s_copy(dt, d, c.threads)
         self.rows_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), f32,
