@@ -46,28 +46,32 @@ class HopperBackwardLayouts:
         self.mma_dkv = sm90.make_trivial_tiled_mma(dt, dt, K, MN, f32, (wgs, 1, 1),
                                                    (ROWS_PER_WARPGROUP, d),
                                                    sm90.OperandSource.RMEM)
+        # copies go by swizzle lines (d96: three of 32), a pass of the threads whole rows
+        line = swizzle_bytes(dt, d) * 8 // dt.width
+        assert d % line == 0 and min(tm, tn) % (c.threads * 8 // line) == 0, (d, line)
         along_m = tm // ROWS_PER_WARPGROUP  # warpgroups along dQ's rows; the rest split d
         split = wgs // along_m
         # a share of d that neither fills whole swizzle atoms of Kᵀ nor divides one (d96: 48
         # of 32-wide atoms; d64's 32 of 64 and d128's 64 of 64 partition): the first
         # warpgroup computes dQ alone
-        atom, share = swizzle_bytes(dt, d) * 8 // dt.width, d // split
+        atom, share = line, d // split
         self.dq_single = split > 1 and share % atom != 0 and atom % share != 0
         if self.dq_single:
             along_m, split = 1, 1
         self.mma_dq = sm90.make_trivial_tiled_mma(dt, dt, MN, MN, f32, (along_m, split, 1),
                                                   (ROWS_PER_WARPGROUP, d // split))
-        self.g2s = g2s_copy(dt, d, c.threads)
+        self.g2s = g2s_copy(dt, line, c.threads)
         self.rows_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), f32,
             num_bits_per_copy=32)
         # dSᵀ registers -> shared by stmatrix (the accumulator's rows are the tile's rows)
         self.r2s_ds = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), dt), self.mma_sdp)
-        # the epilogue's shared -> global: 16-byte stores, 8 threads a row
+        # the epilogue's shared -> global: 16-byte stores, a line's threads over a line
         self.r2g = cute.make_tiled_copy_tv(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=128),
-            cute.make_layout((c.threads // 8, 8), stride=(8, 1)), cute.make_layout((1, 8)))
+            cute.make_layout((c.threads // (line // 8), line // 8), stride=(line // 8, 1)),
+            cute.make_layout((1, 8)))
         self.storage = self._shared_storage()
         assert c.threads == wgs * WARPGROUP
 
