@@ -743,7 +743,7 @@ def backward_cases(deterministic: bool = False, head_dims: bool = False):
 
 
 def backward_hopper_cases():
-    """The Hopper backward (sm_90: the d64 and d128 default there): the backward cases' ragged
+    """The Hopper backward (sm_90: the d64, d96 and d128 default there): the backward cases' ragged
     shapes, free dQ adds and in turns (more key blocks per query block, a window), and a
     packed batch's."""
     from flashcore.ops.backward import backward_choices_override

@@ -414,7 +414,7 @@ BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), war
                          TileConfig((32, 64), warps=4, stages=2)]
 
 
-# the Hopper backward's tile (its sm_90 default at d64 and d128)
+# the Hopper backward's tile (its sm_90 default at d64, d96 and d128)
 HOPPER_BWD_CONFIGS = [TileConfig((64, 128), warps=8, stages=2, family="hopper")]
 
 

@@ -304,11 +304,12 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
 
 
 def test_hopper_defaults_and_refusals():
-    for d in (64, 128):
+    for d in (64, 96, 128):
         assert default_backward_config(d, "sm_90") == HOPPER_TILE
         assert default_backward_config(d, "sm_89").family == ""
         assert default_warps_m(d, HOPPER_TILE) == ()
-    assert default_backward_config(96, "sm_90").family == ""
+    for d in (32, 80, 256):
+        assert default_backward_config(d, "sm_90").family == ""
     assert parse_backward_choices("64x128w8s2-hopper")[None] == (HOPPER_TILE, None)
     with pytest.raises(SpecError, match="family 'sideways'"):
         parse_backward_choices("64x128w8s2-sideways")

@@ -208,6 +208,9 @@ def test_gradients_match_reference_within_sdpa_error(b, hkv, ratio, sq, sk, d, d
 @example(b=1, hkv=1, ratio=2, sq=77, sk=299, d=128, dtype="bfloat16", causal=True,
          align="bottom_right", window=(40, 0), softcap=20.0, config=HOPPER_BWD_CONFIGS[0],
          deterministic=False, seed=3)
+@example(b=2, hkv=3, ratio=1, sq=206, sk=79, d=96, dtype="float16", causal=True,
+         align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[0],
+         deterministic=True, seed=3217)  # d96 rows copied whole (three 32-wide lines)
 def test_hopper_backward_matches_reference(b, hkv, ratio, sq, sk, d, dtype, causal, align,
                                            window, softcap, config, deterministic, seed):
     """The Hopper backward (``kernels/wgmma_bwd``: warpgroup MMAs, Sᵀ by keys in rows): random

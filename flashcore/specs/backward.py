@@ -16,7 +16,7 @@ Three kernels make one backward pass, each a spec of its own (``op``):
   ``deterministic``: the key blocks add into each query block's dQ rows one after another,
   the highest first (a counter per (batch, head, query block)), so dQ's sums are the same every
   run. Two families build it: ``mma_sync`` (``kernels/mma_sync_bwd``, every arch and head dim)
-  and, on sm_90 at d64 and d128, ``hopper`` (``kernels/wgmma_bwd``: warpgroup MMAs; the same
+  and, on sm_90 at d64, d96 and d128, ``hopper`` (``kernels/wgmma_bwd``: warpgroup MMAs; the same
   walk, ABI and row kernels).
 * ``attention_bwd_post``: dQ = accumulator · softmax_scale in the input dtype.
 
@@ -56,7 +56,6 @@ BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4,
 # 1092 at d128; one warpgroup's 64-row dQ spills at d128.)
 HOPPER_BWD = "hopper"
 HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
-HOPPER_BWD_DEFAULT_DIMS = (64, 128)  # where it is sm_90's default (d96: not yet timed)
 HOPPER_BWD_TILE = (64, 128)
 BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
 _SMEM_ALIGN = 1024
@@ -312,7 +311,7 @@ class BackwardSpec(SpecData, TiledKernel):
 
 
 def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
-    """The main kernel's config. sm_90 at d64 and d128: the Hopper backward, 64 query rows x
+    """The main kernel's config. sm_90 at d64, d96 and d128: the Hopper backward, 64 query rows x
     128 keys (1.32-1.40x the mma_sync backward on an H200). Else the
     mma_sync backward: eight warps, 64 query rows x 128 keys, two query blocks in
     flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
@@ -323,7 +322,7 @@ def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfi
     warps) beside 64 x 64 scores; an L4's 99 KB hold 32 x 32 tiles of four warps. (d64 at
     128 x 128, FlashAttention-2's H100 choice, runs at 255 registers with a few spilled: a
     variant to time, not the default.)"""
-    if arch == "sm_90" and head_dim in HOPPER_BWD_DEFAULT_DIMS:
+    if arch == "sm_90" and head_dim in HOPPER_BWD_HEAD_DIMS:
         return TileConfig(HOPPER_BWD_TILE, warps=8, stages=2, family=HOPPER_BWD)
     big = arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024
     if head_dim == 80:
