@@ -31,6 +31,9 @@ def g2s_copy(dtype, row_elems: int, threads: int, bits: int = 128):
     in 16-byte chunks, the rows of one atom spread over the threads."""
     per_copy = bits // dtype.width
     tpr = min(row_elems, 128 * 8 // dtype.width) // per_copy  # threads per atom row
+    # a row wider than 128 bytes goes in 128-byte passes, which must tile it (d96's 192-byte
+    # rows: pass a swizzle line's width instead)
+    assert row_elems % (tpr * per_copy) == 0, (row_elems, tpr * per_copy)
     atom = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype,
                                num_bits_per_copy=bits)
     return cute.make_tiled_copy_tv(

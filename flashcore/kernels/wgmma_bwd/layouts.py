@@ -48,7 +48,7 @@ class HopperBackwardLayouts:
                                                    sm90.OperandSource.RMEM)
         # copies go by swizzle lines (d96: three of 32), a pass of the threads whole rows
         line = swizzle_bytes(dt, d) * 8 // dt.width
-        assert d % line == 0 and min(tm, tn) % (c.threads * 8 // line) == 0, (d, line)
+        assert min(tm, tn) % (c.threads * 8 // line) == 0, (tm, tn, line)
         along_m = tm // ROWS_PER_WARPGROUP  # warpgroups along dQ's rows; the rest split d
         split = wgs // along_m
         # a share of d that neither fills whole swizzle atoms of Kᵀ nor divides one (d96: 48
