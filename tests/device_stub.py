@@ -9,17 +9,18 @@ import torch
 
 
 @contextlib.contextmanager
-def stubbed_device(launched: list, loaded=None, scratch=None):
+def stubbed_device(launched: list, loaded=None, scratch=None, capturing: bool = False):
     """CPU tensors pass for CUDA device 0 of an sm_90 with 132 SMs; every launch appends
     (grid, arguments) to ``launched``; ``loaded(device, key)`` (default: a Mock) stands for
     each attention kernel loaded, ``scratch(like, numel)`` (default: a fresh CPU tensor) for
-    the split partials' buffer."""
+    the split partials' buffer; ``capturing``: whether a CUDA graph is being captured."""
     from flashcore.ops import eager, launcher, plan, serving
 
     with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
           mock.patch.object(eager, "arch_of", return_value="sm_90"),
           mock.patch.object(serving, "arch_of", return_value="sm_90"),
           mock.patch.object(plan, "sm_count", return_value=132),
+          mock.patch.object(plan, "capturing", return_value=capturing),
           mock.patch.object(launcher, "loaded_kernel", side_effect=loaded),
           mock.patch.object(launcher, "combine_kernel"),
           mock.patch.object(launcher, "launch",

@@ -503,7 +503,7 @@ def test_alibi_calls_keep_a_row_per_head_and_pass_their_slopes_after_the_masks()
     q = torch.randn(1, 8, 1, 64).half()
     k = torch.randn(1, 2, 300, 64).half()
     slopes = torch.rand(8)
-    with stubbed_device(launched):
+    with stubbed_device(launched, capturing=True):  # split over CTAs, as a graph runs it
         alibi = masking(True, "top_left", None, None, True)
         for sq, d in itertools.product((1, 100, 1000, 4096), (64, 96, 128, 256)):
             # the Hopper family builds no ALiBi: its tuned winners give way to their fallbacks
@@ -558,3 +558,27 @@ def test_every_registered_op_reports_its_outputs_under_fake_tensors():
         assert x8.shape == (2, 2, 64, 512) and x8.dtype == e4m3 and descale.shape == (2, 2)
         x8, descale = ops.quantize_fp8(k, granularity="token")
         assert x8.shape == k.shape and descale.shape == (2, 2, 500)
+
+
+def test_an_eager_short_decode_runs_unsplit_and_a_captured_one_splits():
+    """Eager (no graph being captured), a decode grid whose unsplit walk takes at most
+    ``EAGER_ONE_LAUNCH_BLOCKS`` runs as one launch (no shares, no combine: the launches' host
+    time is what such a call costs); a graph capturing the same call splits it as the model
+    says, and long caches split either way."""
+    from flashcore.ops import attention, launcher
+
+    assert plan.num_splits(8, 8, 132) > 1 and plan.num_splits(8, 8, 132, host_bound=True) == 1
+    # 13 blocks + 2 of overhead + the partials' traffic: within 16
+    assert plan.num_splits(8, 13, 132, host_bound=True) == 1
+    assert plan.num_splits(8, 14, 132, host_bound=True) == plan.num_splits(8, 14, 132) > 1
+    assert plan.num_splits(8, 128, 132, host_bound=True) == plan.num_splits(8, 128, 132) == 16
+    q = torch.randn(1, 32, 1, 64).half()
+    short, long = torch.randn(1, 8, 512, 64).half(), torch.randn(1, 8, 8192, 64).half()
+    for capturing, k, launches in ((False, short, 1), (True, short, 2), (False, long, 2)):
+        launched: list = []
+        with stubbed_device(launched, capturing=capturing):
+            launcher.forget()
+            for _ in range(2):  # checked, then memoised: the same plan
+                launched.clear()
+                attention(q, k, k)
+                assert len(launched) == launches, (capturing, k.shape)

@@ -292,7 +292,7 @@ def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path(
         for _ in range(3):
             assert call() is out
         assert checks.call_count == 1
-        memoised = launched[-2:]
+        memoised = launched[-len(launched) // 3:]  # the last call's launches
         launched.clear()
         call(tile=[64, 64])  # a list is not a memo key: the general path, every check
         assert checks.call_count == 2 and launched == memoised

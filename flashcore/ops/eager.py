@@ -206,7 +206,8 @@ def _launch(call: Call, q, k, v, return_lse: bool, out, signed: bool = False):
         v, v_arg = prepared(v)
         args = (q_arg, k_arg, v_arg)
     blocks = -(-sk // call.tile_n)
-    p = planned((call.serial, blocks), call.plan_args, blocks)
+    eager = not plan.capturing()  # eager: short decode grids unsplit (``plan.num_splits``)
+    p = planned((call.serial, blocks, eager), (*call.plan_args, eager), blocks)
     launch_plan(p, result, lse, args, ())
     if out is not None:
         torch.autograd.graph.increment_version(out)

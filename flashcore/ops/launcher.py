@@ -173,9 +173,11 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
                 heads_kv: int, key_blocks: int, out_dtype: torch.dtype, config: TileConfig,
                 causal: bool, return_lse: bool, precision: str, k_per_head: bool,
                 kv_fp8: bool, mask: Masking, varlen: bool, page_size: int, seqs: int,
-                max_seqlen_q: int, num_splits: int | None, softmax_scale: float) -> Plan:
+                max_seqlen_q: int, num_splits: int | None, softmax_scale: float,
+                host_bound: bool = False) -> Plan:
     """The plan of a call of these extents (``key_blocks``: key blocks of ``config.tile_n``,
-    all a split count depends on; ``seqs``, ``max_seqlen_q``: a packed batch's grid)."""
+    all a split count depends on; ``seqs``, ``max_seqlen_q``: a packed batch's grid;
+    ``host_bound``: an eager call, not one a CUDA graph captures: ``plan.num_splits``)."""
     fam = _family_of(config, device)
     packing, rows_heads, rows, q_group = AS_IS, heads, seqlen_q, 1
     # prefill keeps its rows; so does ALiBi, whose slope is one per (batch, head) a CTA
@@ -195,7 +197,7 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
         if seqlen_q <= plan.DECODE_MAX_Q and fam.splits_keys:
             splits = plan.num_splits(attention_grid(rows, rows_heads, batch, config.tile_m)[0],
                                      key_blocks, plan.sm_count(device), kv_fp8,
-                                     config.kv_splits, config.tile_m, head_dim)
+                                     config.kv_splits, config.tile_m, head_dim, host_bound)
     # a family that splits no keys takes no key shares (``flashcore.specs.params.ATTENTION``)
     scalars = ((softmax_scale * LOG2_E,), (q_group,)) + (((splits,),) if fam.splits_keys else ())
     if mask is not NO_MASK:
@@ -300,5 +302,5 @@ def launch_attention(q, k, out, lse, qkv_args: tuple, descales: tuple, config: T
            causal, lse is not None, precision,
            precision == "fp8" and descales[1].dim() == 2,  # FP8 K descaled per head (B, H)
            kv_fp8, mask, serving.varlen, serving.page_size, serving.batch, serving.max_seqlen_q,
-           num_splits, softmax_scale)
+           num_splits, softmax_scale, not plan.capturing())
     launch_plan(planned(key, key), out, lse, qkv_args, descales, serving, bias)

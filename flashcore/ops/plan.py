@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -23,6 +24,19 @@ from ..tuned.table import BUCKETS, bucket_of, lookup
 
 DECODE_MAX_Q = BUCKETS[0][1]  # the decode bucket's bound
 SHARE_OVERHEAD = 2  # key blocks' worth of time a share costs beyond its blocks
+# An eager call (no CUDA graph being captured) whose unsplit grid would take at most this many
+# key blocks' time (~0.5 us each) runs unsplit: one launch instead of the shares' and the
+# combine's, whose host time (a few microseconds each) is what such a call costs; a graph
+# replays launches for ~1 us, so there the GPU time decides
+EAGER_ONE_LAUNCH_BLOCKS = int(os.environ.get("FLASHCORE_EAGER_ONE_LAUNCH_BLOCKS", "16"))  # 0: off
+
+
+_CUDA_BUILT = torch.backends.cuda.is_built()  # a CPU-only torch captures nothing
+
+
+def capturing() -> bool:
+    """Whether torch's current stream is capturing a CUDA graph."""
+    return _CUDA_BUILT and torch.cuda.is_current_stream_capturing()
 _sm_count: dict[int, int] = {}
 
 
@@ -147,7 +161,8 @@ def share_cost(s: int, ctas: int, n_blocks: int, slots: int, rows: int, head_dim
 
 @functools.lru_cache(maxsize=4096)
 def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False,
-               groups: int = 1, rows: int = 16, head_dim: int = 128) -> int:
+               groups: int = 1, rows: int = 16, head_dim: int = 128,
+               host_bound: bool = False) -> int:
     """How many CTAs share each row's ``n_blocks`` key blocks, when ``ctas`` CTAs (one per query
     tile of ``rows`` rows, each of ``groups`` warp groups over their own keys) would run on a
     GPU of ``slots`` SMs. One 16-bit decode CTA a SM keeps the SM's memory pipe full (its K/V
@@ -163,7 +178,13 @@ def num_splits(ctas: int, n_blocks: int, slots: int, kv_fp8: bool = False,
 
     An FP8 KV cache's warps convert their e4m3 K/V in registers as well: about
     ``FP8KV_WARPS_PER_SM`` warp groups a SM, no more, keep it busy (on the H100, 16x64 tiles of
-    two groups a CTA: fewer shares leave SMs idle, more only add partials to combine)."""
+    two groups a CTA: fewer shares leave SMs idle, more only add partials to combine).
+
+    ``host_bound`` (an eager call): one share where the unsplit grid takes at most
+    ``EAGER_ONE_LAUNCH_BLOCKS`` (one launch, no combine)."""
+    if host_bound and (share_cost(1, ctas, n_blocks, slots, rows, head_dim)
+                       <= EAGER_ONE_LAUNCH_BLOCKS):
+        return 1
     if kv_fp8:
         want = round(FP8KV_WARPS_PER_SM * slots / (ctas * groups))
         return max(1, min(MAX_SPLITS, want, -(-n_blocks // groups)))

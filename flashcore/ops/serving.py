@@ -34,6 +34,7 @@ import torch
 from ..compiler.abi import MAX_GRID_Z
 from ..runtime.device import arch_of
 from ..tuned import table as tuned_table
+from . import plan
 from .eager import resolve_config
 from .inputs import DTYPE_NAMES, E4M3, matrix_arg, prepared, readable, vector_arg
 from .launcher import Serving, launch_attention, launch_plan, planned
@@ -381,8 +382,9 @@ def _launch_paged(call: PagedCall, q, k_cache, v_cache, block_table, lens, out,
         v_arg = (vp, pages, heads_kv, page_size, *vs)
     tables = ((block_table.data_ptr(), batch, block_table.shape[1], call.table_stride),
               (lens.data_ptr(), batch))
-    launch_plan(planned((call.serial,), call.plan_args), result, lse, (q_arg, k_arg, v_arg), (),
-                Serving(False, page_size, tables, batch, max_q, max_k))
+    eager = not plan.capturing()  # as ``launcher.launch_attention`` plans it
+    launch_plan(planned((call.serial, eager), (*call.plan_args, eager)), result, lse,
+                (q_arg, k_arg, v_arg), (), Serving(False, page_size, tables, batch, max_q, max_k))
     return _done((result, lse) if call.lse_shape is not None else result, given)
 
 
