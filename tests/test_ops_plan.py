@@ -582,3 +582,46 @@ def test_an_eager_short_decode_runs_unsplit_and_a_captured_one_splits():
                 launched.clear()
                 attention(q, k, k)
                 assert len(launched) == launches, (capturing, k.shape)
+
+
+def test_short_prefill_over_many_heads_takes_the_mid_buckets_tile():
+    """The short bucket's small tiles are for small grids: a call whose grid in the mid
+    bucket's tiles fills half the SMs runs the mid config (an eager call's own batch and
+    heads decide), a small grid keeps the short one, and decode and FP8 keep theirs."""
+    from unittest import mock
+
+    from flashcore.ops import attention, launcher
+    from flashcore.tuned import table
+
+    def short_and_mid(d, causal):
+        return (table.lookup("sm_90", d, causal, "short"), table.lookup("sm_90", d, causal, "mid"))
+
+    for d, causal in itertools.product((64, 128), (False, True)):
+        short, mid = short_and_mid(d, causal)
+        assert short.tile_m < mid.tile_m
+        tiles, least = -(-512 // mid.tile_m), plan.SHORT_TO_MID_WAVES * 132
+        many = math.ceil(least / tiles)  # the fewest pairs whose mid grid is that many waves
+        few = many - 1
+        assert plan.tuned_config("sm_90", d, causal, 512, "fp16", pairs=few, slots=132) == short
+        assert plan.tuned_config("sm_90", d, causal, 512, "fp16", pairs=many, slots=132) == mid
+        assert plan.tuned_config("sm_90", d, causal, 512, "fp16") == short  # no grid given
+        assert plan.tuned_config("sm_90", d, causal, 4, "fp16", pairs=4096, slots=132) == \
+            table.lookup("sm_90", d, causal, "decode", "fp16", (("split_kv", True),))
+    fp8 = table.lookup("sm_90", 128, True, "short", "fp8")
+    assert plan.tuned_config("sm_90", 128, True, 512, "fp8", pairs=4096, slots=132) == fp8
+    # through an eager call: (8, 16) pairs at 512 tokens take the mid tile, (1, 8) the short one
+    short, mid = short_and_mid(128, True)
+    for b, h, want in ((8, 16, mid), (1, 8, short)):
+        launched: list = []
+        configs = []
+
+        def loaded(device, key, configs=configs):
+            configs.append(key.config)
+            return mock.Mock(tma_args_memo={}, tensor_maps=())
+
+        q = torch.randn(b, h, 512, 128).half()
+        k = torch.randn(b, 4 if h == 16 else h, 512, 128).half()
+        with stubbed_device(launched, loaded=loaded):
+            launcher.forget()
+            attention(q, k, k, causal=True)
+        assert configs == [want], (b, h)

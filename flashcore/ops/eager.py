@@ -47,10 +47,12 @@ def explicit_config(tile, warps, stages, kv_splits) -> TileConfig:
 
 
 def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, causal,
-                   seqlen_q, precision, features: tuple = (), group: int = 1) -> TileConfig:
+                   seqlen_q, precision, features: tuple = (), group: int = 1,
+                   pairs: int = 0, slots: int = 0) -> TileConfig:
     """One TileConfig from what the caller gave: ``config`` whole, or ``tile`` and knobs, or
-    (``tile=None``) the tuned table's config for a call with these spec ``features``
-    (``plan.tuned_config``) with any knob the caller set on top. A decode whose ``group``
+    (``tile=None``) the tuned table's config for a call with these spec ``features`` over
+    ``pairs`` (sequence, query head) pairs on ``slots`` SMs (``plan.tuned_config``) with any
+    knob the caller set on top. A decode whose ``group``
     query heads a K/V head (of one token or a few) are packed into more than 16 rows gets a
     tile that holds them (``plan.packed_rows_config``)."""
     if config is not None:
@@ -61,7 +63,8 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
         return config
     if tile is not None:
         return explicit_config(tuple(tile), warps, stages, kv_splits)
-    tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision, features)
+    tuned = plan.tuned_config(arch, head_dim, causal, seqlen_q, precision, features, pairs,
+                              slots)
     if warps is None and stages is None and kv_splits is None:
         if precision not in ("fp16", "fp8kv"):
             return tuned
@@ -146,7 +149,8 @@ def _checked(q, k, v, tile, causal, softmax_scale, return_lse, config, warps, st
                             head_dim=q.shape[3], causal=causal, seqlen_q=q.shape[2],
                             precision="fp8kv" if k.dtype == E4M3 else precision,
                             features=mask.features + _split_feature(num_splits),
-                            group=q.shape[1] // k.shape[1])
+                            group=q.shape[1] // k.shape[1], pairs=q.shape[0] * q.shape[1],
+                            slots=plan.sm_count(dev))
     B, H, Sq, D = q.shape
     if out is not None:
         check_out(out, q.shape, q.dtype, q.device,

@@ -154,7 +154,8 @@ def run_varlen(
         return _done(_empty(out, lse), given)
     cfg = resolve_config(config, tile, None, None, None, arch=arch_of(q.get_device()),
                          head_dim=d, causal=causal, seqlen_q=max_q, precision="fp16",
-                         features=(("varlen", True), *mask.features))
+                         features=(("varlen", True), *mask.features), pairs=batch * heads,
+                         slots=plan.sm_count(q.get_device()))
     q, scale = signed_query(q, scale)
     # prepared() may copy: the copies stay referenced until the launch has been issued
     q4, q_arg = prepared(pack_view(q))
@@ -308,7 +309,8 @@ def run_paged(
                          precision="fp16" if kd is None else "fp8kv",
                          features=(("paged_kv", True), ("page_size", page_size),
                                    ("varlen", packed), *mask.features),
-                         group=1 if packed else heads // kv_heads)
+                         group=1 if packed else heads // kv_heads, pairs=batch * heads,
+                         slots=plan.sm_count(q.get_device()))
     # the cache's pages as (pages, heads_kv, page_size, head_dim): what the kernel indexes; any
     # copies prepared() makes stay referenced until the launches have been issued
     k4, k_arg = prepared(k_cache.permute(0, 2, 1, 3))
