@@ -148,6 +148,24 @@ def test_default_tile_is_the_tuned_one():
     assert max_abs(attention(q, k, v, tile=(64, 64)), ref) < 1e-2  # an explicit tile still works
 
 
+def test_a_short_prefill_over_many_heads_runs_the_mid_tile():
+    """8 sequences of 16 query heads at 300 tokens: enough CTAs of the mid bucket's tile that
+    it runs instead of the short bucket's (``plan.SHORT_TO_MID_WAVES``), and it is right."""
+    from flashcore.ops import launcher, plan
+    from flashcore.tuned.table import lookup
+
+    q, k, v = _qkv(b=8, hq=16, hkv=4, sq=300, sk=300, d=128, dtype=torch.bfloat16)
+    launcher.forget()
+    out = attention(q, k, v, causal=True)
+    arch = current_arch()
+    want = plan.tuned_config(arch, 128, True, 300, "fp16", pairs=8 * 16,
+                             slots=plan.sm_count(q.get_device()))
+    assert [p.kern.artifact.spec.config for p in launcher._plans.values()] == [want]
+    assert want == lookup(arch, 128, True, "mid") != lookup(arch, 128, True, "short")
+    ref = reference.attention(q, k, v, causal=True, device=q.device)
+    assert torch.isfinite(out).all() and max_abs(out, ref) < 2e-2
+
+
 @torch.no_grad()
 def test_compiled_call_runs_the_configs_family():
     """A config's kernel family survives the registered op (it once travelled as tile and
