@@ -132,6 +132,36 @@ def test_wgmma_decode_runs_unsplit():
         attention(q, q, q, config=CONFIGS[0], num_splits=2)
 
 
+def test_fresh_buffers_of_one_shape_get_the_drivers_descriptors():
+    """Each call on fresh tensors of one shape: after the driver's first two encodings the
+    pointers are written into the geometry's descriptor (``runtime.tensor_map``): the same
+    bytes the driver encodes, and the kernel reads the right tensors."""
+    from flashcore.runtime import tensor_map
+
+    tensor_map.clear()
+    kept = []  # every call's tensors alive: fresh pointers each call
+    for seed in range(5):
+        g = torch.Generator(device="cuda").manual_seed(40 + seed)
+        q, k, v = (torch.randn(1, h, s, 128, device="cuda", generator=g).to(torch.bfloat16)
+                   for h, s in ((4, 300), (2, 333), (2, 333)))
+        kept.append((q, k, v))
+        out = attention(q, k, v, causal=True, config=CONFIGS[0])
+        ref = reference.attention(q, k, v, causal=True, device=q.device)
+        assert torch.isfinite(out).all() and max_abs(out, ref) < 2e-2, seed
+    patched = [g for g, layout in tensor_map._layouts.items() if type(layout) is bytes]
+    assert patched, "no geometry's descriptor was reused"
+    for _ in range(3):
+        t = torch.empty(1, 4, 333, 128, device="cuda", dtype=torch.bfloat16)
+        kept.append(t)
+        arg = (t.data_ptr(), *t.shape[:3], *t.stride()[:3])
+        for box in (64, 128):
+            tensor_map.encode(arg, "bfloat16", 128, box)  # the first two: the driver's
+        for box in (64, 128):
+            tensor_map._cache.clear()
+            assert tensor_map.encode(arg, "bfloat16", 128, box) == tensor_map._encode(
+                arg, "bfloat16", 128, box, 64, 128)
+
+
 def launched(fn) -> tuple:
     """(what ``fn()`` returns, the kernel families it launched: the launcher's kernels,
     recorded on the way)."""

@@ -489,6 +489,41 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
         assert calls[-1][-3].name == f"CU_TENSOR_MAP_SWIZZLE_{span}B"
 
 
+@pytest.mark.parametrize("address_word", [lambda p: p, lambda p: p >> 4, lambda p: p | 1 << 60])
+def test_new_pointers_of_a_geometry_are_written_into_its_descriptor(monkeypatch, address_word):
+    """Fresh tensors of one geometry: the driver encodes the first two; where those differ
+    only in a first word that is their pointer, later pointers are written there (the same
+    bytes the driver gives); any other layout keeps the driver encoding each pointer."""
+    from flashcore.runtime import tensor_map
+
+    calls = []
+
+    def fake_encode(dtype, rank, ptr, dims, strides, box, *rest):
+        calls.append(ptr)
+        words = [address_word(ptr), 7, *(int(d) for d in dims), *(int(b) for b in box)]
+        words += [0] * (16 - len(words))
+        opaque = [tensor_map.cu.cuuint64_t(w) for w in words]
+        return (tensor_map.cu.CUresult.CUDA_SUCCESS, type("Map", (), {"opaque": opaque}))
+
+    monkeypatch.setattr(tensor_map.cu, "cuTensorMapEncodeTiled", fake_encode)
+    monkeypatch.setattr(tensor_map, "_driver_version", [13020])
+    tensor_map.clear()
+    geometry = (1, 2, 64, 2 * 64 * 64, 64 * 64, 64)
+    pointers = [0x20000 + 0x100000 * i for i in range(6)]
+    descs = [tensor_map.encode((p, *geometry), "bfloat16", 64, 128) for p in pointers]
+    plain = address_word(12345) == 12345
+    assert calls == (pointers[:2] if plain else pointers)
+    for p, desc in zip(pointers, descs):
+        assert struct.unpack("<16Q", desc)[:4] == (address_word(p), 7, 64, 64)
+    # another geometry (more keys) is learnt apart
+    tensor_map.encode((pointers[0], 1, 2, 96, 2 * 64 * 96, 64 * 96, 64), "bfloat16", 64, 128)
+    assert calls[-1] == pointers[0]
+    if plain:
+        with pytest.raises(LaunchError, match="16-byte"):
+            tensor_map.encode((0x20008, *geometry), "bfloat16", 64, 128)
+    tensor_map.clear()
+
+
 @pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
 def test_every_tensor_map_a_spec_declares_has_a_driver_swizzle(spec):
     from flashcore.runtime import tensor_map
