@@ -4,6 +4,7 @@ below SDPA's; ``out=`` that cannot alias the inputs; first calls from fresh thre
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -164,6 +165,44 @@ def test_a_short_prefill_over_many_heads_runs_the_mid_tile():
     assert want == lookup(arch, 128, True, "mid") != lookup(arch, 128, True, "short")
     ref = reference.attention(q, k, v, causal=True, device=q.device)
     assert torch.isfinite(out).all() and max_abs(out, ref) < 2e-2
+
+
+@pytest.mark.parametrize("masks", [{"window": (100, 0)}, {"softcap": 30.0},
+                                   {"mask_align": "bottom_right"}, {"varlen": True}],
+                         ids=["window", "softcap", "bottom_right", "varlen"])
+def test_masked_and_packed_short_prefill_over_many_heads_run_the_mid_tile(masks):
+    """Masks and a packed batch (empty and one-token sequences among them) on a grid that
+    takes the mid bucket's tile (``plan.SHORT_TO_MID_WAVES``): that tile runs, and every row
+    matches the float64 reference."""
+    from flashcore.ops import attention_varlen, launcher, plan
+    from flashcore.ops.masks import call_masking
+
+    arch, kw = current_arch(), dict(masks)
+    varlen = kw.pop("varlen", False)
+    launcher.forget()
+    if varlen:
+        lens = [0, 300, 1, 256, 129, 300]
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+        q, k, v = (t[0].transpose(0, 1).contiguous() for t in
+                   _qkv(b=1, hq=16, hkv=4, sq=sum(lens), sk=sum(lens), d=128, seed=7))
+        out = attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                               mask_align="bottom_right")
+        ref = reference.attention_varlen(q, k, v, cu, cu, causal=True, mask_align="bottom_right")
+        mask, pairs, sq = call_masking(True, "bottom_right", None, None), 6 * 16, max(lens)
+        features = (("varlen", True), *mask.features)
+    else:
+        sk = 500 if kw.get("mask_align") == "bottom_right" else 300
+        q, k, v = _qkv(b=4, hq=16, hkv=4, sq=300, sk=sk, d=128, seed=8)
+        out = attention(q, k, v, causal=True, **kw)
+        ref = reference.attention(q, k, v, causal=True, device=q.device, **kw)
+        mask = call_masking(True, kw.get("mask_align", "top_left"), kw.get("window"),
+                            kw.get("softcap"))
+        pairs, sq, features = 4 * 16, 300, mask.features
+    want = plan.tuned_config(arch, 128, True, sq, "fp16", features, pairs=pairs,
+                             slots=plan.sm_count(q.get_device()))
+    assert want != plan.tuned_config(arch, 128, True, sq, "fp16", features)
+    assert [p.kern.artifact.spec.config for p in launcher._plans.values()] == [want]
+    assert torch.isfinite(out).all() and max_abs(out, ref) < 1e-2
 
 
 @torch.no_grad()
