@@ -187,7 +187,8 @@ def test_masked_and_packed_short_prefill_over_many_heads_run_the_mid_tile(masks)
                    _qkv(b=1, hq=16, hkv=4, sq=sum(lens), sk=sum(lens), d=128, seed=7))
         out = attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True,
                                mask_align="bottom_right")
-        ref = reference.attention_varlen(q, k, v, cu, cu, causal=True, mask_align="bottom_right")
+        ref = reference.attention_varlen(q, k, v, cu, cu, causal=True, mask_align="bottom_right",
+                                         device=q.device)
         mask, pairs, sq = call_masking(True, "bottom_right", None, None), 6 * 16, max(lens)
         features = (("varlen", True), *mask.features)
     else:
