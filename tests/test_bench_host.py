@@ -15,4 +15,4 @@ def test_host_table_and_record_carry_every_case(tmp_path):
     data = json.loads(record_host(results, tmp_path, {"gpu": "none"}).read_text())
     assert [r["name"] for r in data["results"]] == [c.name for c in CASES]
     assert data["results"][1]["flashcore_us"] == 21.0 and data["environment"] == {"gpu": "none"}
-    assert all(c.grows for c in CASES[1:]) and not CASES[0].grows
+    assert all(c.grows for c in CASES if c.name.startswith("decode")) and not CASES[0].grows

@@ -48,6 +48,9 @@ CASES = (
     HostCase("decode 1,32/8,1xS,64, S from 512", 1, 32, 8, 1, 512, 64),
     HostCase("decode 8,28/4,1xS,128, S from 1024", 8, 28, 4, 1, 1024, 128),
     HostCase("decode 1,32/8,1xS,128 into (B, S, H, D)", 1, 32, 8, 1, 4096, 128, bshd_out=True),
+    # a transformers layer's prefill: the prompt against itself, written as the hook returns it
+    HostCase("prefill 1,16/4,512,128 causal into (B, S, H, D)", 1, 16, 4, 512, 512, 128,
+             causal=True, bshd_out=True, grows=False),
 )
 
 
