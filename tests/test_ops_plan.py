@@ -586,7 +586,7 @@ def test_an_eager_short_decode_runs_unsplit_and_a_captured_one_splits():
 
 def test_short_prefill_over_many_heads_takes_the_mid_buckets_tile():
     """The short bucket's small tiles are for small grids: a call whose grid in the mid
-    bucket's tiles fills half the SMs runs the mid config (an eager call's own batch and
+    bucket's tiles fills about half the SMs runs the mid config (an eager call's own batch and
     heads decide), a small grid keeps the short one, and decode and FP8 keep theirs."""
     from unittest import mock
 
@@ -605,6 +605,10 @@ def test_short_prefill_over_many_heads_takes_the_mid_buckets_tile():
         assert plan.tuned_config("sm_90", d, causal, 512, "fp16", pairs=few, slots=132) == short
         assert plan.tuned_config("sm_90", d, causal, 512, "fp16", pairs=many, slots=132) == mid
         assert plan.tuned_config("sm_90", d, causal, 512, "fp16") == short  # no grid given
+        # fewer query rows than one mid tile: the short tile, on any grid
+        rows = mid.tile_m - 1
+        assert plan.tuned_config("sm_90", d, causal, rows, "fp16", pairs=1 << 14,
+                                 slots=132) == short
         assert plan.tuned_config("sm_90", d, causal, 4, "fp16", pairs=4096, slots=132) == \
             table.lookup("sm_90", d, causal, "decode", "fp16", (("split_kv", True),))
     fp8 = table.lookup("sm_90", 128, True, "short", "fp8")

@@ -51,7 +51,8 @@ def sm_count(device: int) -> int:
 # small grid (1,8,512), which they fill where larger tiles leave SMs idle. With more sequences
 # or heads the mid bucket's larger tile wins. On an H200 (bf16, S_q = S_k of 512 and 1024,
 # 8 to 32 heads, batch 1 to 8), in waves of the mid tile's CTAs: at 0.36 or less it took
-# 1.00-1.17x the short config's time, at 0.48 0.90-1.03x, from 0.73 up 0.36-0.99x.
+# 1.00-1.17x the short config's time, at 0.48 0.90-1.03x, from 0.73 up 0.36-0.99x. A call of
+# fewer query tokens than one mid tile keeps the short tile: the mid one would be mostly padding.
 SHORT_TO_MID_WAVES = 0.45
 
 
@@ -61,13 +62,15 @@ def tuned_config(arch: str, head_dim: int, causal: bool, seqlen_q: int, precisio
     pairs (a winner whose kernel family does not build them gives way to the entry's
     fallback). Decode calls ask for a family that splits keys. A 16-bit call of the short
     bucket over ``pairs`` (sequence, query head) pairs takes the mid bucket's config where
-    that config's tiles make at least ``SHORT_TO_MID_WAVES`` waves on ``slots`` SMs."""
+    its query rows fill one of that config's tiles and those tiles make at least
+    ``SHORT_TO_MID_WAVES`` waves on ``slots`` SMs."""
     if seqlen_q <= DECODE_MAX_Q:
         features += (("split_kv", True),)
     bucket = bucket_of(seqlen_q)
     if bucket == "short" and precision == "fp16" and pairs:
         wide = lookup(arch, head_dim, causal, "mid", precision, features)
-        if pairs * -(-seqlen_q // wide.tile_m) >= SHORT_TO_MID_WAVES * slots:
+        if (seqlen_q >= wide.tile_m
+                and pairs * -(-seqlen_q // wide.tile_m) >= SHORT_TO_MID_WAVES * slots):
             return wide
     return lookup(arch, head_dim, causal, bucket, precision, features)
 
