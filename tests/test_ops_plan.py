@@ -587,7 +587,8 @@ def test_an_eager_short_decode_runs_unsplit_and_a_captured_one_splits():
 def test_short_prefill_over_many_heads_takes_the_mid_buckets_tile():
     """The short bucket's small tiles are for small grids: a call whose grid in the mid
     bucket's tiles fills about half the SMs runs the mid config (an eager call's own batch and
-    heads decide), a small grid keeps the short one, and decode and FP8 keep theirs."""
+    heads decide); a small grid, or fewer query rows than one mid tile, keeps the short one;
+    decode and FP8 keep theirs."""
     from unittest import mock
 
     from flashcore.ops import attention, launcher
