@@ -52,9 +52,9 @@ def resolve_config(config, tile, warps, stages, kv_splits, *, arch, head_dim, ca
     """One TileConfig from what the caller gave: ``config`` whole, or ``tile`` and knobs, or
     (``tile=None``) the tuned table's config for a call with these spec ``features`` over
     ``pairs`` (sequence, query head) pairs on ``slots`` SMs (``plan.tuned_config``) with any
-    knob the caller set on top. A decode whose ``group``
-    query heads a K/V head (of one token or a few) are packed into more than 16 rows gets a
-    tile that holds them (``plan.packed_rows_config``)."""
+    knob the caller set on top. A decode whose ``group`` query heads a K/V head (of one token
+    or a few) are packed into more than 16 rows gets a tile that holds them
+    (``plan.packed_rows_config``)."""
     if config is not None:
         if not isinstance(config, TileConfig):
             raise TypeError(f"attention: config must be a TileConfig, got {type(config).__name__}")

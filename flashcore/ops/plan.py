@@ -29,14 +29,15 @@ SHARE_OVERHEAD = 2  # key blocks' worth of time a share costs beyond its blocks
 # combine's, whose host time (a few microseconds each) is what such a call costs; a graph
 # replays launches for ~1 us, so there the GPU time decides
 EAGER_ONE_LAUNCH_BLOCKS = int(os.environ.get("FLASHCORE_EAGER_ONE_LAUNCH_BLOCKS", "16"))  # 0: off
-
-
 _CUDA_BUILT = torch.backends.cuda.is_built()  # a CPU-only torch captures nothing
 
 
 def capturing() -> bool:
-    """Whether torch's current stream is capturing a CUDA graph."""
-    return _CUDA_BUILT and torch.cuda.is_current_stream_capturing()
+    """Whether torch's current stream is capturing a CUDA graph (every eager call asks: the
+    binding itself, not its Python wrapper)."""
+    return _CUDA_BUILT and torch._C._cuda_isCurrentStreamCapturing()
+
+
 _sm_count: dict[int, int] = {}
 
 
