@@ -20,6 +20,9 @@ Three kernels make one backward pass, each a spec of its own (``op``):
   walk, ABI and row kernels).
 * ``attention_bwd_post``: dQ = accumulator · softmax_scale in the input dtype.
 
+The dQ accumulator's rows hold their 32-byte chunks in an order turned by the row
+(``DQ_CHUNK_TURNS``), which the main kernels write and the post kernel reads.
+
 The workspaces have ``ROW_PAD``-aligned rows per (batch, head), so the main kernel's query
 blocks never run past them.
 """
@@ -46,6 +49,21 @@ from .tile import TileConfig, TiledKernel
 
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
 ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this (the largest tile_m)
+# The dQ accumulator's rows are row-major in chunks of 32 bytes (8 floats), chunk c of row r
+# stored at chunk c ^ (r mod DQ_CHUNK_TURNS) where a row has a multiple of that many chunks
+# (``dq_chunk_turns``): a warp's accumulator fragment (8 rows of 32 bytes at one column) is
+# staged in shared memory over every bank instead of one bank window (8-way conflicts), and the
+# block still reaches global memory as one linear bulk reduction. Every kernel that reads or
+# adds into the accumulator uses this layout.
+DQ_CHUNK_BYTES = 32
+DQ_CHUNK_TURNS = 4
+
+
+def dq_chunk_turns(head_dim: int) -> int:
+    """Rows over which the dQ accumulator's chunks turn at ``head_dim``: ``DQ_CHUNK_TURNS``, or
+    1 (plain row-major) where a row is no multiple of that many chunks (d80)."""
+    chunks = head_dim * 4 // DQ_CHUNK_BYTES
+    return DQ_CHUNK_TURNS if chunks % DQ_CHUNK_TURNS == 0 else 1
 ROW_THREADS = 128  # threads of a pre/post CTA
 # ``stages``: query blocks (Q, dO and their LSE and D rows) in flight: 2 prefetches the next
 # block while this one computes

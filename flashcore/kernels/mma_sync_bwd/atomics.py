@@ -28,16 +28,17 @@ def red_add_v2_f32(a, b, address, *, loc=None, ip=None) -> None:
 
 
 @cute.jit
-def add_into(acc: cute.Tensor, dst: cute.Tensor, pairs: cutlass.Constexpr = False):
+def add_into(acc: cute.Tensor, dst: cute.Tensor, pairs: cutlass.Constexpr = False, turn=0):
     """Add every element of register fragment ``acc`` into ``dst`` (its partition of a global
-    fp32 tensor, shaped like ``acc``). ``pairs``: ``acc`` is an mma.sync accumulator (each
-    atom's values 2j and 2j + 1 are adjacent columns of one row) over an even-strided, 8-byte
-    aligned ``dst``: one ``red.v2`` per pair (sm_90), half the atomics."""
+    fp32 tensor, shaped like ``acc``), each address XORed with ``turn`` (``dq_layout``).
+    ``pairs``: ``acc`` is an MMA accumulator (each atom's values 2j and 2j + 1 are adjacent
+    columns of one row) over an even-strided, 8-byte aligned ``dst``: one ``red.v2`` per pair
+    (sm_90), half the atomics."""
     if cutlass.const_expr(pairs):
         for j in cutlass.range_constexpr(cute.size(acc) // 2):
             ptr = dst.iterator + cute.crd2idx(2 * j, dst.layout)
-            red_add_v2_f32(acc[2 * j], acc[2 * j + 1], ptr.toint())
+            red_add_v2_f32(acc[2 * j], acc[2 * j + 1], ptr.toint() ^ turn)
     else:
         for i in cutlass.range_constexpr(cute.size(acc)):
             ptr = dst.iterator + cute.crd2idx(i, dst.layout)
-            red_add_f32(acc[i], ptr.toint())
+            red_add_f32(acc[i], ptr.toint() ^ turn)

@@ -20,6 +20,7 @@ from ..common.mask import mask_scores, soft_cap
 from ..common.mma import gemm_ss
 from .atomics import add_into
 from .cta import BackwardCta
+from .dq_layout import turn_bytes
 from .turns import pass_turn, wait_turn
 
 
@@ -220,6 +221,7 @@ def add_dq(cta: BackwardCta, acc_dQ, mdQacc, head, m_block, adds=True):
                           cta.bounds, cutlass.min), cta.tidx)
     dst, pairs = cta.thr_dq.partition_C(gdQ), cta.spec.arch == "sm_90"
     if adds:
-        add_into(acc_dQ, dst, pairs)
+        first = (dst.iterator + cute.crd2idx(0, dst.layout)).toint()
+        add_into(acc_dQ, dst, pairs, turn_bytes(first, mdQacc.iterator.toint(), d))
     if cutlass.const_expr(cta.spec.deterministic):
         pass_turn(cta.dq_turns, turn_index(cta, head, m_block), cta.tidx)

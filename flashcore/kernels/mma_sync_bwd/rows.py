@@ -5,7 +5,8 @@ lanes are a power of two, ``specs.backward.row_lanes``).
   +inf for a row that saw no key (LSE -inf) and for the padding rows past the sequence, so the
   main kernel's exp2(S · scale · log2 e − LSE · log2 e) is 0 there, never NaN; zeroes the row's
   fp32 dQ accumulator.
-* ``BackwardPostprocess``: dQ = accumulator · softmax_scale in the input dtype.
+* ``BackwardPostprocess``: dQ = accumulator · softmax_scale in the input dtype (its chunks read
+  where ``dq_layout`` places them).
 """
 
 
@@ -13,12 +14,14 @@ import cutlass
 import cutlass.cute as cute
 
 from ...specs import BackwardSpec
-from ...specs.backward import ROW_THREADS, row_lanes
+from ...specs.backward import DQ_CHUNK_BYTES, ROW_THREADS, row_lanes
 from ..common.dtypes import DTYPES
 from ..common.grid import wait_for_previous_grid
 from ..common.softmax import LOG2_E
+from .dq_layout import turned_chunk
 
 VEC = 8  # 16-bit elements of one 16-byte access
+assert VEC * 4 == DQ_CHUNK_BYTES  # the post kernel reads dQ's accumulator a chunk at a time
 
 
 class _RowKernel:
@@ -103,9 +106,10 @@ class BackwardPostprocess(_RowKernel):
         dt = DTYPES[self.spec.dtype]
         if row < mdQ.shape[2]:  # noqa: SIM102 - run-time conditions: one branch each
             if chunk < self.chunks:
-                acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)
+                acc = cute.make_rmem_tensor((VEC,), cutlass.Float32)  # VEC floats: one chunk
                 cute.autovec_copy(cute.local_tile(mdQacc[batch, head, row, None], (VEC,),
-                                                  (chunk,)), acc)
+                                                  (turned_chunk(chunk, row, self.spec.head_dim),)),
+                                  acc)
                 out = cute.make_rmem_tensor((VEC,), dt)
                 out.store((acc.load() * scale).to(dt))
                 cute.autovec_copy(out, cute.local_tile(mdQ[batch, head, row, None], (VEC,),

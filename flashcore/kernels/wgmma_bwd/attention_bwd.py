@@ -22,6 +22,7 @@ from ..hopper.layouts import WARPGROUP
 from ..hopper.mma import wgmmas
 from ..mma_sync_bwd.attention_bwd import AttentionBackward
 from ..mma_sync_bwd.cta import BackwardCta
+from ..mma_sync_bwd.dq_layout import turn_bytes
 from ..mma_sync_bwd.epilogue import store_key_grads
 from ..mma_sync_bwd.layouts import transposed
 from ..mma_sync_bwd.query_block import add_dq, issue_block, issue_first, needs_mask
@@ -144,15 +145,24 @@ def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
         if cta.wg == 0:
             wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
             if cutlass.const_expr(cta.spec.bulk_dq):
-                stage_dq(acc_dQ, cta.tdQsdQ, slot)
+                stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
         if cutlass.const_expr(not cta.spec.bulk_dq):
             add_dq(cta, acc_dQ, mdQacc, head, m_block, cta.wg == 0)
     else:
         wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
         if cutlass.const_expr(cta.spec.bulk_dq):  # added by one bulk reduction after a barrier
-            stage_dq(acc_dQ, cta.tdQsdQ, slot)
+            stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
         else:
             add_dq(cta, acc_dQ, mdQacc, head, m_block)
+
+
+@cute.jit
+def dq_turn_bytes(cta: HopperCta, mdQacc, head, m_block):
+    """The XOR that places this thread's dQ values of block ``m_block`` (``dq_layout``): from
+    the global row of its first value (a packed sequence starts at any row)."""
+    dst = cta.thr_dq.partition_C(dq_block(cta, mdQacc, head, m_block))
+    first = (dst.iterator + cute.crd2idx(0, dst.layout)).toint()
+    return cutlass.Int32(turn_bytes(first, mdQacc.iterator.toint(), cta.spec.head_dim))
 
 
 def dq_block(cta: HopperCta, mdQacc, head, m_block) -> cute.Tensor:

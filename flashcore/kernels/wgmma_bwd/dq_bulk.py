@@ -1,5 +1,5 @@
 """dQ's fp32 adds as bulk reductions: a query block's dQ goes to shared memory (row-major, as
-the accumulator in global memory lies) and one thread adds the whole block into global memory
+the accumulator in global memory lies, ``mma_sync_bwd/dq_layout.py``) and one thread adds the whole block into global memory
 with ``cp.reduce.async.bulk`` (one L2 reduction of whole lines, instead of a ``red.global`` per
 pair of values a thread). Two shared buffers: a block's reduction reads its buffer while the
 next block computes."""
@@ -21,11 +21,26 @@ def bulk_add_f32(gaddr, saddr, size: int, *, loc=None, ip=None) -> None:
                     f"[$0], [$1], {size};", "l,r", has_side_effects=True, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def st_shared_v2_f32(a, b, saddr, *, loc=None, ip=None) -> None:
+    """``st.shared.v2.f32``: ``a`` and ``b`` at the 8-byte aligned shared address ``saddr``."""
+    llvm.inline_asm(None, [cutlass.Int32(saddr).ir_value(loc=loc, ip=ip),
+                           cutlass.Float32(a).ir_value(loc=loc, ip=ip),
+                           cutlass.Float32(b).ir_value(loc=loc, ip=ip)],
+                    "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f", has_side_effects=True,
+                    loc=loc, ip=ip)
+
+
 @cute.jit
-def stage_dq(acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, slot):
-    """This thread's dQ into buffer ``slot``, fenced for the bulk copy's (async) proxy; the
-    caller's barrier then makes the block whole."""
-    tdQsdQ[None, None, None, slot].store(acc_dQ.load())
+def stage_dq(acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, slot, turn):
+    """This thread's dQ into buffer ``slot`` as the accumulator in global memory lays it out
+    (each address XORed with ``turn``: ``mma_sync_bwd/dq_layout.py``, which spreads a warp's
+    eight rows over the banks), fenced for the bulk copy's (async) proxy; the caller's barrier
+    then makes the block whole. Values 2j and 2j + 1 of the accumulator are adjacent columns."""
+    dst = tdQsdQ[None, None, None, slot]
+    for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
+        ptr = dst.iterator + cute.crd2idx(2 * j, dst.layout)
+        st_shared_v2_f32(acc_dQ[2 * j], acc_dQ[2 * j + 1], ptr.toint() ^ turn)
     cute.arch.fence_proxy("async.shared", space="cta")
 
 
