@@ -294,6 +294,8 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     if bulk:
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
+        # dQ staged as the accumulator lies (``dq_layout``): pairs at XORed addresses
+        assert "st.shared.v2.f32" in ptx and "xor.b32" in ptx
     assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
     assert "ld.local" not in ptx and "st.local" not in ptx
     body = ptx[ptx.index(".entry"):]
@@ -419,3 +421,28 @@ def test_varlen_kernels_take_the_offsets_after_the_masks(artifacts, spec):
     body = artifacts[spec].ptx[artifacts[spec].ptx.index(".entry"):]
     assert "%ctaid.z" in body and "%nctaid.x" in body
     assert spec.name.endswith("_varlen")
+
+
+@pytest.mark.parametrize("d", BACKWARD_HEAD_DIMS)
+def test_dq_accumulator_chunks_turn_within_each_row_and_spread_a_warps_store(d):
+    """The dQ accumulator's layout (``specs.backward.DQ_CHUNK_TURNS``, written by the main
+    kernels and read by the post kernel through ``kernels/mma_sync_bwd/dq_layout``): each row's
+    chunks are a permutation of its chunks, and where the chunks turn, a warp's store of one
+    accumulator column pair (8 rows of 32 bytes, lanes 4r..4r+3 on row r) meets every bank
+    window of 128 bytes twice: two wavefronts, the least 256 bytes take."""
+    from flashcore.kernels.mma_sync_bwd.dq_layout import turned_chunk
+    from flashcore.specs.backward import DQ_CHUNK_BYTES, dq_chunk_turns
+
+    chunks = d * 4 // DQ_CHUNK_BYTES
+    for row in range(16):
+        assert sorted(turned_chunk(c, row, d) for c in range(chunks)) == list(range(chunks))
+    turns = dq_chunk_turns(d)
+    assert turns == (1 if d == 80 else 4)
+    if turns == 1:
+        return
+    row_bytes = 4 * d
+    for first_row in (0, 3, 8, 13):  # a packed sequence's blocks start at any row
+        for c in range(chunks):
+            windows = [((r * row_bytes + turned_chunk(c, r, d) * DQ_CHUNK_BYTES) % 128) // 32
+                       for r in range(first_row, first_row + 8)]
+            assert sorted(windows) == [0, 0, 1, 1, 2, 2, 3, 3], (first_row, c, windows)

@@ -4,8 +4,9 @@ of the K/V head's group that sees some key of the block, dK and dV in registers,
 fp32 accumulator by ``red.global.add``, in key-block order when ``deterministic``), each step's
 five products as warpgroup MMAs (``layouts.py``).
 
-All threads copy (cp.async, the next query block's Q, dO, LSE and D rows into the other stage
-while this one computes) and all compute: warpgroup w holds keys 64w .. 64w + 63 of the block.
+All threads copy (cp.async, the next query block's Q, dO, LSE and D rows into the other stage,
+issued after this block's first MMAs so that their address arithmetic runs under them) and all
+compute: warpgroup w holds keys 64w .. 64w + 63 of the block.
 ABI: ``flashcore.specs.params.BACKWARD``.
 """
 
@@ -76,16 +77,23 @@ class HopperCta(BackwardCta):
 
 
 @cute.jit
-def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot):
+def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, nxt):
     """Block ``m_block`` of query head ``head``, its Q, dO, LSE and D rows landed in stage
-    ``slot`` (and fenced for the async proxy)."""
+    ``slot`` (and fenced for the async proxy). ``nxt``: (whether there is a next block, its
+    head, its query block), whose rows of ``rows`` (Q, dO, LSE, D) are copied into the other
+    stage while this block's first products run."""
     c, d, lay = cta.config, cta.spec.head_dim, cta.lay
     tm, tn = c.tile_m, c.tile_n
     acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
     acc_dP = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
     # two groups: P's exponentials run while dPᵀ's MMAs do (no soft-cap)
     wgmmas([(lay.mma_sdp, acc_S, cta.tSrK, cta.tSrQ[None, None, None, slot])], True, None)
-    wgmmas([(lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, 1)
+    wgmmas([(lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, None)
+    # the next block's copies: their address arithmetic runs under this block's MMAs
+    if nxt[0]:
+        issue_block(cta, *rows, nxt[1], nxt[2], 1 - slot)
+    cute.arch.cp_async_commit_group()
+    warpgroup.wait_group(1)
 
     S, dP = acc_mn_view(acc_S), acc_mn_view(acc_dP)  # (keys, query rows)
     # each column's query row within the block (static), and its LSE (log2) and D
@@ -183,6 +191,9 @@ class HopperBackward(AttentionBackward):
         cta, first, lo, per_head, steps = self.begin(args)
         issue_first(cta, mQ, mdO, mLSE2, mD, first, lo, steps)
         bulk = self.spec.bulk_dq
+        # (head, query block) of the last step, this one and the next, walked without divisions
+        last_head, last_m = cutlass.Int32(first), cutlass.Int32(lo)
+        head, m_block = cutlass.Int32(first), cutlass.Int32(lo)
         for step in range(steps):
             # this step's tiles landed, seen by the async proxy; every warpgroup is done with
             # the last step's (its dQ product waited), so the other stage and dSᵀ are free;
@@ -192,25 +203,23 @@ class HopperBackward(AttentionBackward):
             if cutlass.const_expr(bulk):
                 wait_dq_read(cta.tidx)
             cute.arch.sync_threads()
-            after = step + 1
             slot = step % 2
             if cutlass.const_expr(bulk):  # noqa: SIM102 - compile time, then run time
                 if step > 0:
-                    before = step - 1
-                    issue_dq(cta.sdQ, dq_block(cta, mdQacc, first + before // per_head,
-                                               lo + before % per_head), 1 - slot, cta.tidx)
-            if after < steps:
-                issue_block(cta, mQ, mdO, mLSE2, mD, first + after // per_head,
-                            lo + after % per_head, 1 - slot)
-            cute.arch.cp_async_commit_group()
-            query_block(cta, mdQacc, first + step // per_head, lo + step % per_head,
-                        args.scales.scale_log2, slot)
+                    issue_dq(cta.sdQ, dq_block(cta, mdQacc, last_head, last_m), 1 - slot,
+                             cta.tidx)
+            next_head, next_m = head, m_block + 1
+            if next_m == lo + per_head:
+                next_head, next_m = head + 1, lo
+            query_block(cta, (mQ, mdO, mLSE2, mD), mdQacc, head, m_block,
+                        args.scales.scale_log2, slot, (step + 1 < steps, next_head, next_m))
+            last_head, last_m = head, m_block
+            head, m_block = next_head, next_m
         cute.arch.cp_async_wait_group(0)  # K and V landed even where no step ran
         if cutlass.const_expr(bulk):  # the last block's dQ, and every reduction done
             cute.arch.sync_threads()
             if steps > 0:
-                last = steps - 1
-                issue_dq(cta.sdQ, dq_block(cta, mdQacc, first + last // per_head,
-                                           lo + last % per_head), last % 2, cta.tidx)
+                issue_dq(cta.sdQ, dq_block(cta, mdQacc, last_head, last_m), (steps - 1) % 2,
+                         cta.tidx)
             wait_dq_done(cta.tidx)
         store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)
