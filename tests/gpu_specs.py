@@ -414,8 +414,10 @@ BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), war
                          TileConfig((32, 64), warps=4, stages=2)]
 
 
-# the Hopper backward's tile (its sm_90 default at d64, d96 and d128)
-HOPPER_BWD_CONFIGS = [TileConfig((64, 128), warps=8, stages=2, family="hopper")]
+# the Hopper backward's tiles (its sm_90 defaults: 64 x 128 at d96 and d128, 128 x 128 at d64,
+# which also builds 64 x 128)
+HOPPER_BWD_CONFIGS = [TileConfig((64, 128), warps=8, stages=2, family="hopper"),
+                      TileConfig((128, 128), warps=8, stages=2, family="hopper")]
 
 
 # every mask combination the backward builds: (causal, mask_align, window, softcap), as
@@ -478,10 +480,12 @@ def backward_specs(arch: str) -> list:
             HOPPER_BWD_CONFIGS, HOPPER_BWD_HEAD_DIMS, DTYPES, BACKWARD_MASKS,
             ({}, {"deterministic": True}, {"varlen": True})):
         masks = Masking(align, (1, 0) if window else None, 1.0 if cap else None)
+        if arch != "sm_90":
+            break  # another arch: none of them builds
         try:
             specs.append(one_pass(arch, dtype, d, config, causal, masks)[1].replace(**variant))
         except SpecError:
-            break  # another arch: none of them builds
+            pass  # a tile this head dim does not build
     # the deterministic and the packed-batch (varlen) main kernels of every mask
     for dtype, d, (causal, align, window, cap), variant in itertools.product(
             DTYPES, HEAD_DIMS, BACKWARD_MASKS, ({"deterministic": True}, {"varlen": True})):

@@ -115,6 +115,14 @@ HOPPER = [BackwardSpec(arch="sm_90", dtype=dt, head_dim=d, config=HOPPER_TILE, c
               # d96: the first warpgroup's dQ alone
               ("bfloat16", 96, True, {"window": True}),
               ("float16", 96, False, {"deterministic": True}))]
+# d64's 128-row blocks (its default): plain, masked, dQ in turns, a packed batch
+HOPPER += [BackwardSpec(arch="sm_90", dtype=dt, head_dim=64,
+                        config=HOPPER_TILE.replace(tile=(128, 128)), causal=c, **m)
+           for dt, c, m in (("float16", False, {}),
+                            ("bfloat16", True, {"mask_align": "bottom_right", "window": True,
+                                                "softcap": True}),
+                            ("float16", True, {"deterministic": True}),
+                            ("bfloat16", True, {"varlen": True}))]
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
                          ("sm_90", "float16", 128), ("sm_89", "float16", 80),
@@ -275,16 +283,17 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     ptx = artifacts[spec].ptx
     assert re.search(r"\.target\s+sm_90a\b", ptx)
     dt = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
-    # per query block and warpgroup: Sᵀ and dPᵀ (64 x 64 over d: d / 16 each), dV and dK
-    # (64 x d over 64 rows: 4 each), dQ (its 64 x d / 2 over 128 keys: 8; d96 the first
-    # warpgroup's 64 x 96); no mma.sync
+    # per query block and warpgroup: Sᵀ and dPᵀ (64 keys x tile_m over d: d / 16 each), dV
+    # and dK (64 x d over tile_m rows: tile_m / 16 each), dQ (64 rows: its half of d over 128
+    # keys, 8; d96 the first warpgroup's 64 x 96; 128 rows: each warpgroup's 64 x d); no
+    # mma.sync
     mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.{dt}\.{dt}", ptx)
-    d = spec.head_dim
-    dq_n = d if d == 96 else d // 2
-    assert sorted(mma) == sorted(["64"] * (2 * d // 16) + [str(d)] * 8
+    d, tm = spec.head_dim, spec.config.tile_m
+    dq_n = d if d == 96 or tm == 128 else d // 2
+    assert sorted(mma) == sorted([str(tm)] * (2 * d // 16) + [str(d)] * (2 * tm // 16)
                                  + [str(dq_n)] * 8), mma
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
-    assert ptx.count("stmatrix.sync.aligned") == 4  # dSᵀ, 32 values a thread
+    assert ptx.count("stmatrix.sync.aligned") == tm // 16  # dSᵀ, tm / 2 values a thread
     assert "fence.proxy.async.shared::cta" in ptx
     # dQ: a bulk reduction a query block from shared memory, or (deterministic) the turns'
     # per-thread pairs
@@ -307,7 +316,8 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
 
 def test_hopper_defaults_and_refusals():
     for d in (64, 96, 128):
-        assert default_backward_config(d, "sm_90") == HOPPER_TILE
+        tile = (128, 128) if d == 64 else (64, 128)
+        assert default_backward_config(d, "sm_90") == HOPPER_TILE.replace(tile=tile)
         assert default_backward_config(d, "sm_89").family == ""
         assert default_warps_m(d, HOPPER_TILE) == ()
     for d in (32, 80, 256):
@@ -318,7 +328,7 @@ def test_hopper_defaults_and_refusals():
     for bad, match in (({"arch": "sm_89"}, "sm_90 only"),
                        ({"head_dim": 256}, "head_dim in"),
                        ({"config": TileConfig((128, 128), warps=8, stages=2, family="hopper")},
-                        "tile=\\(64, 128\\)"),
+                        "head_dim=128 for tiles \\(\\(64, 128\\),\\)"),
                        ({"config": TileConfig((64, 128), warps=8, stages=1, family="hopper")},
                         "stages=2"),
                        ({"warps_m": (2, 4, 2)}, "warps_m")):

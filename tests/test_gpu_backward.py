@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from flashcore import reference
@@ -22,6 +22,7 @@ from flashcore.ops.backward import attention_backward
 from flashcore.specs import BackwardSpec
 from flashcore.specs.backward import (
     HOPPER_BWD_HEAD_DIMS,
+    HOPPER_BWD_TILES,
     default_warps_m,
     parse_backward_choices,
 )
@@ -205,6 +206,12 @@ def test_gradients_match_reference_within_sdpa_error(b, hkv, ratio, sq, sk, d, d
 @example(b=2, hkv=1, ratio=4, sq=190, sk=333, d=64, dtype="bfloat16", causal=False,
          align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[0],
          deterministic=True, seed=2)
+@example(b=1, hkv=2, ratio=2, sq=333, sk=190, d=64, dtype="float16", causal=True,
+         align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[1],
+         deterministic=False, seed=7)  # d64's 128-row blocks: ragged on both sides
+@example(b=2, hkv=1, ratio=3, sq=129, sk=257, d=64, dtype="bfloat16", causal=True,
+         align="bottom_right", window=(50, 0), softcap=15.0, config=HOPPER_BWD_CONFIGS[1],
+         deterministic=True, seed=8)
 @example(b=1, hkv=1, ratio=2, sq=77, sk=299, d=128, dtype="bfloat16", causal=True,
          align="bottom_right", window=(40, 0), softcap=20.0, config=HOPPER_BWD_CONFIGS[0],
          deterministic=False, seed=3)
@@ -218,6 +225,7 @@ def test_hopper_backward_matches_reference(b, hkv, ratio, sq, sk, d, dtype, caus
     deterministic call repeats bit for bit."""
     if current_arch() != "sm_90":
         pytest.skip("the Hopper backward runs on sm_90")
+    assume(config.tile in HOPPER_BWD_TILES[d])
     grads, call = _check(b, hkv * ratio, hkv, sq, sk, d, dtype, causal, None, seed,
                          config=config, masks=_masks(causal, align, window, softcap),
                          deterministic=deterministic)

@@ -70,11 +70,11 @@ ROW_THREADS = 128  # threads of a pre/post CTA
 BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
                   "stages": (1, 2), "kv_splits": (1,)}
 # The Hopper backward (``kernels/wgmma_bwd``): warpgroup MMAs on sm_90, two warpgroups of 64
-# keys, query blocks of 64 rows, two stages of Q and dO. (128-row blocks spill: 56 bytes at d64,
-# 1092 at d128; one warpgroup's 64-row dQ spills at d128.)
+# keys, two stages of Q and dO; query blocks of 64 rows, or 128 at d64 (its first tile, the
+# default: 226-254 registers, no spills). 128 rows spill at d96 and d128.
 HOPPER_BWD = "hopper"
 HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
-HOPPER_BWD_TILE = (64, 128)
+HOPPER_BWD_TILES = {64: ((128, 128), (64, 128)), 96: ((64, 128),), 128: ((64, 128),)}
 BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
 _SMEM_ALIGN = 1024
 
@@ -203,10 +203,11 @@ class BackwardSpec(SpecData, TiledKernel):
         if self.head_dim not in HOPPER_BWD_HEAD_DIMS:
             raise bad(f"family={HOPPER_BWD!r} is built for head_dim in {HOPPER_BWD_HEAD_DIMS}, "
                       f"not head_dim={self.head_dim} (family 'mma_sync' builds it)")
-        if c.tile != HOPPER_BWD_TILE or c.warps != 8:
-            raise bad(f"family={HOPPER_BWD!r} is built for tile={HOPPER_BWD_TILE} (query rows, "
-                      f"keys) with warps=8 (two warpgroups of 64 keys), not tile={c.tile} "
-                      f"warps={c.warps}")
+        tiles = HOPPER_BWD_TILES[self.head_dim]
+        if c.tile not in tiles or c.warps != 8:
+            raise bad(f"family={HOPPER_BWD!r} is built at head_dim={self.head_dim} for tiles "
+                      f"{tiles} (query rows, keys) with warps=8 (two warpgroups of 64 keys), not "
+                      f"tile={c.tile} warps={c.warps}")
         if c.stages != 2:
             raise bad(f"family={HOPPER_BWD!r} keeps two query blocks in flight: stages=2, got "
                       f"stages={c.stages}")
@@ -330,7 +331,7 @@ class BackwardSpec(SpecData, TiledKernel):
 
 def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
     """The main kernel's config. sm_90 at d64, d96 and d128: the Hopper backward, 64 query rows x
-    128 keys (1.32-1.40x the mma_sync backward on an H200). Else the
+    128 keys (128 x 128 at d64). Else the
     mma_sync backward: eight warps, 64 query rows x 128 keys, two query blocks in
     flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
     ``arch``) take 64 keys: d96 two blocks in flight (89 KB), d128 one (80 KB); sm_80 and
@@ -341,7 +342,7 @@ def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfi
     128 x 128, FlashAttention-2's H100 choice, runs at 255 registers with a few spilled: a
     variant to time, not the default.)"""
     if arch == "sm_90" and head_dim in HOPPER_BWD_HEAD_DIMS:
-        return TileConfig(HOPPER_BWD_TILE, warps=8, stages=2, family=HOPPER_BWD)
+        return TileConfig(HOPPER_BWD_TILES[head_dim][0], warps=8, stages=2, family=HOPPER_BWD)
     big = arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024
     if head_dim == 80:
         return TileConfig((64, 64), warps=4, stages=2)

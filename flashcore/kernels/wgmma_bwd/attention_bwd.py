@@ -96,25 +96,27 @@ def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, n
     warpgroup.wait_group(1)
 
     S, dP = acc_mn_view(acc_S), acc_mn_view(acc_dP)  # (keys, query rows)
-    # each column's query row within the block (static), and its LSE (log2) and D
+    # each column's query row within the block (static); its LSE (log2) and D are read from
+    # shared memory where each is used, not held in registers for the whole block
     local = acc_mn_view(cta.thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
     cols = cute.size(S, mode=[1])
-    lse2 = cute.make_rmem_tensor(cols, cutlass.Float32)
-    dpsum = cute.make_rmem_tensor(cols, cutlass.Float32)
-    for j in cutlass.range_constexpr(cols):
+
+    def lse_of(j):
         row = local[0, j][1]
-        lse2[j] = cta.sLSE[row, slot]
-        dpsum[j] = cta.sD[row, slot]
-        # past the sequence: the next one's rows (compile-time, then run-time)
-        if cutlass.const_expr(cta.spec.varlen):  # noqa: SIM102
-            if m_block * tm + row >= cta.seqlen_q:
-                lse2[j] = cutlass.Float32.inf
+        if cutlass.const_expr(cta.spec.varlen):  # past the sequence: the next one's rows
+            return cutlass.select_(m_block * tm + row >= cta.seqlen_q, cutlass.Float32.inf,
+                                   cta.sLSE[row, slot])
+        return cta.sLSE[row, slot]
+
+    def d_of(j):
+        return cta.sD[local[0, j][1], slot]
+
     if cutlass.const_expr(cta.spec.softcap):  # dPᵀ first: its slope needs the capped Sᵀ
         warpgroup.wait_group(0)
         soft_cap(S, *cta.softcap)  # S -> (c / scale) · tanh(S · scale / c), as the forward
         for j in cutlass.range_constexpr(cols):  # dP - D times the cap's slope 1 - tanh²
             t = S[None, j].load() * cta.softcap[0]
-            dP[None, j] = (dP[None, j].load() - dpsum[j]) * (cute.full_like(t, 1.0) - t * t)
+            dP[None, j] = (dP[None, j].load() - d_of(j)) * (cute.full_like(t, 1.0) - t * t)
     coords = acc_mn_view(cta.thr_sdp.partition_C(cute.local_tile(
         cute.make_identity_tensor((cta.seqlen_k, cta.seqlen_q)), (tn, tm),
         (cta.n_block, m_block))))
@@ -124,14 +126,14 @@ def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, n
     for j in cutlass.range_constexpr(cols):
         col = S[None, j].load()
         p = cute.math.exp2(cute.math.fma(col, cute.full_like(col, scale_log2),
-                                         cute.full_like(col, -lse2[j])), fastmath=True)
+                                         cute.full_like(col, -lse_of(j))), fastmath=True)
         S[None, j] = p
         if cutlass.const_expr(cta.spec.softcap):
             dP[None, j] = p * dP[None, j].load()
     if cutlass.const_expr(not cta.spec.softcap):
         warpgroup.wait_group(0)  # dPᵀ, while P's exponentials ran
         for j in cutlass.range_constexpr(cols):
-            dP[None, j] = S[None, j].load() * (dP[None, j].load() - dpsum[j])
+            dP[None, j] = S[None, j].load() * (dP[None, j].load() - d_of(j))
 
     dt = lay.dtype
     rP = cute.make_rmem_tensor(acc_S.layout, dt)
