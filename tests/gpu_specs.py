@@ -414,8 +414,7 @@ BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), war
                          TileConfig((32, 64), warps=4, stages=2)]
 
 
-# the Hopper backward's tiles (its sm_90 defaults: 64 x 128 at d96 and d128, 128 x 128 at d64,
-# which also builds 64 x 128)
+# the Hopper backward's tiles (its sm_90 default at d64, d96 and d128; d64 also builds 128 x 128)
 HOPPER_BWD_CONFIGS = [TileConfig((64, 128), warps=8, stages=2, family="hopper"),
                       TileConfig((128, 128), warps=8, stages=2, family="hopper")]
 

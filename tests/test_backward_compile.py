@@ -115,7 +115,7 @@ HOPPER = [BackwardSpec(arch="sm_90", dtype=dt, head_dim=d, config=HOPPER_TILE, c
               # d96: the first warpgroup's dQ alone
               ("bfloat16", 96, True, {"window": True}),
               ("float16", 96, False, {"deterministic": True}))]
-# d64's 128-row blocks (its default): plain, masked, dQ in turns, a packed batch
+# d64's 128-row blocks: plain, masked, dQ in turns, a packed batch
 HOPPER += [BackwardSpec(arch="sm_90", dtype=dt, head_dim=64,
                         config=HOPPER_TILE.replace(tile=(128, 128)), causal=c, **m)
            for dt, c, m in (("float16", False, {}),
@@ -316,8 +316,7 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
 
 def test_hopper_defaults_and_refusals():
     for d in (64, 96, 128):
-        tile = (128, 128) if d == 64 else (64, 128)
-        assert default_backward_config(d, "sm_90") == HOPPER_TILE.replace(tile=tile)
+        assert default_backward_config(d, "sm_90") == HOPPER_TILE
         assert default_backward_config(d, "sm_89").family == ""
         assert default_warps_m(d, HOPPER_TILE) == ()
     for d in (32, 80, 256):

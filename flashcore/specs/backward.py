@@ -70,11 +70,12 @@ ROW_THREADS = 128  # threads of a pre/post CTA
 BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
                   "stages": (1, 2), "kv_splits": (1,)}
 # The Hopper backward (``kernels/wgmma_bwd``): warpgroup MMAs on sm_90, two warpgroups of 64
-# keys, two stages of Q and dO; query blocks of 64 rows, or 128 at d64 (its first tile, the
-# default: 226-254 registers, no spills). 128 rows spill at d96 and d128.
+# keys, two stages of Q and dO; query blocks of 64 rows (each head dim's first tile, the
+# default), or 128 at d64 (226-254 registers, no spills; it timed level with 64 rows on an
+# H200). 128 rows spill at d96 and d128.
 HOPPER_BWD = "hopper"
 HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
-HOPPER_BWD_TILES = {64: ((128, 128), (64, 128)), 96: ((64, 128),), 128: ((64, 128),)}
+HOPPER_BWD_TILES = {64: ((64, 128), (128, 128)), 96: ((64, 128),), 128: ((64, 128),)}
 BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
 _SMEM_ALIGN = 1024
 
@@ -331,7 +332,7 @@ class BackwardSpec(SpecData, TiledKernel):
 
 def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
     """The main kernel's config. sm_90 at d64, d96 and d128: the Hopper backward, 64 query rows x
-    128 keys (128 x 128 at d64). Else the
+    128 keys. Else the
     mma_sync backward: eight warps, 64 query rows x 128 keys, two query blocks in
     flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
     ``arch``) take 64 keys: d96 two blocks in flight (89 KB), d128 one (80 KB); sm_80 and
