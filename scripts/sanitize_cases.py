@@ -713,7 +713,9 @@ def kv_split_cases():
         yield ok
 
 
-def backward_cases(deterministic: bool = False, head_dims: bool = False):
+def backward_cases(deterministic: bool = False, head_dims: bool = False, only_dim: int = 0):
+    """Ragged shapes through the backward against float64 autograd (``only_dim``: those of
+    that head dim alone)."""
     from flashcore.ops.backward import attention_backward
 
     shapes = ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64))
@@ -724,7 +726,7 @@ def backward_cases(deterministic: bool = False, head_dims: bool = False):
         shapes += ((1, 6, 2, 300, 390, 128),)
         masks += ({"mask_align": "bottom_right", "window": (100, 0)},)
     for (b, hq, hkv, sq, sk, d), causal, mask in itertools.product(shapes, (False, True), masks):
-        if mask and not causal:
+        if (mask and not causal) or only_dim not in (0, d):
             continue
         q, k, v = qkv(b, hq, hkv, sq, sk, d, seed=sq)
         out, lse = attention(q, k, v, causal=causal, return_lse=True, **mask)
@@ -745,7 +747,7 @@ def backward_cases(deterministic: bool = False, head_dims: bool = False):
 def backward_hopper_cases():
     """The Hopper backward (sm_90: the d64, d96 and d128 default there): the backward cases' ragged
     shapes, free dQ adds and in turns (more key blocks per query block, a window), and a
-    packed batch's."""
+    packed batch's; then d64's other tile, 128-row blocks."""
     from flashcore.ops.backward import backward_choices_override
 
     with backward_choices_override("64x128w8s2-hopper"):
@@ -754,6 +756,9 @@ def backward_hopper_cases():
         yield from backward_varlen_cases()
     with backward_choices_override("96:64x128w8s2-hopper"):  # d96's one-warpgroup dQ
         yield from backward_cases(head_dims=True)
+    with backward_choices_override("64:128x128w8s2-hopper"):  # d64's 128-row blocks
+        yield from backward_cases(only_dim=64)
+        yield from backward_cases(deterministic=True, only_dim=64)
 
 
 def backward_varlen_cases():
