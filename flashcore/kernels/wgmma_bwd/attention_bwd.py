@@ -77,24 +77,10 @@ class HopperCta(BackwardCta):
 
 
 @cute.jit
-def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, nxt):
-    """Block ``m_block`` of query head ``head``, its Q, dO, LSE and D rows landed in stage
-    ``slot`` (and fenced for the async proxy). ``nxt``: (whether there is a next block, its
-    head, its query block), whose rows of ``rows`` (Q, dO, LSE, D) are copied into the other
-    stage while this block's first products run."""
-    c, d, lay = cta.config, cta.spec.head_dim, cta.lay
-    tm, tn = c.tile_m, c.tile_n
-    acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
-    acc_dP = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
-    # two groups: P's exponentials run while dPᵀ's MMAs do (no soft-cap)
-    wgmmas([(lay.mma_sdp, acc_S, cta.tSrK, cta.tSrQ[None, None, None, slot])], True, None)
-    wgmmas([(lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, None)
-    # the next block's copies: their address arithmetic runs under this block's MMAs
-    if nxt[0]:
-        issue_block(cta, *rows, nxt[1], nxt[2], 1 - slot)
-    cute.arch.cp_async_commit_group()
-    warpgroup.wait_group(1)
-
+def p_and_ds(cta: HopperCta, acc_S, acc_dP, m_block, scale_log2, slot):
+    """Pᵀ and dSᵀ in place of the Sᵀ and dPᵀ accumulators of block ``m_block`` (Sᵀ's MMAs
+    done, dPᵀ's waited for here)."""
+    tm, tn = cta.config.tile_m, cta.config.tile_n
     S, dP = acc_mn_view(acc_S), acc_mn_view(acc_dP)  # (keys, query rows)
     # each column's query row within the block (static); its LSE (log2) and D are read from
     # shared memory where each is used, not held in registers for the whole block
@@ -135,6 +121,27 @@ def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, n
         for j in cutlass.range_constexpr(cols):
             dP[None, j] = S[None, j].load() * (dP[None, j].load() - d_of(j))
 
+
+@cute.jit
+def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, nxt):
+    """Block ``m_block`` of query head ``head``, its Q, dO, LSE and D rows landed in stage
+    ``slot`` (and fenced for the async proxy). ``nxt``: (whether there is a next block, its
+    head, its query block), whose rows of ``rows`` (Q, dO, LSE, D) are copied into the other
+    stage while this block's first products run."""
+    c, d, lay = cta.config, cta.spec.head_dim, cta.lay
+    tm, tn = c.tile_m, c.tile_n
+    acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
+    acc_dP = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
+    # two groups: P's exponentials run while dPᵀ's MMAs do (no soft-cap)
+    wgmmas([(lay.mma_sdp, acc_S, cta.tSrK, cta.tSrQ[None, None, None, slot])], True, None)
+    wgmmas([(lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, None)
+    # the next block's copies: their address arithmetic runs under this block's MMAs
+    if nxt[0]:
+        issue_block(cta, *rows, nxt[1], nxt[2], 1 - slot)
+    cute.arch.cp_async_commit_group()
+    warpgroup.wait_group(1)
+
+    p_and_ds(cta, acc_S, acc_dP, m_block, scale_log2, slot)
     dt = lay.dtype
     rP = cute.make_rmem_tensor(acc_S.layout, dt)
     rP.store(acc_S.load().to(dt))
