@@ -12,6 +12,13 @@ tree's best median and the ratio new / old, normalised by the control.
 
 ``--serving`` times the serving calls instead (dense and paged decode, 16-bit and e4m3 caches,
 pages of 16, 128 and a gathered 24; varlen prefill), with SDPA's flash decode as the control.
+``--backward`` times ``flashcore.ops.backward.attention_backward`` of each shape (its ``out``
+and ``lse`` from the tree's own forward), with SDPA's flash forward of the shape as the
+control (a clock, not a peer: the backward's peers are ``python -m flashcore.bench
+--backward``'s).
+
+    python scripts/ab_trees.py --old .scratch/old --new . --passes 4 --backward \
+        --shapes 4,16,4096,128 4,16,4096,128,causal
 """
 
 from __future__ import annotations
@@ -59,14 +66,25 @@ def child() -> None:
         return
     shapes = [tuple(x) for x in json.loads(os.environ["AB_SHAPES"])] if "AB_SHAPES" in os.environ \
         else SHAPES
+    backward = bool(os.environ.get("AB_BACKWARD"))
     for b, h, s, d, causal in shapes:
-        nbytes = 4 * b * h * s * d * 2
+        tensors = 6 if backward else 4  # Q, K, V (dO, O, LSE) and the output
+        nbytes = tensors * b * h * s * d * 2
         n = max(2, min(32, -(-3 * 50 * 2**20 // nbytes)))  # inputs past the L2
         sets = [tuple(torch.randn(b, h, s, d, device="cuda", dtype=torch.float16)
-                      for _ in range(3)) for _ in range(n)]
+                      for _ in range(4 if backward else 3)) for _ in range(n)]
         key = f"{b},{h},{s},{d}{' causal' if causal else ''}"
-        ours = graph_us(lambda q, k, v, c=causal: attention(q, k, v, tile=None, causal=c), sets)
-        ctrl = graph_us(lambda q, k, v, c=causal: sdpa_flash(q, k, v, c), sets)
+        if backward:
+            from flashcore.ops.backward import attention_backward
+
+            sets = [(q, k, v, do, *attention(q, k, v, causal=causal, return_lse=True))
+                    for q, k, v, do in sets]
+            ours = graph_us(lambda q, k, v, do, o, lse, c=causal: attention_backward(
+                do, q, k, v, o, lse, c), sets)
+        else:
+            ours = graph_us(lambda q, k, v, c=causal: attention(q, k, v, tile=None, causal=c),
+                            sets)
+        ctrl = graph_us(lambda q, k, v, *_, c=causal: sdpa_flash(q, k, v, c), sets)
         out["times"][key] = (ours, ctrl)
         del sets
     print("AB " + json.dumps(out), flush=True)
@@ -137,6 +155,8 @@ def main() -> int:
     ap.add_argument("--shapes", nargs="+", default=None, metavar="B,H,S,D[,causal]",
                     help="prefill shapes to time instead of the benchmark's quick ones")
     ap.add_argument("--serving", action="store_true", help="time the serving calls instead")
+    ap.add_argument("--backward", action="store_true",
+                    help="time the backward pass of each shape instead of the forward")
     a = ap.parse_args()
     trees = {"old": os.path.abspath(a.old), "new": os.path.abspath(a.new)}
     shapes = None
@@ -150,6 +170,8 @@ def main() -> int:
             env["AB_SHAPES"] = json.dumps(shapes)
         if a.serving:
             env["AB_SERVING"] = "1"
+        if a.backward:
+            env["AB_BACKWARD"] = "1"
         env["PYTHONPATH"] = trees[tag] + os.pathsep + env.get("PYTHONPATH", "")
         if tag == "old" and a.old_cache:
             env["FLASHCORE_CACHE_DIR"] = a.old_cache
