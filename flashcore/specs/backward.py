@@ -49,6 +49,22 @@ from .tile import TileConfig, TiledKernel
 
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
 ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this (the largest tile_m)
+ROW_THREADS = 128  # threads of a pre/post CTA
+# ``stages``: query blocks (Q, dO and their LSE and D rows) in flight: 2 prefetches the next
+# block while this one computes
+BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
+                  "stages": (1, 2), "kv_splits": (1,)}
+# The Hopper backward (``kernels/wgmma_bwd``): warpgroup MMAs on sm_90, two warpgroups of 64
+# keys, two stages of Q and dO; query blocks of 64 rows (each head dim's first tile, the
+# default), or 128 at d64 (226-254 registers, no spills; it timed level with 64 rows on an
+# H200). 128 rows spill at d96 and d128.
+HOPPER_BWD = "hopper"
+HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
+HOPPER_BWD_TILES = {64: ((64, 128), (128, 128)), 96: ((64, 128),), 128: ((64, 128),)}
+BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
+_SMEM_ALIGN = 1024
+
+
 # The dQ accumulator's rows are row-major in chunks of 32 bytes (8 floats), chunk c of row r
 # stored at chunk c ^ (r mod DQ_CHUNK_TURNS) where a row has a multiple of that many chunks
 # (``dq_chunk_turns``): a warp's accumulator fragment (8 rows of 32 bytes at one column) is
@@ -64,20 +80,6 @@ def dq_chunk_turns(head_dim: int) -> int:
     1 (plain row-major) where a row is no multiple of that many chunks (d80)."""
     chunks = head_dim * 4 // DQ_CHUNK_BYTES
     return DQ_CHUNK_TURNS if chunks % DQ_CHUNK_TURNS == 0 else 1
-ROW_THREADS = 128  # threads of a pre/post CTA
-# ``stages``: query blocks (Q, dO and their LSE and D rows) in flight: 2 prefetches the next
-# block while this one computes
-BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
-                  "stages": (1, 2), "kv_splits": (1,)}
-# The Hopper backward (``kernels/wgmma_bwd``): warpgroup MMAs on sm_90, two warpgroups of 64
-# keys, two stages of Q and dO; query blocks of 64 rows (each head dim's first tile, the
-# default), or 128 at d64 (226-254 registers, no spills; it timed level with 64 rows on an
-# H200). 128 rows spill at d96 and d128.
-HOPPER_BWD = "hopper"
-HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
-HOPPER_BWD_TILES = {64: ((64, 128), (128, 128)), 96: ((64, 128),), 128: ((64, 128),)}
-BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
-_SMEM_ALIGN = 1024
 
 
 def _align(n: int) -> int:

@@ -1,8 +1,8 @@
-"""dQ's fp32 adds as bulk reductions: a query block's dQ goes to shared memory (row-major, as
-the accumulator in global memory lies, ``mma_sync_bwd/dq_layout.py``) and one thread adds the whole block into global memory
-with ``cp.reduce.async.bulk`` (one L2 reduction of whole lines, instead of a ``red.global`` per
-pair of values a thread). Two shared buffers: a block's reduction reads its buffer while the
-next block computes."""
+"""dQ's fp32 adds as bulk reductions: a query block's dQ goes to shared memory (as the
+accumulator in global memory lies, ``mma_sync_bwd/dq_layout.py``) and one thread adds the whole
+block into global memory with ``cp.reduce.async.bulk`` (one L2 reduction of whole lines,
+instead of a ``red.global`` per pair of values a thread). Two shared buffers: a block's
+reduction reads its buffer while the next block computes."""
 
 import cutlass
 import cutlass.cute as cute
