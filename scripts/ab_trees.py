@@ -41,6 +41,7 @@ def child() -> None:
 
     import flashcore
     from flashcore.ops import attention
+    from flashcore.ops.backward import attention_backward
 
     # kernel time from flashcore.tuning.timing of the tree this script sits in, loaded by path
     # (the tree under test may be older and lack it; its own ``flashcore`` stays the one imported)
@@ -75,8 +76,6 @@ def child() -> None:
                       for _ in range(4 if backward else 3)) for _ in range(n)]
         key = f"{b},{h},{s},{d}{' causal' if causal else ''}"
         if backward:
-            from flashcore.ops.backward import attention_backward
-
             sets = [(q, k, v, do, *attention(q, k, v, causal=causal, return_lse=True))
                     for q, k, v, do in sets]
             ours = graph_us(lambda q, k, v, do, o, lse, c=causal: attention_backward(

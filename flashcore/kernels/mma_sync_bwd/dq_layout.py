@@ -10,14 +10,15 @@ from ...specs.backward import DQ_CHUNK_BYTES, dq_chunk_turns
 
 
 @cute.jit
-def turn_bytes(first_address, base_address, head_dim: cutlass.Constexpr):
-    """The XOR of this thread's byte addresses: ``first_address`` is where its first value
-    would lie in plain row-major order, ``base_address`` the accumulator's start (both
-    Int64)."""
+def turn_bytes(dst: cute.Tensor, accumulator: cute.Tensor, head_dim: cutlass.Constexpr):
+    """The XOR of this thread's byte addresses: ``dst`` is its partition of a block of the
+    fp32 ``accumulator`` as plain row-major order would place it; its first value's row (a
+    packed sequence starts at any row) decides."""
     turns = dq_chunk_turns(head_dim)
     out = cutlass.Int64(0)
     if cutlass.const_expr(turns > 1):
-        row = (first_address - base_address) // (4 * head_dim)
+        first = (dst.iterator + cute.crd2idx(0, dst.layout)).toint()
+        row = (first - accumulator.iterator.toint()) // (4 * head_dim)
         out = row % turns * DQ_CHUNK_BYTES
     return out
 

@@ -221,7 +221,6 @@ def add_dq(cta: BackwardCta, acc_dQ, mdQacc, head, m_block, adds=True):
                           cta.bounds, cutlass.min), cta.tidx)
     dst, pairs = cta.thr_dq.partition_C(gdQ), cta.spec.arch == "sm_90"
     if adds:
-        first = (dst.iterator + cute.crd2idx(0, dst.layout)).toint()
-        add_into(acc_dQ, dst, pairs, turn_bytes(first, mdQacc.iterator.toint(), d))
+        add_into(acc_dQ, dst, pairs, turn_bytes(dst, mdQacc, d))
     if cutlass.const_expr(cta.spec.deterministic):
         pass_turn(cta.dq_turns, turn_index(cta, head, m_block), cta.tidx)

@@ -175,11 +175,9 @@ def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, n
 
 @cute.jit
 def dq_turn_bytes(cta: HopperCta, mdQacc, head, m_block):
-    """The XOR that places this thread's dQ values of block ``m_block`` (``dq_layout``): from
-    the global row of its first value (a packed sequence starts at any row)."""
+    """The XOR that places this thread's dQ values of block ``m_block`` (``dq_layout``)."""
     dst = cta.thr_dq.partition_C(dq_block(cta, mdQacc, head, m_block))
-    first = (dst.iterator + cute.crd2idx(0, dst.layout)).toint()
-    return cutlass.Int32(turn_bytes(first, mdQacc.iterator.toint(), cta.spec.head_dim))
+    return cutlass.Int32(turn_bytes(dst, mdQacc, cta.spec.head_dim))
 
 
 def dq_block(cta: HopperCta, mdQacc, head, m_block) -> cute.Tensor:
