@@ -305,13 +305,52 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
         # dQ staged as the accumulator lies (``dq_layout``): pairs at XORed addresses
         assert "st.shared.v2.f32" in ptx and "xor.b32" in ptx
-    assert re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
+    # Q, K, V and dO by TMA over dense batches, a box a swizzle span of each row (K and V
+    # once; Q and dO where the first query block is copied and where each next one is), by
+    # every thread's 16-byte cp.async over packed ones;
+    # the LSE and D rows by 4-byte cp.async either way
+    tiles = re.search(r"cp\.async\.cg\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 16", ptx)
+    tma = re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.tile\.mbarrier", ptx)
+    assert spec.loads_by_tma == (not spec.varlen) == (tiles is None)
+    boxes = spec.head_dim * 2 // (128 if spec.head_dim % 64 == 0 else 64)
+    assert len(tma) == (6 * boxes if spec.loads_by_tma else 0)
+    assert re.search(r"cp\.async\.ca\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 4", ptx)
     assert "ld.local" not in ptx and "st.local" not in ptx
     body = ptx[ptx.index(".entry"):]
     wait = body.index("griddepcontrol.wait;")
     first = min(body.index(op) for op in ("cp.async", "ld.global", "st.global", "red.global")
                 if op in body)
     assert wait < first
+
+
+def test_hopper_backward_takes_tma_descriptors_over_dense_batches():
+    """The launch ABI of the main kernel: over a dense batch the Hopper kernel takes Q, K, V
+    and dO as TMA descriptors (a box of a query block's rows for Q and dO, of the key block's
+    for K and V, a swizzle span wide) with their (seq, heads, batch) extents; a packed batch
+    and the mma_sync family take the tensors themselves."""
+    from flashcore.specs.packing import CoordParam, TensorMapParam, TensorParam
+    from flashcore.specs.params import BACKWARD
+
+    for d, tile, span in ((64, (128, 128), 128), (96, (64, 128), 64), (128, (64, 128), 128)):
+        spec = BackwardSpec(arch="sm_90", head_dim=d, causal=True,
+                            config=HOPPER_TILE.replace(tile=tile))
+        assert spec.loads_by_tma
+        packed = BACKWARD.packing(spec)
+        maps = [p for p in packed if isinstance(p, TensorMapParam)]
+        assert [(m.tensor, m.box_rows, m.box_cols, m.swizzle) for m in maps] == [
+            (name, rows, span // 2, span)
+            for name, rows in (("q", tile[0]), ("k", tile[1]), ("v", tile[1]), ("do", tile[0]))]
+        assert [p.name for p in packed[:8]] == [f"{n}_{w}" for n in ("q", "k", "v", "do")
+                                                for w in ("tma", "extents")]
+        assert all(isinstance(p, CoordParam) for p in packed[1:8:2])
+    for spec in (BackwardSpec(arch="sm_90", head_dim=128, config=HOPPER_TILE, varlen=True),
+                 BackwardSpec(arch="sm_90", head_dim=128, config=HOPPER_TILE.replace(family="")),
+                 BackwardSpec(arch="sm_89", head_dim=128),
+                 BackwardSpec(op="attention_bwd_pre", arch="sm_90", head_dim=128)):
+        assert not spec.loads_by_tma
+        packed = BACKWARD.packing(spec) if spec.op == "attention_bwd" else ()
+        assert not any(isinstance(p, (TensorMapParam, CoordParam)) for p in packed)
+        assert all(isinstance(p, TensorParam) for p in packed[:4])
 
 
 def test_hopper_defaults_and_refusals():

@@ -158,17 +158,24 @@ def test_deterministic_comes_from_the_call_or_torchs_flag(asked, flag, want, mon
     assert seen["args"][-1] is want
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(deterministic,
+@pytest.mark.parametrize("deterministic, tma", [(False, False), (True, False), (False, True)])
+def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(deterministic, tma,
                                                                        monkeypatch):
     """The main kernel's last argument: (pointer, batch · heads · query blocks) int32 counters
-    past the fp32 workspace, zeroed before the first launch; none without ``deterministic``."""
-    launched, loaded = [], []
+    past the fp32 workspace, zeroed before the first launch; none without ``deterministic``.
+    A main kernel that copies by TMA gets Q, K, V and dO as ``tma_args`` makes them (two
+    arguments each: descriptor and extents), the rest as any other."""
+    launched, loaded, described = [], [], []
 
     def kernels(dev, dtype, d, config, causal, masks, warps_m, det, varlen=False):
         loaded.append(det)
         return tuple(SimpleNamespace(artifact=SimpleNamespace(spec=SimpleNamespace(
-            rows_per_cta=8))) for _ in range(3))
+            rows_per_cta=8)), tensor_maps=("q", "k", "v", "do") if tma and i == 1 else ())
+            for i in range(3))
+
+    def tma_args(kern, inputs, dtype, head_dim):
+        described.append((inputs, dtype, head_dim))
+        return sum((((f"desc{i}",), ("extents",)) for i in range(len(inputs))), ())
 
     buffers = []
     real_empty = torch.empty
@@ -184,6 +191,7 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
 
     monkeypatch.setattr(bw, "backward_kernels", kernels)
     monkeypatch.setattr(bw, "launch", launch)
+    monkeypatch.setattr(bw, "tma_args", tma_args)
     monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
     monkeypatch.setattr(bw, "sm_count", lambda dev: 132)
     monkeypatch.setattr(bw, "check_extents", lambda *a: None)
@@ -201,7 +209,13 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
     assert loaded == [deterministic]
     grid, main_args = launched[1]
     # q, k, v, dO, the three workspaces, dK, dV, the two scales (no mask sizes), the counters
-    assert len(main_args) == 11 + deterministic
+    assert len(main_args) == 11 + deterministic + 4 * tma
+    if tma:
+        inputs = tuple((t.data_ptr(),) for t in (q, k, k, q))
+        assert described == [(inputs, "float16", D)]
+        assert main_args[:8] == tuple(x for i in range(4) for x in ((f"desc{i}",), ("extents",)))
+    else:
+        assert not described
     work = buffers[0]
     config = bw.backward_choices("sm_90", D)[0]
     # the four (batch, K/V head) pairs' two key blocks fit one wave: one chunk
@@ -281,7 +295,7 @@ def test_varlen_backward_launches_with_the_offsets_and_the_batch_in_z(monkeypatc
     def kernels(dev, dtype, d, config, causal, masks, warps_m, det, varlen):
         loaded.append((det, varlen, masks.spec_fields))
         return tuple(SimpleNamespace(artifact=SimpleNamespace(spec=SimpleNamespace(
-            rows_per_cta=8))) for _ in range(3))
+            rows_per_cta=8)), tensor_maps=()) for _ in range(3))
 
     real_empty = torch.empty
 

@@ -152,7 +152,7 @@ def test_multi_token_gqa_rows_are_the_callers_tensors():
     hopper = TileConfig((128, 128), warps=8, family="wgmma_ws")
     for sq, config, precision in ((4, hopper, "fp16"), (16, DECODE_DEFAULT, "fp16"),
                                   (4, DECODE_DEFAULT, "fp8")):
-        with mock.patch.object(launcher, "_tma_args", side_effect=lambda kern, a, *_: a):
+        with mock.patch.object(launcher, "tma_args", side_effect=lambda kern, a, *_: a):
             p, [(grid, a)], *_ = launched(sq, config, precision)
         assert p.packing == launcher.AS_IS and a[6 if precision != "fp8" else 9] == (1,)
 
@@ -362,7 +362,7 @@ def test_wgmma_ws_launches_pass_the_masks_sizes_in_abi_order():
     kern.artifact.spec = spec
     launched = []
     with (mock.patch.object(launcher, "loaded_kernel", return_value=kern) as loaded,
-          mock.patch.object(launcher, "_tma_args",
+          mock.patch.object(launcher, "tma_args",
                             return_value=((b"q",), (300, 8, 2), (b"k",), (500, 2, 2), (b"v",),
                                           (500, 2, 2))),
           mock.patch.object(launcher, "launch",

@@ -476,7 +476,7 @@ def test_encode_asks_the_driver_for_the_kernels_box_and_caches(monkeypatch):
             self.tma_args_memo = {}
 
     vt = (0x40000, 1, 2, 256, 2 * 64 * 256, 64 * 256, 256)  # ops.inputs.transposed_arg
-    (desc,), extents = launcher._tma_args(FakeKernel(), (vt,), "float16", 64)
+    (desc,), extents = launcher.tma_args(FakeKernel(), (vt,), "float16", 64)
     assert extents == (256, 2, 1) and len(desc) == 128
     dtype, rank, ptr, *lists = calls[-1]
     dims, strides, box = ([int(x) for x in xs] for xs in lists[:3])
@@ -559,17 +559,17 @@ def test_tma_arguments_are_built_once_per_kernel_and_buffers(monkeypatch):
                      for i in range(3))
 
     kern = FakeKernel()
-    first = launcher._tma_args(kern, qkv(0x10000), "float16", 64)
+    first = launcher.tma_args(kern, qkv(0x10000), "float16", 64)
     assert len(encoded) == 3 and [e[0] for e in encoded] == [a[0] for a in qkv(0x10000)]
-    assert launcher._tma_args(kern, qkv(0x10000), "float16", 64) is first and len(encoded) == 3
-    other = launcher._tma_args(kern, qkv(0x90000), "float16", 64)
+    assert launcher.tma_args(kern, qkv(0x10000), "float16", 64) is first and len(encoded) == 3
+    other = launcher.tma_args(kern, qkv(0x90000), "float16", 64)
     assert len(encoded) == 6 and other[0] != first[0]
-    launcher._tma_args(kern, qkv(0x10000), "bfloat16", 64)
+    launcher.tma_args(kern, qkv(0x10000), "bfloat16", 64)
     assert len(encoded) == 9 and encoded[-1][1] == "bfloat16"
-    again = launcher._tma_args(FakeKernel(), qkv(0x10000), "float16", 64)  # its own memo
+    again = launcher.tma_args(FakeKernel(), qkv(0x10000), "float16", 64)  # its own memo
     assert len(encoded) == 12 and again[1::2] == first[1::2]
     for i in range(launcher._TMA_MEMO_SIZE + 5):
-        launcher._tma_args(kern, qkv(0x1000000 * (i + 1)), "float16", 64)
+        launcher.tma_args(kern, qkv(0x1000000 * (i + 1)), "float16", 64)
     assert len(kern.tma_args_memo) <= launcher._TMA_MEMO_SIZE
 
 

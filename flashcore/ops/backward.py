@@ -45,6 +45,7 @@ from ..specs.backward import (
     parse_backward_choices,
 )
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg, vector_arg
+from .launcher import tma_args
 from .masks import NO_MASK, Masking, call_masking, folded
 from .plan import sm_count
 from .validate import (
@@ -242,8 +243,11 @@ def launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale: float, causal:
     if dlse is not None:
         # d lse_i / d s_ij = P_ij: dS = P ∘ (dP − (D − dlse))
         work[n * (D + 1):n * (D + 2)].view(B, H, rows)[:, :, :Sq].sub_(dlse)
+    inputs = (q_arg, k_arg, v_arg, do_arg)
+    if main.tensor_maps:  # the Hopper kernel over a dense batch copies by TMA
+        inputs = tma_args(main, inputs, dtype, D)
     launch(main, grid,
-           (q_arg, k_arg, v_arg, do_arg, lse2, dpsum, dq_acc, tensor_arg(dk), tensor_arg(dv),
+           (*inputs, lse2, dpsum, dq_acc, tensor_arg(dk), tensor_arg(dv),
             (scale * LOG2_E,), (scale,), *masks.scalars(scale), *tables, *turns), dev)
     launch(post, backward_rows_grid(Sq, H, B, post.artifact.spec.rows_per_cta),
            (dq_acc, tensor_arg(dq), (scale,)), dev)

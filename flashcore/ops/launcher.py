@@ -42,7 +42,7 @@ class Serving:
 
 
 DENSE = Serving(False, 0, (), 0, 0, 0)
-_TMA_MEMO_SIZE = 64  # TMA arguments kept per kernel (``_tma_args``)
+_TMA_MEMO_SIZE = 64  # TMA arguments kept per kernel (``tma_args``)
 
 
 class KernelKey(NamedTuple):
@@ -101,7 +101,7 @@ def _descale_arg(t: torch.Tensor, paged: bool) -> tuple:
     return (t.data_ptr(), *t.shape, t.stride(0))
 
 
-def _tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
+def tma_args(kern, qkv_args: tuple, dtype: str, head_dim: int) -> tuple:
     """A TMA kernel's Q, K, V arguments: each tensor's descriptor, then its (seq, heads, batch)
     (``specs.families.WgmmaWs``). FP8 Vᵀ's ``transposed_arg`` (its keys in the seq
     slot, the head_dim stride in the seq stride's) is described as head_dim rows of keys.
@@ -156,7 +156,7 @@ class Plan(NamedTuple):
     heads_kv: int
     pack_q_descales: bool  # FP8 operands packed by heads: the query descales too
     scalars: tuple
-    tma: bool  # the operands as TMA descriptors (``_tma_args``) of this dtype and head dim
+    tma: bool  # the operands as TMA descriptors (``tma_args``) of this dtype and head dim
     dtype: str
     head_dim: int
     combine: Any = None  # split over CTAs: the combine kernel, its grid and scalars, and the
@@ -244,7 +244,7 @@ def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
     tail = p.scalars + bias + serving.tables
     if p.combine is None:
         if p.tma:
-            qkv_args = _tma_args(p.kern, qkv_args, p.dtype, p.head_dim)
+            qkv_args = tma_args(p.kern, qkv_args, p.dtype, p.head_dim)
         lse_args = () if lse_arg is None else (lse_arg,)
         launch(p.kern, p.grid, (*qkv_args, out_arg, *lse_args, *descale_args, *tail), p.device)
         return

@@ -125,7 +125,7 @@ def _fix_oob_mode(words: list, dims: list, strides: list, esize: int) -> None:
 
 def clear() -> None:
     """Forget the encoded descriptors and the geometries' layouts. The launcher's per-kernel
-    argument memos (``ops.launcher._tma_args``) keep theirs: a descriptor depends only on what
+    argument memos (``ops.launcher.tma_args``) keep theirs: a descriptor depends only on what
     keys it."""
     _cache.clear()
     _layouts.clear()

@@ -44,6 +44,8 @@ from .arch import (
     check_target,
 )
 from .attention import MASK_ALIGNS
+from .families import swizzle_span
+from .packing import CoordParam, Packed, TensorMapParam
 from .serial import SpecData
 from .tile import TileConfig, TiledKernel
 
@@ -274,6 +276,23 @@ class BackwardSpec(SpecData, TiledKernel):
         return self.hopper and not self.deterministic
 
     @property
+    def loads_by_tma(self) -> bool:
+        """The main kernel takes Q, K, V and dO as TMA descriptors (``tensor_map_params``) and
+        one thread copies each tile (the Hopper kernel over dense batches); a packed batch's
+        rows are copied by every thread (cp.async, rows past a sequence zero-filled)."""
+        return self.op == "attention_bwd" and self.hopper and not self.varlen
+
+    def tensor_map_params(self, arg) -> tuple[Packed, ...]:
+        """Q's, K's, V's or dO's descriptor (``runtime.tensor_map``) and its coordinate
+        tensor's (seq, heads, batch): a box of a query block's rows (Q, dO) or the key block's
+        (K, V), each row the kernel's swizzle span (``families.swizzle_span``) wide."""
+        e = DTYPE_BYTES[self.dtype]
+        rows = self.config.tile_m if arg.name in ("q", "do") else self.config.tile_n
+        span = swizzle_span(self.head_dim * e)
+        return (TensorMapParam(f"{arg.abi_name}_tma", arg.abi_name, rows, span // e, "", span),
+                CoordParam(f"{arg.abi_name}_extents"))
+
+    @property
     def dsl_target(self) -> str:
         """What the DSL compiles for (``families.dsl_arch``): wgmma needs sm_90a."""
         return "sm_90a" if self.hopper else self.arch
@@ -294,10 +313,16 @@ class BackwardSpec(SpecData, TiledKernel):
             return 0
         c, d, e = self.config, self.head_dim, DTYPE_BYTES[self.dtype]
         if self.hopper:  # Q, dO staged; K, V; dS (keys x query rows); LSE and D rows staged;
-            # two fp32 dQ blocks for the bulk reductions
-            return (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
-                    + _align(c.tile_n * c.tile_m * e) + 2 * _align(c.tile_m * 4 * c.stages)
-                    + (2 * _align(c.tile_m * d * 4) if self.bulk_dq else 0))
+            # two fp32 dQ blocks for the bulk reductions; the TMA copies' barriers (8-byte
+            # aligned: they may sit in the last member's padding)
+            n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
+                 + _align(c.tile_n * c.tile_m * e) + _align(c.tile_m * 4 * c.stages))
+            n += c.tile_m * 4 * c.stages  # D's rows, the last 1 KB-aligned member but one
+            if self.bulk_dq:
+                n = _align(n) + 2 * c.tile_m * d * 4
+            if self.loads_by_tma:
+                n = -(-n // 8) * 8 + 8 * (c.stages + 1)
+            return _align(n)
         n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
              + 2 * _align(c.tile_m * c.tile_n * e))
         if self.prefetch_rows:  # the struct's size rounds up to its 1 KB member alignment

@@ -131,17 +131,28 @@ class Signature:
                            for g, args in self.resolve(spec)))
 
     def packing(self, spec) -> tuple[Packed, ...]:
-        fam = family(spec.family) if getattr(spec, "family", "") else None
+        maps = _tensor_maps(spec)
         out: list[Packed] = []
         for g, args in self.resolve(spec):
             for a in args:
                 if a is None:
                     continue
-                if g.tma and fam is not None and fam.loads_by_tma:
-                    out += fam.tensor_map_params(spec, a)
+                if g.tma and maps is not None:
+                    out += maps(a)
                 else:
                     out.append(a.kind.packed(a.abi_name))
         return tuple(out)
+
+
+def _tensor_maps(spec) -> Callable[[Arg], tuple[Packed, ...]] | None:
+    """How a spec that loads by TMA passes a ``tma`` group's tensors (its family's
+    ``tensor_map_params``, or the spec's own: the backward), None where it does not."""
+    if getattr(spec, "loads_by_tma", False):
+        return spec.tensor_map_params
+    fam = family(spec.family) if getattr(spec, "family", "") else None
+    if fam is not None and fam.loads_by_tma:
+        return lambda arg: fam.tensor_map_params(spec, arg)
+    return None
 
 
 def _fixed(text: str) -> Callable[[Any], str]:
@@ -276,7 +287,8 @@ BACKWARD_PRE = Signature("backward_pre", (
     _WORKSPACES,
 ), kernel=_fixed("mma_sync_bwd.rows:BackwardPreprocess"))
 BACKWARD = Signature("backward", (
-    Group("inputs", (Param("q", BHSD), Param("k", BHSD), Param("v", BHSD), Param("do", BHSD))),
+    Group("inputs", (Param("q", BHSD), Param("k", BHSD), Param("v", BHSD), Param("do", BHSD)),
+          tma=True),
     _WORKSPACES,
     Group("grads", (Param("dk", BHSD), Param("dv", BHSD))),
     Group("scales", (Param("scale_log2", FLOAT), Param("scale", FLOAT))),

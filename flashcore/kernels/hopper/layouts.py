@@ -27,6 +27,12 @@ _ATOMS = {128: warpgroup.SmemLayoutAtomKind.K_SW128, 64: warpgroup.SmemLayoutAto
           32: warpgroup.SmemLayoutAtomKind.K_SW32}
 
 
+def tma_view(t: cute.Tensor) -> cute.Tensor:
+    """(batch, heads, seq, d) -> (seq, d, heads, batch): the view a TMA descriptor walks (d
+    contiguous; ``runtime.tensor_map``)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
+
+
 def swizzle_bytes(dtype, row: int) -> int:
     """The swizzle span of a K-major tile whose rows are ``row`` elements (``swizzle_span``:
     e4m3 rows of 64, 16-bit d96 rows of 192 bytes take 64)."""

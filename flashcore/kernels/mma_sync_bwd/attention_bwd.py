@@ -51,8 +51,12 @@ class AttentionBackward:
         grid = (n_blocks, mK.shape[1] * mK.shape[0], 1)  # chunks of one (batch, head) pair
         if cutlass.const_expr(self.spec.varlen):  # the runtime sizes x by the longest sequence
             grid = (n_blocks * mK.shape[1], 1, args.serving.cu_seqlens_k.shape[0] - 1)
-        self.kernel(args).launch(grid=grid, block=[self.spec.threads, 1, 1],
-                                 smem=self.smem_size)
+        self.kernel(self.kernel_args(lay, args)).launch(grid=grid, block=[self.spec.threads, 1, 1],
+                                                        smem=self.smem_size)
+
+    def kernel_args(self, lay, args):
+        """What the kernel gets of the launch's arguments (the Hopper kernel's TMA atoms)."""
+        return args
 
     def begin(self, args):
         """Trace time, the start both families' kernels share: this CTA (``cta``, over the
@@ -72,6 +76,9 @@ class AttentionBackward:
                        masks.window_right, seqs)
         cta.softcap = (masks.softcap_in, masks.softcap_out)
         cta.dq_turns = args.order.dq_turns  # None unless deterministic
+        work = args.workspaces
+        cta.query_sources(inputs.q, inputs.do, work.lse_log2, work.dpsum,
+                          cta.kv_head * cta.q_group)
         if cutlass.const_expr(not self.spec.varlen):
             wait_for_previous_grid(self.spec)  # the pre kernel wrote the workspaces
         lo, hi = cta.query_blocks()
@@ -81,11 +88,9 @@ class AttentionBackward:
 
     @cute.kernel
     def kernel(self, args):
-        inputs, work = args.inputs, args.workspaces
-        mQ, mdO = inputs.q, inputs.do
-        mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
+        mdQacc = args.workspaces.dq_accum
         cta, first, lo, per_head, steps = self.begin(args)
-        issue_first(cta, mQ, mdO, mLSE2, mD, first, lo, steps)
+        issue_first(cta, first, lo, steps)
         for step in range(steps):
             # the step's blocks have landed, and every warp is done with the last step's P, dS
             # (and, two stages, with the stage the next block goes into)
@@ -96,12 +101,12 @@ class AttentionBackward:
             if cutlass.const_expr(self.spec.config.stages > 1):
                 slot = step % 2
                 if after < steps:
-                    issue_block(cta, mQ, mdO, mLSE2, mD, first + after // per_head,
-                                lo + after % per_head, 1 - slot)
+                    issue_block(cta, first + after // per_head, lo + after % per_head,
+                                1 - slot)
                 cute.arch.cp_async_commit_group()
-            query_block(cta, mQ, mdO, mLSE2, mD, mdQacc, first + step // per_head,
-                        lo + step % per_head, args.scales.scale_log2, after < steps,
-                        first + after // per_head, lo + after % per_head, slot)
+            query_block(cta, mdQacc, first + step // per_head, lo + step % per_head,
+                        args.scales.scale_log2, after < steps, first + after // per_head,
+                        lo + after % per_head, slot)
         # a CTA whose keys no query sees walked no block: its K/V copies must land before the
         # epilogue reuses their tiles
         cute.arch.cp_async_wait_group(0)

@@ -7,6 +7,7 @@ import cutlass.cute as cute
 from cutlass.cute.nvgpu import warp
 
 from ..common.block_info import UNBOUNDED, KeyBounds, query_blocks_seeing
+from ..common.copies import load_block, load_rows
 from ..common.mma import SmemOperand
 from ..common.sequences import Sequences
 from .layouts import BackwardLayouts, transposed
@@ -90,6 +91,45 @@ class BackwardCta:
         # (atom, rows, cols, query block): the coordinates of every query block's rows
         self.tQcQ = g2s.partition_S(cute.local_tile(
             cute.make_identity_tensor((self.seqlen_q, d)), (tm, d), (None, 0)))
+
+    def query_sources(self, mQ, mdO, mLSE2, mD, first):
+        """Each thread's copy sources at query head ``first``, made once: the partitioned Q and
+        dO tiles (atom, rows, cols, query block) and the row workspaces' rows. A step moves
+        them to its own head by one offset (``at_head``) instead of locating the head's rows
+        again (batch, sequence start, partition) for every copy."""
+        d, tm = self.spec.head_dim, self.config.tile_m
+        self.first_head = first
+
+        def tiles(mX):
+            return self.g2s.partition_S(cute.local_tile(self.query_rows(mX, first), (tm, d),
+                                                        (None, 0)))
+
+        if self.spec.loads_by_tma:  # (TMA atom, coordinate tensor) pairs: ``wgmma_bwd.loads``
+            self.tma_q_do = (mQ, mdO)
+        else:
+            self.src_q, self.src_do = (tiles(mQ), mQ.stride[1]), (tiles(mdO), mdO.stride[1])
+        self.src_lse = (self.query_rows(mLSE2, first), mLSE2.stride[1])
+        self.src_d = (self.query_rows(mD, first), mD.stride[1])
+
+    def at_head(self, source, head) -> cute.Tensor:
+        """``source`` (one of ``query_sources``') at query head ``head``."""
+        t, head_stride = source
+        return cute.make_tensor(t.iterator + (head - self.first_head) * head_stride, t.layout)
+
+    @cute.jit
+    def copy_keys(self, steps):
+        """cp.async the key block's K and V, rows past the keys zero-filled (``steps``: the
+        query blocks the CTA walks; it copies them even where it walks none)."""
+        load_rows(self.lay.g2s, self.tKgK, self.tKsK, self.tKVcKV, self.seqlen_k)
+        load_rows(self.lay.g2s, self.tVgV, self.tVsV, self.tKVcKV, self.seqlen_k)
+
+    @cute.jit
+    def copy_tiles(self, head, m_block, slot):
+        """cp.async query block ``m_block`` of ``head``'s Q and dO into stage ``slot``, rows
+        past the sequence zero-filled."""
+        for source, dst in ((self.src_q, self.tQsQ), (self.src_do, self.tQsdO)):
+            load_block(self.lay.g2s, self.at_head(source, head), dst, self.tQcQ, m_block, slot,
+                       self.seqlen_q, True)
 
     def key_grads(self):
         """dK and dV of this key block, fp32 in the dK/dV product's accumulators, zeroed."""

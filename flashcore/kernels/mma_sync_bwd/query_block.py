@@ -14,7 +14,7 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common.block_info import block_needs_mask, dq_turn
-from ..common.copies import load_block, load_rows
+from ..common.copies import load_block
 from ..common.fragments import mn_view
 from ..common.mask import mask_scores, soft_cap
 from ..common.mma import gemm_ss
@@ -25,55 +25,47 @@ from .turns import pass_turn, wait_turn
 
 
 @cute.jit
-def load_rows_of(cta: BackwardCta, mX, dst, head, m_block, slot):
-    """cp.async the (batch, head, query block) tile of Q-shaped ``mX`` (Q or dO) into stage
-    ``slot`` of its partitioned shared tile ``dst``, rows past the sequence zero-filled."""
-    tm, d = cta.config.tile_m, cta.spec.head_dim
-    gX = cute.local_tile(cta.query_rows(mX, head), (tm, d), (None, 0))
-    load_block(cta.lay.g2s, cta.g2s.partition_S(gX), dst, cta.tQcQ, m_block, slot,
+def load_rows_of(cta: BackwardCta, source, dst, head, m_block, slot):
+    """cp.async the (batch, head, query block) tile of Q or dO (``source``:
+    ``cta.src_q`` or ``cta.src_do``) into stage ``slot`` of its partitioned shared tile
+    ``dst``, rows past the sequence zero-filled."""
+    load_block(cta.lay.g2s, cta.at_head(source, head), dst, cta.tQcQ, m_block, slot,
                cta.seqlen_q, True)
 
 
 @cute.jit
-def load_row_values(cta: BackwardCta, rows_of_head, dst, m_block):
+def load_row_values(cta: BackwardCta, rows_of_head, dst, m_block, first: cutlass.Constexpr = 0):
     """cp.async query block ``m_block``'s rows of a (padded: never past its end) per-row
-    workspace into ``dst`` (tile_m,), one 4-byte copy a row."""
+    workspace into ``dst`` (tile_m,), one 4-byte copy a row, by threads ``first`` ..
+    ``first + tile_m - 1``."""
     tm = cta.config.tile_m
     block = cute.local_tile(rows_of_head, (tm,), (m_block,))
-    if cta.tidx < tm:
-        cute.copy(cta.lay.rows_atom, cute.local_tile(block, (1,), (cta.tidx,)),
-                  cute.local_tile(dst, (1,), (cta.tidx,)))
+    e = cta.tidx - first
+    if cta.tidx >= first and e < tm:
+        cute.copy(cta.lay.rows_atom, cute.local_tile(block, (1,), (e,)),
+                  cute.local_tile(dst, (1,), (e,)))
 
 
 @cute.jit
-def issue_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, head, m_block, slot):
+def issue_block(cta: BackwardCta, head, m_block, slot):
     """cp.async query block ``m_block`` of ``head``: Q, dO and (two stages) its LSE and D rows,
     into stage ``slot`` (the caller commits)."""
-    load_rows_of(cta, mQ, cta.tQsQ, head, m_block, slot)
-    load_rows_of(cta, mdO, cta.tQsdO, head, m_block, slot)
+    cta.copy_tiles(head, m_block, slot)
     if cutlass.const_expr(cta.spec.prefetch_rows):
         # the two row vectors from different threads where there are enough
         tm, threads = cta.config.tile_m, cta.config.threads
-        if cutlass.const_expr(threads >= 2 * tm):
-            block = cute.local_tile(cta.query_rows(mD, head), (tm,), (m_block,))
-            if cta.tidx >= tm:
-                e = cta.tidx - tm
-                if e < tm:
-                    cute.copy(cta.lay.rows_atom, cute.local_tile(block, (1,), (e,)),
-                              cute.local_tile(cta.sD[None, slot], (1,), (e,)))
-        else:
-            load_row_values(cta, cta.query_rows(mD, head), cta.sD[None, slot], m_block)
-        load_row_values(cta, cta.query_rows(mLSE2, head), cta.sLSE[None, slot], m_block)
+        load_row_values(cta, cta.at_head(cta.src_d, head), cta.sD[None, slot], m_block,
+                        tm if threads >= 2 * tm else 0)
+        load_row_values(cta, cta.at_head(cta.src_lse, head), cta.sLSE[None, slot], m_block)
 
 
 @cute.jit
-def issue_first(cta: BackwardCta, mQ, mdO, mLSE2, mD, head, m_block, steps):
+def issue_first(cta: BackwardCta, head, m_block, steps):
     """cp.async the CTA's K and V and, where it walks any, its first query block (``head``,
     ``m_block``) into stage 0: one commit group."""
-    load_rows(cta.lay.g2s, cta.tKgK, cta.tKsK, cta.tKVcKV, cta.seqlen_k)
-    load_rows(cta.lay.g2s, cta.tVgV, cta.tVsV, cta.tKVcKV, cta.seqlen_k)
+    cta.copy_keys(steps)
     if steps > 0:
-        issue_block(cta, mQ, mdO, mLSE2, mD, head, m_block, 0)
+        issue_block(cta, head, m_block, 0)
     cute.arch.cp_async_commit_group()
 
 
@@ -129,8 +121,8 @@ def turn_index(cta: BackwardCta, head, m_block):
 
 
 @cute.jit
-def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, scale_log2,
-                has_next, next_head, next_m, slot):
+def query_block(cta: BackwardCta, mdQacc, head, m_block, scale_log2, has_next, next_head,
+                next_m, slot):
     """Block ``m_block`` of query head ``head``, whose Q and dO (two stages: and rows) have
     landed in stage ``slot``; with one stage, issues the next block's (``has_next``: there is
     one) as this one's tiles free up (two: the caller issued it already)."""
@@ -144,9 +136,9 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
         lse2 = row_values(cta, cta.sLSE[None, slot], m_block, past_end)
         dpsum = row_values(cta, cta.sD[None, slot])
     else:  # issued before the MMAs, whose time hides the loads' latency
-        lse2 = row_values(cta, cute.local_tile(cta.query_rows(mLSE2, head), (tm,), (m_block,)),
-                          m_block, past_end)
-        dpsum = row_values(cta, cute.local_tile(cta.query_rows(mD, head), (tm,), (m_block,)))
+        lse2 = row_values(cta, cute.local_tile(cta.at_head(cta.src_lse, head), (tm,),
+                                               (m_block,)), m_block, past_end)
+        dpsum = row_values(cta, cute.local_tile(cta.at_head(cta.src_d, head), (tm,), (m_block,)))
 
     acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tm, tn)), cutlass.Float32)
     acc_S.fill(0.0)
@@ -194,13 +186,13 @@ def query_block(cta: BackwardCta, mQ, mdO, mLSE2, mD, mdQacc, head, m_block, sca
     if cutlass.const_expr(not staged):
         cute.arch.sync_threads()  # every warp is done with this block's dO
         if has_next:
-            load_rows_of(cta, mdO, cta.tQsdO, next_head, next_m, slot)
+            load_rows_of(cta, cta.src_do, cta.tQsdO, next_head, next_m, slot)
         cute.arch.cp_async_commit_group()
     gemm_ss(cta.lay.mma_dkv, cta.acc_dK, cta.dst, cta.dst.smem, cta.qt, cta.qt.stage(slot))
     if cutlass.const_expr(not staged):
         cute.arch.sync_threads()  # and with its Q
         if has_next:
-            load_rows_of(cta, mQ, cta.tQsQ, next_head, next_m, slot)
+            load_rows_of(cta, cta.src_q, cta.tQsQ, next_head, next_m, slot)
         cute.arch.cp_async_commit_group()
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
     acc_dQ.fill(0.0)

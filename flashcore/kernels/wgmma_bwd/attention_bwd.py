@@ -4,9 +4,11 @@ of the K/V head's group that sees some key of the block, dK and dV in registers,
 fp32 accumulator by ``red.global.add``, in key-block order when ``deterministic``), each step's
 five products as warpgroup MMAs (``layouts.py``).
 
-All threads copy (cp.async, the next query block's Q, dO, LSE and D rows into the other stage,
-issued after this block's first MMAs so that their address arithmetic runs under them) and all
-compute: warpgroup w holds keys 64w .. 64w + 63 of the block.
+The next query block's Q and dO go into the other stage while this block's first MMAs run: by
+TMA from warp 0 over dense batches (``loads.py``), else by every thread's cp.async, with the
+LSE and D rows always by cp.async. Every warp computes: warpgroup w holds keys 64w .. 64w + 63
+of the block. Per block: Sᵀ and dPᵀ; Pᵀ and dSᵀ; dV (while dSᵀ goes to shared memory and the
+CTA meets); dQ, then dK, whose MMAs run while dQ is staged for its bulk reduction (or added).
 ABI: ``flashcore.specs.params.BACKWARD``.
 """
 
@@ -29,6 +31,7 @@ from ..mma_sync_bwd.layouts import transposed
 from ..mma_sync_bwd.query_block import add_dq, issue_block, issue_first, needs_mask
 from .dq_bulk import issue_dq, stage_dq, wait_dq_done, wait_dq_read
 from .layouts import HopperBackwardLayouts
+from .loads import TensorShape, copy_keys, copy_query_tiles, init_barriers, tma_inputs
 
 
 class HopperCta(BackwardCta):
@@ -37,7 +40,9 @@ class HopperCta(BackwardCta):
 
     def __init__(self, lay: HopperBackwardLayouts, storage, mQ, mK, mV, window_left,
                  window_right, seqs: Sequences):
-        self.place(lay, mQ, mK, window_left, window_right, seqs)
+        tma = lay.spec.loads_by_tma  # Q, K, V: (TMA atom, coordinate tensor) pairs
+        shapes = (TensorShape(mQ[1]), TensorShape(mK[1])) if tma else (mQ, mK)
+        self.place(lay, *shapes, window_left, window_right, seqs)
         spec, c = self.spec, self.config
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
 
@@ -50,7 +55,13 @@ class HopperCta(BackwardCta):
         self.sLSE = storage.sLSE.get_tensor(lay.sRows)
         self.sD = storage.sD.get_tensor(lay.sRows)
         self.sdQ = storage.sdQ.get_tensor(lay.sdQ) if spec.bulk_dq else None
-        self.copies(mK, mV)
+        if tma:
+            self.tma_kv, self.mbar = (mK, mV), storage.mbar.data_ptr()
+            e = lay.dtype.width // 8
+            self.key_bytes, self.tile_bytes = 2 * tn * d * e, 2 * tm * d * e
+            init_barriers(self.mbar, c.stages, self.tidx)
+        else:
+            self.copies(mK, mV)
 
         # warpgroup MMA fragments (each warpgroup's slice; the thread slices for coordinates)
         wg = cute.arch.make_warp_uniform(self.tidx // WARPGROUP)
@@ -74,6 +85,38 @@ class HopperCta(BackwardCta):
         self.r2s_ds, self.tdSsdS = r2s, r2s.partition_D(self.sdS)
         self.tdQsdQ = self.thr_dq.partition_C(self.sdQ) if spec.bulk_dq else None
         self.key_grads()
+
+    @cute.jit
+    def copy_keys(self, steps):
+        """K and V: by TMA where the CTA walks some query block (``loads.py``), else
+        ``BackwardCta``'s cp.async."""
+        if cutlass.const_expr(self.spec.loads_by_tma):
+            if steps > 0:
+                copy_keys(self, self.tma_kv, self.sK, self.sV, self.mbar + self.config.stages,
+                          self.key_bytes)
+        else:
+            BackwardCta.copy_keys(self, steps)
+
+    @cute.jit
+    def copy_tiles(self, head, m_block, slot):
+        """Q and dO: by TMA (``loads.py``), else ``BackwardCta``'s cp.async."""
+        if cutlass.const_expr(self.spec.loads_by_tma):
+            copy_query_tiles(self, self.tma_q_do, self.sQ, self.sdO, head, m_block, slot,
+                             self.mbar + slot, self.tile_bytes)
+        else:
+            BackwardCta.copy_tiles(self, head, m_block, slot)
+
+    @cute.jit
+    def wait_tiles(self, step):
+        """Step ``step``'s Q and dO landed in its stage (the first step: K and V too), for
+        the warpgroup MMAs: a TMA's bytes on its barrier; cp.async's, this thread's copies
+        fenced for the async proxy (the caller's barrier makes them everyone's)."""
+        if cutlass.const_expr(self.spec.loads_by_tma):
+            if step == 0:
+                cute.arch.mbarrier_wait(self.mbar + self.config.stages, 0)
+            cute.arch.mbarrier_wait(self.mbar + step % 2, (step // 2) % 2)
+        else:
+            cute.arch.fence_proxy("async.shared", space="cta")
 
 
 @cute.jit
@@ -123,11 +166,11 @@ def p_and_ds(cta: HopperCta, acc_S, acc_dP, m_block, scale_log2, slot):
 
 
 @cute.jit
-def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, nxt):
+def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot, nxt):
     """Block ``m_block`` of query head ``head``, its Q, dO, LSE and D rows landed in stage
-    ``slot`` (and fenced for the async proxy). ``nxt``: (whether there is a next block, its
-    head, its query block), whose rows of ``rows`` (Q, dO, LSE, D) are copied into the other
-    stage while this block's first products run."""
+    ``slot`` (``HopperCta.wait_tiles``). ``nxt``: (whether there is a next block, its
+    head, its query block), whose Q, dO, LSE and D rows are copied into the other stage while
+    this block's first products run."""
     c, d, lay = cta.config, cta.spec.head_dim, cta.lay
     tm, tn = c.tile_m, c.tile_n
     acc_S = cute.make_rmem_tensor(cta.thr_sdp.partition_shape_C((tn, tm)), cutlass.Float32)
@@ -137,7 +180,7 @@ def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, n
     wgmmas([(lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, None)
     # the next block's copies: their address arithmetic runs under this block's MMAs
     if nxt[0]:
-        issue_block(cta, *rows, nxt[1], nxt[2], 1 - slot)
+        issue_block(cta, nxt[1], nxt[2], 1 - slot)
     cute.arch.cp_async_commit_group()
     warpgroup.wait_group(1)
 
@@ -147,30 +190,30 @@ def query_block(cta: HopperCta, rows, mdQacc, head, m_block, scale_log2, slot, n
     rP.store(acc_S.load().to(dt))
     rdS = cute.make_rmem_tensor(acc_dP.layout, dt)
     rdS.store(acc_dP.load().to(dt))
-    # dV += Pᵀ·dO, dK += dSᵀ·Q: A in place in the registers
-    wgmmas([(lay.mma_dkv, cta.acc_dV, cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout)),
-             cta.tVrdOt[None, None, None, slot]),
-            (lay.mma_dkv, cta.acc_dK,
-             cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout)),
-             cta.tKrQt[None, None, None, slot])], False, None)
+    # dV += Pᵀ·dO (A in place in the registers) runs while dSᵀ goes to shared memory
+    rP_a = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
+    wgmmas([(lay.mma_dkv, cta.acc_dV, rP_a, cta.tVrdOt[None, None, None, slot])], False, None)
     # dSᵀ to shared memory for dQ: every warpgroup's keys before either reads it
     cute.copy(cta.r2s_ds, cta.r2s_ds.retile(rdS), cta.tdSsdS)
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.sync_threads()
+    # dQ = dS·K, then dK += dSᵀ·Q: dQ's adds (or staging) run under dK's MMAs
+    rdS_a = cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout))
+    dk = (lay.mma_dkv, cta.acc_dK, rdS_a, cta.tKrQt[None, None, None, slot])
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
-    if cutlass.const_expr(lay.dq_single):  # the first warpgroup's alone
-        if cta.wg == 0:
-            wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
-            if cutlass.const_expr(cta.spec.bulk_dq):
-                stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
-        if cutlass.const_expr(not cta.spec.bulk_dq):
-            add_dq(cta, acc_dQ, mdQacc, head, m_block, cta.wg == 0)
-    else:
-        wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, 0)
-        if cutlass.const_expr(cta.spec.bulk_dq):  # added by one bulk reduction after a barrier
+    mine = not lay.dq_single or cta.wg == 0  # (d96: the first warpgroup's dQ alone)
+    if mine:
+        wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS, cta.tQrKt)], True, None)
+    wgmmas([dk], False, 1)  # dV's and dQ's groups done, dK's in flight
+    if cutlass.const_expr(cta.spec.bulk_dq):
+        if mine:
             stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
-        else:
-            add_dq(cta, acc_dQ, mdQacc, head, m_block)
+    else:
+        add_dq(cta, acc_dQ, mdQacc, head, m_block, mine)
+    # dK landed; the staged dQ is fenced for the bulk copy only once no MMA is in flight
+    warpgroup.wait_group(0)
+    if cutlass.const_expr(cta.spec.bulk_dq):
+        cute.arch.fence_proxy("async.shared", space="cta")
 
 
 @cute.jit
@@ -190,13 +233,17 @@ class HopperBackward(AttentionBackward):
     layouts = HopperBackwardLayouts
     cta = HopperCta
 
+    def kernel_args(self, lay: HopperBackwardLayouts, args):
+        """Q, K, V and dO as TMA atoms over dense batches (``loads.py``)."""
+        if self.spec.loads_by_tma:
+            return args._replace(inputs=tma_inputs(self.spec, lay, args.inputs))
+        return args
+
     @cute.kernel
     def kernel(self, args):
-        inputs, work = args.inputs, args.workspaces
-        mQ, mdO = inputs.q, inputs.do
-        mLSE2, mD, mdQacc = work.lse_log2, work.dpsum, work.dq_accum
+        mdQacc = args.workspaces.dq_accum
         cta, first, lo, per_head, steps = self.begin(args)
-        issue_first(cta, mQ, mdO, mLSE2, mD, first, lo, steps)
+        issue_first(cta, first, lo, steps)
         bulk = self.spec.bulk_dq
         # (head, query block) of the last step, this one and the next, walked without divisions
         last_head, last_m = cutlass.Int32(first), cutlass.Int32(lo)
@@ -206,7 +253,8 @@ class HopperBackward(AttentionBackward):
             # the last step's (its dQ product waited), so the other stage and dSᵀ are free;
             # (bulk dQ) the last step's block is staged whole and this step's buffer was read
             cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
+            HopperCta.wait_tiles(cta, step)  # (through the class: a method call on ``cta``
+            # in the loop would make the DSL carry ``cta`` as loop state)
             if cutlass.const_expr(bulk):
                 wait_dq_read(cta.tidx)
             cute.arch.sync_threads()
@@ -218,8 +266,8 @@ class HopperBackward(AttentionBackward):
             next_head, next_m = head, m_block + 1
             if next_m == lo + per_head:
                 next_head, next_m = head + 1, lo
-            query_block(cta, (mQ, mdO, mLSE2, mD), mdQacc, head, m_block,
-                        args.scales.scale_log2, slot, (step + 1 < steps, next_head, next_m))
+            query_block(cta, mdQacc, head, m_block, args.scales.scale_log2, slot,
+                        (step + 1 < steps, next_head, next_m))
             last_head, last_m = head, m_block
             head, m_block = next_head, next_m
         cute.arch.cp_async_wait_group(0)  # K and V landed even where no step ran

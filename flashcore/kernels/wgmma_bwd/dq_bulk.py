@@ -35,13 +35,12 @@ def st_shared_v2_f32(a, b, saddr, *, loc=None, ip=None) -> None:
 def stage_dq(acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, slot, turn):
     """This thread's dQ into buffer ``slot`` as the accumulator in global memory lays it out
     (each address XORed with ``turn``: ``mma_sync_bwd/dq_layout.py``, which spreads a warp's
-    eight rows over the banks), fenced for the bulk copy's (async) proxy; the caller's barrier
-    then makes the block whole. Values 2j and 2j + 1 of the accumulator are adjacent columns."""
+    eight rows over the banks); the caller fences them for the bulk copy's (async) proxy once
+    no MMA is in flight, and a barrier then makes the block whole. Values 2j and 2j + 1 of the accumulator are adjacent columns."""
     dst = tdQsdQ[None, None, None, slot]
     for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
         ptr = dst.iterator + cute.crd2idx(2 * j, dst.layout)
         st_shared_v2_f32(acc_dQ[2 * j], acc_dQ[2 * j + 1], ptr.toint() ^ turn)
-    cute.arch.fence_proxy("async.shared", space="cta")
 
 
 @cute.jit

@@ -80,6 +80,7 @@ class HopperBackwardLayouts:
         n_q, n_k, n_ds = (cute.cosize(x) for x in (self.sQ, self.sK, self.sdS))
         n_r = cute.cosize(self.sRows)
         bulk, n_dq = self.spec.bulk_dq, cute.cosize(self.sdQ) if self.spec.bulk_dq else 0
+        tma = self.spec.loads_by_tma
         Align, Mem = cute.struct.Align, cute.struct.MemRange
 
         @cute.struct
@@ -93,5 +94,7 @@ class HopperBackwardLayouts:
             sD: Align[Mem[cutlass.Float32, n_r], _ALIGN]
             if bulk:
                 sdQ: Align[Mem[cutlass.Float32, n_dq], _ALIGN]
+            if tma:  # a barrier a stage, and the key block's (``loads.py``)
+                mbar: Align[Mem[cutlass.Int64, self.spec.config.stages + 1], 8]
 
         return SharedStorage

@@ -68,7 +68,7 @@ from ..common.mask import mask_scores, soft_cap
 from ..common.sequences import Sequences
 from ..common.softmax import OnlineSoftmax
 from ..hopper.fragments import acc_mn_view
-from ..hopper.layouts import WARPGROUP
+from ..hopper.layouts import WARPGROUP, tma_view
 from ..hopper.mma import refuse_extras, wgmma, wgmmas
 from .consumer import Consumer, clear_rows
 from .epilogue import store_output
@@ -76,11 +76,6 @@ from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
 from .producer import Producer, v_tiling
 from .row_sums import fill_ones, totals
 from .turns import Turns
-
-
-def _sdhb(t: cute.Tensor) -> cute.Tensor:
-    """(batch, heads, seq, d) -> (seq, d, heads, batch): the TMA view (d contiguous)."""
-    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 3, 1, 0]))
 
 
 def sequence_rows(spec, serving, mO, mLSE, total_k, batch, head) -> tuple:
@@ -132,12 +127,12 @@ class WgmmaWsAttentionForward:
         self.smem_size = lay.storage.size_in_bytes()
         c, d = self.spec.config, self.spec.head_dim
         op = cpasync.CopyBulkTensorTileG2SOp()
-        atom_q, tma_q = cpasync.make_tiled_tma_atom(op, _sdhb(mQ), lay.sQ, (c.tile_m, d))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(op, _sdhb(mK),
+        atom_q, tma_q = cpasync.make_tiled_tma_atom(op, tma_view(mQ), lay.sQ, (c.tile_m, d))
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(op, tma_view(mK),
                                                     cute.select(lay.sKV, mode=[0, 1]),
                                                     (c.tile_n, d))
         # FP8 Vᵀ (batch, heads, head_dim, keys) is seen as (head_dim, keys, heads, batch)
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(op, _sdhb(mV),
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(op, tma_view(mV),
                                                     cute.select(lay.sV, mode=[0, 1]),
                                                     v_tiling(self.spec)[0])
         m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
