@@ -147,6 +147,15 @@ def test_prepared_keeps_kernel_ready_views_and_copies_the_rest():
     odd = torch.randn(2, 3, 64, 40, dtype=torch.float16).transpose(2, 3)  # last dim strided
     t, arg = prepared(odd)
     assert t.is_contiguous() and torch.equal(t, odd) and arg == tensor_arg(t)
+    # a broadcast (an expand: stride 0 over more than one element) is copied, since a TMA
+    # descriptor cannot step by 0; a zero stride over one element is no broadcast
+    one = torch.randn(1, 3, 40, 64, dtype=torch.float16)
+    for wide in (one.expand(4, 3, 40, 64), one[:, :1].expand(1, 3, 40, 64)):
+        t, arg = prepared(wide)
+        assert t.is_contiguous() and torch.equal(t, wide) and 0 not in t.stride()
+    single = one[:, :1].expand(1, 1, 40, 64).as_strided((1, 1, 40, 64), (0, 0, 64, 1))
+    t, arg = prepared(single)
+    assert t.data_ptr() == single.data_ptr() and arg == tensor_arg(single)
 
 
 def test_every_tuned_config_fits_an_l4(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ append) and the numbers that mapping gives."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from types import SimpleNamespace
 
@@ -17,6 +18,9 @@ from flashcore.integrations import kv_cache
 from flashcore.integrations import transformers as fc_tf
 
 DT = torch.bfloat16
+# the transformers backend's tests need the optional extra (``pip install -e '.[transformers]'``)
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed")
 
 
 def _store(res, out):
@@ -585,6 +589,7 @@ def llama_pair(fake):
     return ours, theirs
 
 
+@needs_transformers
 def test_transformers_plain_forward_runs_dense_causal_attention(fake, llama_pair):
     ours, theirs = llama_pair
     ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -596,6 +601,7 @@ def test_transformers_plain_forward_runs_dense_causal_attention(fake, llama_pair
     assert calls[0][2]["causal"] and calls[0][2]["mask_align"] == "top_left"
 
 
+@needs_transformers
 def test_transformers_padding_unpads_to_varlen(fake, llama_pair):
     ours, theirs = llama_pair
     ids = torch.randint(0, 97, (2, 10), generator=torch.Generator().manual_seed(2))
@@ -611,6 +617,7 @@ def test_transformers_padding_unpads_to_varlen(fake, llama_pair):
     assert not any(c[2]["check_lengths"] for c in fake.calls)
 
 
+@needs_transformers
 def test_transformers_greedy_generation_agrees(fake, llama_pair):
     ours, theirs = llama_pair
     ids = torch.randint(0, 97, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -622,6 +629,7 @@ def test_transformers_greedy_generation_agrees(fake, llama_pair):
     assert decode and all(c[0] == "attention" for c in decode)
 
 
+@needs_transformers
 def test_transformers_padded_generation_decodes_over_kept_keys(fake, llama_pair,
                                                                  monkeypatch):
     """A left-padded batch (and a hole inside a row): prefill unpads to varlen, each decode
@@ -689,6 +697,7 @@ def test_kept_keys_list_each_rows_kept_keys_in_order():
     assert padding.key_row_step(skew) is None
 
 
+@needs_transformers
 def test_transformers_padded_decode_compiles_fullgraph(monkeypatch):
     """A decode step under a padding mask traces whole through the registered attention_paged
     op (its table made in the graph: no host read, no fallback) and gives the eager result."""
@@ -735,6 +744,7 @@ def test_unpadding_offsets_are_made_once_per_mask():
     assert padding.unpadding(keep.clone(), 2) is not un  # another mask
 
 
+@needs_transformers
 def test_transformers_static_cache_passes_row_lengths(fake, llama_pair):
     ours, theirs = llama_pair
     ids = torch.randint(0, 97, (1, 5), generator=torch.Generator().manual_seed(4))
@@ -749,6 +759,7 @@ def test_transformers_static_cache_passes_row_lengths(fake, llama_pair):
     assert not any(c[2]["check_lengths"] for c in paged)
 
 
+@needs_transformers
 def test_transformers_four_d_mask_falls_back_counted(fake, llama_pair):
     ours, theirs = llama_pair
     ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(5))
@@ -757,6 +768,7 @@ def test_transformers_four_d_mask_falls_back_counted(fake, llama_pair):
     assert fc_tf.fallback_reasons() == {"4-D mask": 2} and not fake.calls
 
 
+@needs_transformers
 def test_transformers_sliding_window_and_softcap_reach_the_op(fake):
     fc_tf.register()
     module = SimpleNamespace(is_causal=True, training=False)
@@ -775,6 +787,7 @@ def test_transformers_sliding_window_and_softcap_reach_the_op(fake):
     _close(alt.transpose(1, 2), want)
 
 
+@needs_transformers
 def test_transformers_training_with_padding_stays_on_flashcore(fake, llama_pair):
     """A fine-tuning step on a left-padded batch: the padded attention runs as
     ``attention_varlen`` (which has a backward) and the parameters' gradients are SDPA's."""
@@ -800,6 +813,7 @@ def test_transformers_training_with_padding_stays_on_flashcore(fake, llama_pair)
     assert checked >= 4
 
 
+@needs_transformers
 def test_transformers_training_at_a_wide_head_dim_stays_on_flashcore(fake):
     """Phi's 96-wide and Gemma's 256-wide heads train through flashcore's backward too: no
     fallback, and the attention weights' gradients are SDPA's."""

@@ -199,9 +199,11 @@ def _launch(call: Call, q, k, v, return_lse: bool, out, signed: bool = False):
     b, h, sq, _ = call.shape
     hkv, sk = k.shape[1:3]
     ks, vs = k.stride(), v.stride()
-    # ``inputs.readable`` of all three at once (16-bit: strides in multiples of 8 elements)
+    # ``inputs.readable`` of all three at once (16-bit: strides in multiples of 8 elements;
+    # a zero stride, broadcast or not, takes the general path)
     if (call.q_strides is not None and ks[3] == 1 and vs[3] == 1 and not (qp | kp | vp) % 16
-            and not (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) % 8):
+            and not (ks[0] | ks[1] | ks[2] | vs[0] | vs[1] | vs[2]) % 8
+            and 0 not in ks and 0 not in vs):
         args = ((qp, b, h, sq, *call.q_strides), (kp, b, hkv, sk, *ks[:3]),
                 (vp, b, hkv, sk, *vs[:3]))
     else:

@@ -40,10 +40,17 @@ def matrix_arg(t: torch.Tensor) -> tuple:
 def readable(t: torch.Tensor) -> bool:
     """Whether the kernels can read or write ``t`` as it is: a contiguous last dim, a 16-byte
     aligned base and strides that are whole multiples of 16 bytes (the compiled kernels assume
-    all three: ``flashcore.kernels.build``)."""
+    all three: ``flashcore.kernels.build``), and no broadcast (``broadcast``)."""
     st = t.stride()
     align = 16 // t.element_size()
-    return st[-1] == 1 and t.data_ptr() % 16 == 0 and all(s % align == 0 for s in st[:-1])
+    return (st[-1] == 1 and t.data_ptr() % 16 == 0 and all(s % align == 0 for s in st[:-1])
+            and not broadcast(t))
+
+
+def broadcast(t: torch.Tensor) -> bool:
+    """Whether a dim of more than one element has stride 0 (an ``expand``): a TMA descriptor
+    cannot step by 0 (``runtime.tensor_map``), so such a tensor is copied first."""
+    return any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride()))
 
 
 def readable_copy(t: torch.Tensor) -> torch.Tensor:
@@ -64,7 +71,8 @@ def prepared(t: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     sb, sh, ss, sd = t.stride()
     ptr = t.data_ptr()
     align = 16 // t.element_size()
-    if sd != 1 or ptr % 16 or sb % align or sh % align or ss % align:
+    if (sd != 1 or ptr % 16 or sb % align or sh % align or ss % align
+            or 0 in (sb, sh, ss) and broadcast(t)):
         t = _fresh_copy(t)
         sb, sh, ss, _ = t.stride()
         ptr = t.data_ptr()

@@ -198,14 +198,14 @@ def check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, input
     ``aligned``, one the kernels can store into as it is (an op that stores through a scratch
     tensor otherwise passes False)."""
     check_out_meta(out, shape, dtype, device, op)
+    if _self_overlapping(out):
+        raise ValueError(f"{op}: out overlaps itself (strides {out.stride()} for shape "
+                         f"{tuple(out.shape)}): elements would be written twice")
     if aligned and not readable(out):
         align = 16 // out.element_size()
         raise ValueError(
             f"{op}: out needs a contiguous last dim, a 16-byte aligned base and strides that "
             f"are multiples of {align} elements; got strides {out.stride()}")
-    if _self_overlapping(out):
-        raise ValueError(f"{op}: out overlaps itself (strides {out.stride()} for shape "
-                         f"{tuple(out.shape)}): elements would be written twice")
     for name, t in inputs.items():
         if t is not None and _ranges_overlap(out, t):
             raise ValueError(f"{op}: out shares memory with {name}; the kernel would "
