@@ -412,6 +412,15 @@ def test_empty_and_strided_inputs():
     got = attention_backward(dout, q, k, v, out.half(), lse.float(), True)
     for g, want in zip(got, ref):
         assert max_abs(g, want) <= 1e-2 * max(1.0, want.abs().max().item())
+    # K and V broadcast over the batch (an expand, stride 0: copied for the TMA copies of the
+    # Hopper backward); dK and dV are each batch entry's own
+    q, _, _, dout = _inputs(2, 2, 2, 96, 96, 64, torch.float16, seed=14)
+    k, v = (torch.randn(1, 2, 96, 64, device="cuda", dtype=torch.float16).expand(2, 2, 96, 64)
+            for _ in range(2))
+    out, lse, *ref = _reference_grads(q, k, v, dout, False, None)
+    got = attention_backward(dout, q, k, v, out.half(), lse.float(), False)
+    for g, want in zip(got, ref):
+        assert max_abs(g, want) <= 1e-2 * max(1.0, want.abs().max().item())
 
 
 def test_masked_call_through_autograd():
