@@ -44,7 +44,7 @@ def readable(t: torch.Tensor) -> bool:
     st = t.stride()
     align = 16 // t.element_size()
     return (st[-1] == 1 and t.data_ptr() % 16 == 0 and all(s % align == 0 for s in st[:-1])
-            and not broadcast(t))
+            and (0 not in st or not broadcast(t)))
 
 
 def broadcast(t: torch.Tensor) -> bool:

@@ -44,8 +44,8 @@ from .arch import (
     check_target,
 )
 from .attention import MASK_ALIGNS
-from .families import swizzle_span
-from .packing import CoordParam, Packed, TensorMapParam
+from .families import tensor_map_params
+from .packing import Packed
 from .serial import SpecData
 from .tile import TileConfig, TiledKernel
 
@@ -278,7 +278,7 @@ class BackwardSpec(SpecData, TiledKernel):
     @property
     def loads_by_tma(self) -> bool:
         """The main kernel takes Q, K, V and dO as TMA descriptors (``tensor_map_params``) and
-        one thread copies each tile (the Hopper kernel over dense batches); a packed batch's
+        one warp copies each tile (the Hopper kernel over dense batches); a packed batch's
         rows are copied by every thread (cp.async, rows past a sequence zero-filled)."""
         return self.op == "attention_bwd" and self.hopper and not self.varlen
 
@@ -286,11 +286,8 @@ class BackwardSpec(SpecData, TiledKernel):
         """Q's, K's, V's or dO's descriptor (``runtime.tensor_map``) and its coordinate
         tensor's (seq, heads, batch): a box of a query block's rows (Q, dO) or the key block's
         (K, V), each row the kernel's swizzle span (``families.swizzle_span``) wide."""
-        e = DTYPE_BYTES[self.dtype]
         rows = self.config.tile_m if arg.name in ("q", "do") else self.config.tile_n
-        span = swizzle_span(self.head_dim * e)
-        return (TensorMapParam(f"{arg.abi_name}_tma", arg.abi_name, rows, span // e, "", span),
-                CoordParam(f"{arg.abi_name}_extents"))
+        return tensor_map_params(arg.abi_name, rows, self.head_dim, DTYPE_BYTES[self.dtype])
 
     @property
     def dsl_target(self) -> str:

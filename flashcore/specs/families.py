@@ -64,6 +64,16 @@ def swizzle_span(row_bytes: int) -> int:
     raise SpecError(f"a row of {row_bytes} bytes is no whole number of 32-byte swizzle units")
 
 
+def tensor_map_params(name: str, rows: int, inner: int, esize: int, dtype: str = "",
+                      transposed: bool = False) -> tuple[Packed, ...]:
+    """A TMA operand's descriptor (boxes of ``rows`` rows, each the swizzle span of a row of
+    ``inner`` elements of ``esize`` bytes wide, at most 128 bytes) and its coordinate tensor's
+    (seq, heads, batch)."""
+    span = swizzle_span(inner * esize)
+    return (TensorMapParam(f"{name}_tma", name, rows, span // esize, dtype, span, transposed),
+            CoordParam(f"{name}_extents"))
+
+
 def _copy_pass_rows(threads: int, row_bytes: int) -> int:
     """Rows one pass of ``threads`` threads' 16-byte copies covers, a thread per 16 bytes of
     a swizzle line (``kernels/common/copies.g2s_copy``)."""
@@ -323,10 +333,7 @@ class WgmmaWs:
         transposed = arg.kind.name == "bhds"
         rows, inner = (d, c.tile_n) if transposed else (
             c.tile_m if arg.name == "q" else c.tile_n, d)
-        span = swizzle_span(inner * esize)
-        name = arg.abi_name
-        return (TensorMapParam(f"{name}_tma", name, rows, span // esize, dtype, span, transposed),
-                CoordParam(f"{name}_extents"))
+        return tensor_map_params(arg.abi_name, rows, inner, esize, dtype, transposed)
 
     @staticmethod
     def p_in_shared(spec: FamilySpec) -> bool:

@@ -125,11 +125,9 @@ class BackwardCta:
 
     @cute.jit
     def copy_tiles(self, head, m_block, slot):
-        """cp.async query block ``m_block`` of ``head``'s Q and dO into stage ``slot``, rows
-        past the sequence zero-filled."""
-        for source, dst in ((self.src_q, self.tQsQ), (self.src_do, self.tQsdO)):
-            load_block(self.lay.g2s, self.at_head(source, head), dst, self.tQcQ, m_block, slot,
-                       self.seqlen_q, True)
+        """cp.async query block ``m_block`` of ``head``'s Q and dO into stage ``slot``."""
+        load_tile(self, self.src_q, self.tQsQ, head, m_block, slot)
+        load_tile(self, self.src_do, self.tQsdO, head, m_block, slot)
 
     def key_grads(self):
         """dK and dV of this key block, fp32 in the dK/dV product's accumulators, zeroed."""
@@ -209,3 +207,12 @@ class BackwardCta:
             live = cutlass.min(cutlass.max(self.seqlen_k - self.n_block * c.tile_n, 0), 1)
             hi = lo + cutlass.max(hi - lo, 0) * live
         return lo, hi
+
+
+@cute.jit
+def load_tile(cta: BackwardCta, source, dst, head, m_block, slot):
+    """cp.async the (batch, head, query block) tile of Q or dO (``source``: ``cta.src_q`` or
+    ``cta.src_do``) into stage ``slot`` of its partitioned shared tile ``dst``, rows past the
+    sequence zero-filled."""
+    load_block(cta.lay.g2s, cta.at_head(source, head), dst, cta.tQcQ, m_block, slot,
+               cta.seqlen_q, True)

@@ -14,23 +14,13 @@ import cutlass
 import cutlass.cute as cute
 
 from ..common.block_info import block_needs_mask, dq_turn
-from ..common.copies import load_block
 from ..common.fragments import mn_view
 from ..common.mask import mask_scores, soft_cap
 from ..common.mma import gemm_ss
 from .atomics import add_into
-from .cta import BackwardCta
+from .cta import BackwardCta, load_tile
 from .dq_layout import turn_bytes
 from .turns import pass_turn, wait_turn
-
-
-@cute.jit
-def load_rows_of(cta: BackwardCta, source, dst, head, m_block, slot):
-    """cp.async the (batch, head, query block) tile of Q or dO (``source``:
-    ``cta.src_q`` or ``cta.src_do``) into stage ``slot`` of its partitioned shared tile
-    ``dst``, rows past the sequence zero-filled."""
-    load_block(cta.lay.g2s, cta.at_head(source, head), dst, cta.tQcQ, m_block, slot,
-               cta.seqlen_q, True)
 
 
 @cute.jit
@@ -186,13 +176,13 @@ def query_block(cta: BackwardCta, mdQacc, head, m_block, scale_log2, has_next, n
     if cutlass.const_expr(not staged):
         cute.arch.sync_threads()  # every warp is done with this block's dO
         if has_next:
-            load_rows_of(cta, cta.src_do, cta.tQsdO, next_head, next_m, slot)
+            load_tile(cta, cta.src_do, cta.tQsdO, next_head, next_m, slot)
         cute.arch.cp_async_commit_group()
     gemm_ss(cta.lay.mma_dkv, cta.acc_dK, cta.dst, cta.dst.smem, cta.qt, cta.qt.stage(slot))
     if cutlass.const_expr(not staged):
         cute.arch.sync_threads()  # and with its Q
         if has_next:
-            load_rows_of(cta, cta.src_q, cta.tQsQ, next_head, next_m, slot)
+            load_tile(cta, cta.src_q, cta.tQsQ, next_head, next_m, slot)
         cute.arch.cp_async_commit_group()
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
     acc_dQ.fill(0.0)

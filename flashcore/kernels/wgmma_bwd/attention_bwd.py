@@ -31,7 +31,7 @@ from ..mma_sync_bwd.layouts import transposed
 from ..mma_sync_bwd.query_block import add_dq, issue_block, issue_first, needs_mask
 from .dq_bulk import issue_dq, stage_dq, wait_dq_done, wait_dq_read
 from .layouts import HopperBackwardLayouts
-from .loads import TensorShape, copy_keys, copy_query_tiles, init_barriers, tma_inputs
+from .loads import TensorShape, copy_pair, init_barriers, tma_inputs
 
 
 class HopperCta(BackwardCta):
@@ -92,8 +92,9 @@ class HopperCta(BackwardCta):
         ``BackwardCta``'s cp.async."""
         if cutlass.const_expr(self.spec.loads_by_tma):
             if steps > 0:
-                copy_keys(self, self.tma_kv, self.sK, self.sV, self.mbar + self.config.stages,
-                          self.key_bytes)
+                copy_pair(self.tma_kv, (self.sK, self.sV), self.kv_head, self.batch,
+                          (self.config.tile_n, self.spec.head_dim), self.n_block,
+                          self.mbar + self.config.stages, self.key_bytes)
         else:
             BackwardCta.copy_keys(self, steps)
 
@@ -101,8 +102,9 @@ class HopperCta(BackwardCta):
     def copy_tiles(self, head, m_block, slot):
         """Q and dO: by TMA (``loads.py``), else ``BackwardCta``'s cp.async."""
         if cutlass.const_expr(self.spec.loads_by_tma):
-            copy_query_tiles(self, self.tma_q_do, self.sQ, self.sdO, head, m_block, slot,
-                             self.mbar + slot, self.tile_bytes)
+            copy_pair(self.tma_q_do, (self.sQ, self.sdO), head, self.batch,
+                      (self.config.tile_m, self.spec.head_dim), m_block, self.mbar + slot,
+                      self.tile_bytes, slot)
         else:
             BackwardCta.copy_tiles(self, head, m_block, slot)
 

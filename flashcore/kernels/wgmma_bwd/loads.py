@@ -60,27 +60,17 @@ def _tiles(atom, tma_rows: cute.Tensor, smem: cute.Tensor, tile, block) -> tuple
 
 
 @cute.jit
-def copy_keys(cta, atoms, sK, sV, mbar, bytes_: cutlass.Constexpr):
-    """Warp 0: the key block's K and V (rows past the keys zero-filled by TMA)."""
+def copy_pair(atoms, smems, head, batch, tile: cutlass.Constexpr, block, mbar,
+              bytes_: cutlass.Constexpr, stage=None):
+    """Warp 0: block ``block`` of two tensors' (``atoms``: (TMA atom, coordinate tensor)
+    pairs) rows of (``head``, ``batch``) into ``smems`` (stage ``stage`` of them, where
+    staged), both on ``mbar``, which expects ``bytes_`` (rows past a tensor are zero-filled by
+    TMA)."""
     if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-        tile = (cta.config.tile_n, cta.spec.head_dim)
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(mbar, bytes_)
-        for (atom, tma), smem in zip(atoms, (sK, sV)):
-            s_t, g_t = _tiles(atom, tma[None, None, cta.kv_head, cta.batch], smem, tile,
-                              cta.n_block)
+        for (atom, tma), smem in zip(atoms, smems):
+            s_t, g_t = _tiles(atom, tma[None, None, head, batch], smem, tile, block)
+            if cutlass.const_expr(stage is not None):
+                s_t = s_t[None, stage]
             cute.copy(atom, g_t, s_t, tma_bar_ptr=mbar)
-
-
-@cute.jit
-def copy_query_tiles(cta, atoms, sQ, sdO, head, m_block, slot, mbar,
-                     bytes_: cutlass.Constexpr):
-    """Warp 0: query block ``m_block`` of ``head``'s Q and dO into stage ``slot`` (rows past
-    the sequence zero-filled by TMA)."""
-    if cute.arch.make_warp_uniform(cute.arch.warp_idx()) == 0:
-        tile = (cta.config.tile_m, cta.spec.head_dim)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar, bytes_)
-        for (atom, tma), smem in zip(atoms, (sQ, sdO)):
-            s_t, g_t = _tiles(atom, tma[None, None, head, cta.batch], smem, tile, m_block)
-            cute.copy(atom, g_t, s_t[None, slot], tma_bar_ptr=mbar)
