@@ -313,8 +313,20 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     tma = re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::\w+\.global\.tile\.mbarrier", ptx)
     assert spec.loads_by_tma == (not spec.varlen) == (tiles is None)
     boxes = spec.head_dim * 2 // (128 if spec.head_dim % 64 == 0 else 64)
-    assert len(tma) == (6 * boxes if spec.loads_by_tma else 0)
-    assert re.search(r"cp\.async\.ca\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 4", ptx)
+    # warp-specialised (dense, bulk dQ): one copying warp (whose loop the compiler may peel:
+    # some multiple of the four tiles' boxes), the LSE and D rows by 1-D bulk copies; the MMA
+    # warps meet at named barriers
+    ws = spec.warp_specialized
+    assert ws == (spec.loads_by_tma and spec.bulk_dq and spec.config.tile_m == 64
+                  and spec.head_dim in (64, 128))
+    if ws:
+        assert len(tma) >= 4 * boxes and len(tma) % (2 * boxes) == 0
+    else:
+        assert len(tma) == (6 * boxes if spec.loads_by_tma else 0)
+    rows = re.search(r"cp\.async\.ca\.shared\.global(\.L2::\d+B)? \[[^]]+\], \[[^]]+\], 4", ptx)
+    bulk_rows = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier", ptx)
+    assert (rows is None) == ws and (len(bulk_rows) >= 2) == ws and len(bulk_rows) % 2 == 0
+    assert ("setmaxnreg" in ptx) == ws and ("bar.arrive" in ptx) == ws
     assert "ld.local" not in ptx and "st.local" not in ptx
     body = ptx[ptx.index(".entry"):]
     wait = body.index("griddepcontrol.wait;")

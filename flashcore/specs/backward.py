@@ -52,6 +52,7 @@ from .tile import TileConfig, TiledKernel
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
 ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this (the largest tile_m)
 ROW_THREADS = 128  # threads of a pre/post CTA
+PRODUCER_THREADS = 128  # a warp-specialised main kernel's producer warpgroup
 # ``stages``: query blocks (Q, dO and their LSE and D rows) in flight: 2 prefetches the next
 # block while this one computes
 BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
@@ -253,7 +254,21 @@ class BackwardSpec(SpecData, TiledKernel):
 
     @property
     def threads(self) -> int:
-        return self.config.threads if self.op == "attention_bwd" else ROW_THREADS
+        """A row kernel's ``ROW_THREADS``; the main kernel's ``config.threads``, and a
+        producer warpgroup more where it is warp-specialised."""
+        if self.op != "attention_bwd":
+            return ROW_THREADS
+        return self.config.threads + (PRODUCER_THREADS if self.warp_specialized else 0)
+
+    @property
+    def warp_specialized(self) -> bool:
+        """The Hopper kernel over a dense batch with bulk dQ: a producer warpgroup whose first
+        warp copies every tile by TMA and whose second adds each block's dQ, the MMA
+        warpgroups meeting at named barriers only (``kernels/wgmma_bwd/warp_specialized.py``).
+        Where the MMA warps' 240 registers hold a block without spilling: 64 query rows at d64
+        and d128 (d96, and d64's 128 rows, need 250-255)."""
+        return (self.loads_by_tma and self.bulk_dq and self.config.tile_m == 64
+                and self.head_dim in (64, 128))
 
     @property
     def rows_per_cta(self) -> int:
@@ -312,13 +327,14 @@ class BackwardSpec(SpecData, TiledKernel):
         if self.hopper:  # Q, dO staged; K, V; dS (keys x query rows); LSE and D rows staged;
             # two fp32 dQ blocks for the bulk reductions; the TMA copies' barriers (8-byte
             # aligned: they may sit in the last member's padding)
+            ds = 2 if self.warp_specialized else 1  # dSᵀ in two stages
             n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
-                 + _align(c.tile_n * c.tile_m * e) + _align(c.tile_m * 4 * c.stages))
+                 + _align(c.tile_n * c.tile_m * e * ds) + _align(c.tile_m * 4 * c.stages))
             n += c.tile_m * 4 * c.stages  # D's rows, the last 1 KB-aligned member but one
             if self.bulk_dq:
                 n = _align(n) + 2 * c.tile_m * d * 4
-            if self.loads_by_tma:
-                n = -(-n // 8) * 8 + 8 * (c.stages + 1)
+            if self.loads_by_tma:  # a full barrier a stage and the key block's; empty ones
+                n = -(-n // 8) * 8 + 8 * (c.stages + 1 + (c.stages if ds == 2 else 0))
             return _align(n)
         n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
              + 2 * _align(c.tile_m * c.tile_n * e))

@@ -296,8 +296,9 @@ BACKWARD = Signature("backward", (
     Group("serving", (Param("cu_seqlens_q", INT_VECTOR, when=lambda s: s.varlen),
                       Param("cu_seqlens_k", INT_VECTOR, when=lambda s: s.varlen))),
     Group("order", (Param("dq_turns", INT_VECTOR, when=lambda s: s.deterministic),)),
-), kernel=lambda s: ("wgmma_bwd.attention_bwd:HopperBackward" if s.hopper
-                     else "mma_sync_bwd.attention_bwd:AttentionBackward"))
+), kernel=lambda s: ("wgmma_bwd.warp_specialized:WarpSpecializedBackward"
+                     if s.warp_specialized else "wgmma_bwd.attention_bwd:HopperBackward"
+                     if s.hopper else "mma_sync_bwd.attention_bwd:AttentionBackward"))
 BACKWARD_POST = Signature("backward_post", (
     Group("inputs", (Param("dq_accum", BHSD, dtype=F32),)),
     Group("outputs", (Param("dq", BHSD),)),

@@ -7,11 +7,23 @@ import cutlass.cute as cute
 
 from .cta import BackwardCta
 
+EPILOGUE_BARRIER = 1  # a warp-specialised kernel's: its MMA warps meet alone
+
+
+@cute.jit
+def sync_workers(cta: BackwardCta):
+    """Every computing thread here: the whole CTA, or a warp-specialised kernel's MMA warps
+    (a named barrier: its producer warps do not come)."""
+    if cutlass.const_expr(cta.spec.warp_specialized):
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=cta.config.threads)
+    else:
+        cute.arch.sync_threads()
+
 
 @cute.jit
 def store_key_grads(cta: BackwardCta, mdK, mdV, scale):
     cta.acc_dK.store(cta.acc_dK.load() * scale)
-    cute.arch.sync_threads()  # every warp is done reading sK and sV
+    sync_workers(cta)  # every warp is done reading sK and sV
     store_tile(cta, cta.acc_dK, cta.sK, mdK)
     store_tile(cta, cta.acc_dV, cta.sV, mdV)
 
@@ -25,7 +37,7 @@ def store_tile(cta: BackwardCta, acc, smem, mOut):
                                  lay.mma_dkv)
     r2s_thr = r2s.get_slice(cta.tidx)
     cute.copy(r2s, r2s_thr.retile(r), r2s_thr.partition_D(smem))
-    cute.arch.sync_threads()
+    sync_workers(cta)
     gOut = cute.local_tile(cta.key_rows(mOut), (c.tile_n, d), (cta.n_block, 0))
     cOut = cute.local_tile(cute.make_identity_tensor((cta.seqlen_k, d)), (c.tile_n, d),
                            (cta.n_block, 0))

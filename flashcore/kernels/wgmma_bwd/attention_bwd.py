@@ -9,6 +9,8 @@ TMA from warp 0 over dense batches (``loads.py``), else by every thread's cp.asy
 LSE and D rows always by cp.async. Every warp computes: warpgroup w holds keys 64w .. 64w + 63
 of the block. Per block: Sᵀ and dPᵀ; Pᵀ and dSᵀ; dV (while dSᵀ goes to shared memory and the
 CTA meets); dQ, then dK, whose MMAs run while dQ is staged for its bulk reduction (or added).
+Over dense batches with dQ added in bulk, the warp-specialised kernel
+(``warp_specialized.py``) runs the same products with a producer warpgroup in front.
 ABI: ``flashcore.specs.params.BACKWARD``.
 """
 
@@ -44,6 +46,8 @@ class HopperCta(BackwardCta):
         shapes = (TensorShape(mQ[1]), TensorShape(mK[1])) if tma else (mQ, mK)
         self.place(lay, *shapes, window_left, window_right, seqs)
         spec, c = self.spec, self.config
+        if spec.warp_specialized:  # the MMA warpgroups follow the producer's: their own index
+            self.tidx = self.tidx - WARPGROUP
         d, tm, tn = spec.head_dim, c.tile_m, c.tile_n
 
         def tile(buf, layout):
@@ -59,7 +63,8 @@ class HopperCta(BackwardCta):
             self.tma_kv, self.mbar = (mK, mV), storage.mbar.data_ptr()
             e = lay.dtype.width // 8
             self.key_bytes, self.tile_bytes = 2 * tn * d * e, 2 * tm * d * e
-            init_barriers(self.mbar, c.stages, self.tidx)
+            init_barriers(self.mbar, c.stages, self.tidx,
+                          c.warps if spec.warp_specialized else 0)
         else:
             self.copies(mK, mV)
 
@@ -119,6 +124,16 @@ class HopperCta(BackwardCta):
             cute.arch.mbarrier_wait(self.mbar + step % 2, (step // 2) % 2)
         else:
             cute.arch.fence_proxy("async.shared", space="cta")
+
+
+@cute.jit
+def next_block(head, m_block, lo, per_head):
+    """The step after (``head``, ``m_block``): every role walks the same (head, query block)
+    sequence, counted without divisions."""
+    nxt_head, nxt_m = head, m_block + 1
+    if nxt_m == lo + per_head:
+        nxt_head, nxt_m = head + 1, lo
+    return nxt_head, nxt_m
 
 
 @cute.jit
@@ -265,9 +280,7 @@ class HopperBackward(AttentionBackward):
                 if step > 0:
                     issue_dq(cta.sdQ, dq_block(cta, mdQacc, last_head, last_m), 1 - slot,
                              cta.tidx)
-            next_head, next_m = head, m_block + 1
-            if next_m == lo + per_head:
-                next_head, next_m = head + 1, lo
+            next_head, next_m = next_block(head, m_block, lo, per_head)
             query_block(cta, mdQacc, head, m_block, args.scales.scale_log2, slot,
                         (step + 1 < steps, next_head, next_m))
             last_head, last_m = head, m_block

@@ -36,7 +36,8 @@ class HopperBackwardLayouts:
         self.warpgroups = wgs = c.warps // 4
         self.sQ = k_major(dt, (tm, d, c.stages))  # and dO
         self.sK = k_major(dt, (tn, d))  # and V
-        self.sdS = k_major(dt, (tn, tm))  # dSᵀ as the Sᵀ accumulator holds it
+        # dSᵀ as the Sᵀ accumulator holds it (warp-specialised: two stages)
+        self.sdS = k_major(dt, (tn, tm, 2) if spec.warp_specialized else (tn, tm))
         self.sRows = cute.make_layout((tm, c.stages))  # each stage's LSE and D rows
         # two fp32 dQ blocks, row-major as the accumulator lies (``dq_bulk.py``)
         self.sdQ = cute.make_layout((tm, d, 2), stride=(d, 1, tm * d)) if spec.bulk_dq else None
@@ -81,6 +82,8 @@ class HopperBackwardLayouts:
         n_r = cute.cosize(self.sRows)
         bulk, n_dq = self.spec.bulk_dq, cute.cosize(self.sdQ) if self.spec.bulk_dq else 0
         tma = self.spec.loads_by_tma
+        stages = self.spec.config.stages
+        barriers = stages + 1 + (stages if self.spec.warp_specialized else 0)
         Align, Mem = cute.struct.Align, cute.struct.MemRange
 
         @cute.struct
@@ -94,7 +97,8 @@ class HopperBackwardLayouts:
             sD: Align[Mem[cutlass.Float32, n_r], _ALIGN]
             if bulk:
                 sdQ: Align[Mem[cutlass.Float32, n_dq], _ALIGN]
-            if tma:  # a barrier a stage, and the key block's (``loads.py``)
-                mbar: Align[Mem[cutlass.Int64, self.spec.config.stages + 1], 8]
+            if tma:  # a barrier a stage, and the key block's (``loads.py``); warp-specialised:
+                # and an empty barrier a stage
+                mbar: Align[Mem[cutlass.Int64, barriers], 8]
 
         return SharedStorage

@@ -7,11 +7,14 @@ rows stay per-thread cp.async copies (``mma_sync_bwd.query_block``). A packed ba
 cp.async throughout: its rows past a sequence must be zero-filled.
 
 A stage's barrier completes once a use: query block i of the walk lands in stage i % 2 with
-phase (i // 2) % 2."""
+phase (i // 2) % 2. The warp-specialised kernel copies the LSE and D rows too, as 1-D bulk
+copies on the same barrier (``bulk_copy_g2s``)."""
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..hopper.layouts import tma_view
 
@@ -42,12 +45,17 @@ class TensorShape:
 
 
 @cute.jit
-def init_barriers(mbar, stages: cutlass.Constexpr, tidx) -> None:
+def init_barriers(mbar, stages: cutlass.Constexpr, tidx, empties: cutlass.Constexpr) -> None:
     """Thread 0: a barrier a stage and the key block's, one arrival each (the copying
-    thread's, with the bytes it expects); then every thread sees them initialised."""
+    thread's, with the bytes it expects), and with ``empties`` (the MMA warps' count) an empty
+    barrier a stage after them, an arrival from each MMA warp; then every thread sees them
+    initialised."""
     if tidx == 0:
         for s in cutlass.range_constexpr(stages + 1):
             cute.arch.mbarrier_init(mbar + s, 1)
+        if cutlass.const_expr(empties > 0):
+            for s in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(mbar + stages + 1 + s, empties)
     cute.arch.mbarrier_init_fence()
     cute.arch.sync_threads()
 
@@ -74,3 +82,14 @@ def copy_pair(atoms, smems, head, batch, tile: cutlass.Constexpr, block, mbar,
             if cutlass.const_expr(stage is not None):
                 s_t = s_t[None, stage]
             cute.copy(atom, g_t, s_t, tma_bar_ptr=mbar)
+
+
+@dsl_user_op
+def bulk_copy_g2s(saddr, gaddr, size: int, mbar, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk`` (1-D): ``size`` bytes from global ``gaddr`` to shared ``saddr`` (both
+    16-byte aligned), completing on the mbarrier at shared address ``mbar``."""
+    llvm.inline_asm(None, [cutlass.Int32(saddr).ir_value(loc=loc, ip=ip),
+                           cutlass.Int64(gaddr).ir_value(loc=loc, ip=ip),
+                           cutlass.Int32(mbar).ir_value(loc=loc, ip=ip)],
+                    "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+                    f"[$0], [$1], {size}, [$2];", "r,l,r", has_side_effects=True, loc=loc, ip=ip)
