@@ -183,6 +183,20 @@ def p_and_ds(cta: HopperCta, acc_S, acc_dP, m_block, scale_log2, slot):
 
 
 @cute.jit
+def issue_dv(cta: HopperCta, acc_S, acc_dP, slot):
+    """Pᵀ and dSᵀ in the 16-bit dtype, and dV += Pᵀ·dO issued (A in place in the registers);
+    returns dSᵀ's registers."""
+    lay = cta.lay
+    rP = cute.make_rmem_tensor(acc_S.layout, lay.dtype)
+    rP.store(acc_S.load().to(lay.dtype))
+    rdS = cute.make_rmem_tensor(acc_dP.layout, lay.dtype)
+    rdS.store(acc_dP.load().to(lay.dtype))
+    rP_a = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
+    wgmmas([(lay.mma_dkv, cta.acc_dV, rP_a, cta.tVrdOt[None, None, None, slot])], False, None)
+    return rdS
+
+
+@cute.jit
 def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot, nxt):
     """Block ``m_block`` of query head ``head``, its Q, dO, LSE and D rows landed in stage
     ``slot`` (``HopperCta.wait_tiles``). ``nxt``: (whether there is a next block, its
@@ -202,14 +216,7 @@ def query_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, slot, nxt):
     warpgroup.wait_group(1)
 
     p_and_ds(cta, acc_S, acc_dP, m_block, scale_log2, slot)
-    dt = lay.dtype
-    rP = cute.make_rmem_tensor(acc_S.layout, dt)
-    rP.store(acc_S.load().to(dt))
-    rdS = cute.make_rmem_tensor(acc_dP.layout, dt)
-    rdS.store(acc_dP.load().to(dt))
-    # dV += Pᵀ·dO (A in place in the registers) runs while dSᵀ goes to shared memory
-    rP_a = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
-    wgmmas([(lay.mma_dkv, cta.acc_dV, rP_a, cta.tVrdOt[None, None, None, slot])], False, None)
+    rdS = issue_dv(cta, acc_S, acc_dP, slot)  # its MMAs run while dSᵀ goes to shared memory
     # dSᵀ to shared memory for dQ: every warpgroup's keys before either reads it
     cute.copy(cta.r2s_ds, cta.r2s_ds.retile(rdS), cta.tdSsdS)
     cute.arch.fence_proxy("async.shared", space="cta")

@@ -22,7 +22,15 @@ from cutlass.cute.nvgpu import warpgroup
 from ..hopper.fragments import acc_as_operand_a
 from ..hopper.mma import wgmmas
 from ..mma_sync_bwd.epilogue import store_key_grads
-from .attention_bwd import HopperBackward, HopperCta, dq_block, dq_turn_bytes, next_block, p_and_ds
+from .attention_bwd import (
+    HopperBackward,
+    HopperCta,
+    dq_block,
+    dq_turn_bytes,
+    issue_dv,
+    next_block,
+    p_and_ds,
+)
 from .dq_bulk import bulk_add_f32, stage_dq
 from .loads import bulk_copy_g2s, copy_pair
 
@@ -103,13 +111,7 @@ def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step):
     wgmmas([(lay.mma_sdp, acc_S, cta.tSrK, cta.tSrQ[None, None, None, slot])], True, None)
     wgmmas([(lay.mma_sdp, acc_dP, cta.tSrV, cta.tSrdO[None, None, None, slot])], True, 1)
     p_and_ds(cta, acc_S, acc_dP, m_block, scale_log2, slot)
-    dt = lay.dtype
-    rP = cute.make_rmem_tensor(acc_S.layout, dt)
-    rP.store(acc_S.load().to(dt))
-    rdS = cute.make_rmem_tensor(acc_dP.layout, dt)
-    rdS.store(acc_dP.load().to(dt))
-    rP_a = cute.make_tensor(rP.iterator, acc_as_operand_a(rP.layout))
-    wgmmas([(lay.mma_dkv, cta.acc_dV, rP_a, cta.tVrdOt[None, None, None, slot])], False, None)
+    rdS = issue_dv(cta, acc_S, acc_dP, slot)
     # dSᵀ into this block's stage: the other warpgroup's dQ product of two blocks ago, the
     # last reader of that stage, was waited for before the last block's barrier
     cute.copy(cta.r2s_ds, cta.r2s_ds.retile(rdS), cta.tdSsdS[None, None, None, slot])
