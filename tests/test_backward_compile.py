@@ -327,6 +327,17 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     bulk_rows = re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier", ptx)
     assert (rows is None) == ws and (len(bulk_rows) >= 2) == ws and len(bulk_rows) % 2 == 0
     assert ("setmaxnreg" in ptx) == ws and ("bar.arrive" in ptx) == ws
+    if ws:  # one CTA-wide barrier (the mbarriers' initialisation): past it the roles never
+        # meet as a whole; the MMA warps meet alone (256), or with the dQ writer warp (288)
+        mma = spec.config.threads
+        named = re.findall(r"bar\.(?:sync|arrive)\s+(\S+?)(?:,\s*(\d+))?;", ptx)
+        assert [n for n in named if n[1] == ""] == [("0", "")]
+        assert {int(count) for _, count in named if count} == {mma, mma + 32}
+        assert [(i, int(c)) for i, c in named if i in ("1", "2")] == [
+            (i, mma) for i, c in named if i in ("1", "2")]
+        regs = [int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);",
+                                           ptx)]
+        assert sorted(regs) == [24, 240] and 128 * 24 + mma * 240 <= 64 * 1024
     assert "ld.local" not in ptx and "st.local" not in ptx
     body = ptx[ptx.index(".entry"):]
     wait = body.index("griddepcontrol.wait;")
