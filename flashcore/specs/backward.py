@@ -265,8 +265,8 @@ class BackwardSpec(SpecData, TiledKernel):
         """The Hopper kernel over a dense batch with bulk dQ: a producer warpgroup whose first
         warp copies every tile by TMA and whose second adds each block's dQ, the MMA
         warpgroups meeting at named barriers only (``kernels/wgmma_bwd/warp_specialized.py``).
-        Where the MMA warps' 240 registers hold a block without spilling: 64 query rows at d64
-        and d128 (d96, and d64's 128 rows, need 250-255)."""
+        64 query rows at d64 and d128 (d96 spills at the MMA warps' 240 registers; d64's
+        128-row tile fits them: ``docs/performance-notes.md`` says where it stands)."""
         return (self.loads_by_tma and self.bulk_dq and self.config.tile_m == 64
                 and self.head_dim in (64, 128))
 
