@@ -115,7 +115,7 @@ sanitize() {
   gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
   [ "$gpus" -gt 0 ] && [ -z "${GPU:-}" ] || gpus=1
   for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
-    for mode in ${SANITIZE_MODES:-all splits-equal splits-unequal}; do
+    for mode in ${SANITIZE_MODES:-$(bash scripts/sanitize.sh --modes)}; do
       ( [ -z "${GPU:-}" ] && export CUDA_VISIBLE_DEVICES=$(( i % gpus ))
         OUT="$out/${tag}sanitize" SANITIZE_S=$(limit sanitize 300) SANITIZE_TOOLS=$tool \
           SANITIZE_MODES=$mode bash scripts/sanitize.sh ) &

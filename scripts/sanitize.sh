@@ -3,14 +3,23 @@
 # memcheck, racecheck, synccheck. Logs and a summary go to $OUT (or ./bench-results/sanitize).
 #   bash scripts/sanitize.sh                 # the kernels of this GPU's arch
 #   FLASHCORE_ARCH=sm_89 bash scripts/sanitize.sh   # an L4's kernels, from PTX, on an H100
+#   SANITIZE_MODES="backward-hopper" bash scripts/sanitize.sh   # some of sanitize_cases.py's modes
+#   bash scripts/sanitize.sh --modes           # the default modes here
 set -uo pipefail
+# the default modes: every family's cases, the backward's too (the Hopper backward's on sm_90)
+modes="all splits-equal splits-unequal backward backward-deterministic backward-varlen"
+if [ -z "${FLASHCORE_ARCH:-}" ] \
+    && nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | grep -q '^9\.0'; then
+  modes="$modes backward-hopper"
+fi
+if [ "${1:-}" = --modes ]; then echo "$modes"; exit 0; fi
 out=${OUT:-bench-results/sanitize}
 mkdir -p "$out"
 tag=${FLASHCORE_ARCH:-native}
 export PYTHONUNBUFFERED=1
 status=0
 for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
-  for mode in ${SANITIZE_MODES:-all splits-equal splits-unequal}; do
+  for mode in ${SANITIZE_MODES:-$modes}; do
     log="$out/sanitize-$tag-$tool-$mode.log"
     # racecheck prints every report (no backtraces) so that each is grouped and judged
     # (scripts/race_summary.py): a print limit would hide new reports behind known ones
