@@ -104,12 +104,13 @@ class HopperCta(BackwardCta):
             BackwardCta.copy_keys(self, steps)
 
     @cute.jit
-    def copy_tiles(self, head, m_block, slot):
-        """Q and dO: by TMA (``loads.py``), else ``BackwardCta``'s cp.async."""
+    def copy_tiles(self, head, m_block, slot, more_bytes: cutlass.Constexpr = 0):
+        """Q and dO: by TMA (``loads.py``; the stage's barrier also expects ``more_bytes``,
+        the warp-specialised kernel's rows), else ``BackwardCta``'s cp.async."""
         if cutlass.const_expr(self.spec.loads_by_tma):
             copy_pair(self.tma_q_do, (self.sQ, self.sdO), head, self.batch,
                       (self.config.tile_m, self.spec.head_dim), m_block, self.mbar + slot,
-                      self.tile_bytes, slot)
+                      self.tile_bytes + more_bytes, slot)
         else:
             BackwardCta.copy_tiles(self, head, m_block, slot)
 

@@ -36,7 +36,8 @@ def stage_dq(acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, slot, turn):
     """This thread's dQ into buffer ``slot`` as the accumulator in global memory lays it out
     (each address XORed with ``turn``: ``mma_sync_bwd/dq_layout.py``, which spreads a warp's
     eight rows over the banks); the caller fences them for the bulk copy's (async) proxy once
-    no MMA is in flight, and a barrier then makes the block whole. Values 2j and 2j + 1 of the accumulator are adjacent columns."""
+    no MMA is in flight, and a barrier then makes the block whole. Values 2j and 2j + 1 of the
+    accumulator are adjacent columns."""
     dst = tdQsdQ[None, None, None, slot]
     for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
         ptr = dst.iterator + cute.crd2idx(2 * j, dst.layout)

@@ -32,7 +32,7 @@ from .attention_bwd import (
     p_and_ds,
 )
 from .dq_bulk import bulk_add_f32, stage_dq
-from .loads import bulk_copy_g2s, copy_pair
+from .loads import bulk_copy_g2s
 
 PRODUCER_REGS = 24  # the producer warps only issue copies and walk the blocks
 MMA_REGS = 240  # 2 x 128 x 240 + 128 x 24 registers fit the register file
@@ -63,8 +63,7 @@ def copy_block(cta: HopperCta, head, m_block, slot):
     tm = cta.config.tile_m
     rows_bytes = tm * 4
     full = cta.mbar + slot
-    copy_pair(cta.tma_q_do, (cta.sQ, cta.sdO), head, cta.batch, (tm, cta.spec.head_dim), m_block,
-              full, cta.tile_bytes + 2 * rows_bytes, slot)
+    HopperCta.copy_tiles(cta, head, m_block, slot, 2 * rows_bytes)
     with cute.arch.elect_one():
         for source, dst in ((cta.src_lse, cta.sLSE), (cta.src_d, cta.sD)):
             block = cute.local_tile(cta.at_head(source, head), (tm,), (m_block,))
@@ -149,12 +148,9 @@ class WarpSpecializedBackward(HopperBackward):
                 write_dq(cta, mdQacc, first, lo, per_head, steps, cute.arch.lane_idx())
         else:
             cute.arch.setmaxregister_increase(MMA_REGS)
-            stages = self.spec.config.stages
             head, m_block = cutlass.Int32(first), cutlass.Int32(lo)
             for step in range(steps):
-                if step == 0:
-                    cute.arch.mbarrier_wait(cta.mbar + stages, 0)
-                cute.arch.mbarrier_wait(cta.mbar + step % stages, (step // stages) % 2)
+                HopperCta.wait_tiles(cta, step)  # (through the class: see attention_bwd.py)
                 mma_block(cta, mdQacc, head, m_block, args.scales.scale_log2, step)
                 head, m_block = next_block(head, m_block, lo, per_head)
             store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)
