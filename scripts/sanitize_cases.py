@@ -747,7 +747,7 @@ def backward_cases(deterministic: bool = False, head_dims: bool = False, only_di
 def backward_hopper_cases():
     """The Hopper backward (sm_90: the d64, d96 and d128 default there): the backward cases' ragged
     shapes, free dQ adds and in turns (more key blocks per query block, a window), and a
-    packed batch's; then d64's other tile, 128-row blocks."""
+    packed batch's, at 64 query rows; then d64's default, 128-row blocks, the same three."""
     from flashcore.ops.backward import backward_choices_override
 
     with backward_choices_override("64x128w8s2-hopper"):
@@ -759,6 +759,7 @@ def backward_hopper_cases():
     with backward_choices_override("64:128x128w8s2-hopper"):  # d64's 128-row blocks
         yield from backward_cases(only_dim=64)
         yield from backward_cases(deterministic=True, only_dim=64)
+        yield from backward_varlen_cases()
 
 
 def backward_varlen_cases():

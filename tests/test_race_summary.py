@@ -46,6 +46,17 @@ def test_known_patterns_pass_and_are_grouped(tmp_path, capsys):
     assert "4 reports in 2 groups, 0 not known" in out
 
 
+def test_the_pattern_names_every_warp_specialised_kernel_and_no_other():
+    ws_names = [WS, WS.replace("d64_m64", "d64_m128"), WS.replace("d64", "d128"),
+                WS.replace("_hopper", "_hopper_causal_br_softcap")]
+    other = [WS.replace("d64", "d96"), WS.replace("d64_m64", "d128_m128"),
+             WS.replace("_hopper", "_hopper_varlen"), WS.replace("_hopper", "_hopper_det")]
+    for name in ws_names + other:
+        r = race_summary.Report("WAR", name, (race_summary.Access("Read", 380, "0x3b60"),
+                                              race_summary.Access("Write", 0, "0x1320")))
+        assert (race_summary.known(r) is not None) == (name in ws_names), name
+
+
 def test_anything_else_fails(tmp_path, capsys):
     fwd = "fc_attn_fwd_sm90_f16_d128_m128n128_w8_s1_lse_0"
     cases = [
