@@ -58,12 +58,11 @@ PRODUCER_THREADS = 128  # a warp-specialised main kernel's producer warpgroup
 BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4, 8),
                   "stages": (1, 2), "kv_splits": (1,)}
 # The Hopper backward (``kernels/wgmma_bwd``): warpgroup MMAs on sm_90, two warpgroups of 64
-# keys, two stages of Q and dO; query blocks of 64 rows (each head dim's first tile, the
-# default), or 128 at d64 (226-254 registers, no spills; it timed level with 64 rows on an
-# H200). 128 rows spill at d96 and d128.
+# keys, two stages of Q and dO; query blocks of 128 rows at d64, 64 at d96 and d128 (each head
+# dim's first tile is its default; 128 rows spill at d96 and d128). d64 also builds 64 rows.
 HOPPER_BWD = "hopper"
 HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
-HOPPER_BWD_TILES = {64: ((64, 128), (128, 128)), 96: ((64, 128),), 128: ((64, 128),)}
+HOPPER_BWD_TILES = {64: ((128, 128), (64, 128)), 96: ((64, 128),), 128: ((64, 128),)}
 BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
 _SMEM_ALIGN = 1024
 
@@ -265,10 +264,10 @@ class BackwardSpec(SpecData, TiledKernel):
         """The Hopper kernel over a dense batch with bulk dQ: a producer warpgroup whose first
         warp copies every tile by TMA and whose second adds each block's dQ, the MMA
         warpgroups meeting at named barriers only (``kernels/wgmma_bwd/warp_specialized.py``).
-        64 query rows at d64 and d128 (d96 spills at the MMA warps' 240 registers; d64's
-        128-row tile fits them: ``docs/performance-notes.md`` says where it stands)."""
-        return (self.loads_by_tma and self.bulk_dq and self.config.tile_m == 64
-                and self.head_dim in (64, 128))
+        d64 at 128 or 64 query rows, d128 at 64 (d96 spills at the MMA warps' 240
+        registers)."""
+        return (self.loads_by_tma and self.bulk_dq
+                and (self.config.tile_m, self.head_dim) in ((64, 64), (128, 64), (64, 128)))
 
     @property
     def rows_per_cta(self) -> int:
@@ -371,8 +370,8 @@ class BackwardSpec(SpecData, TiledKernel):
 
 
 def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
-    """The main kernel's config. sm_90 at d64, d96 and d128: the Hopper backward, 64 query rows x
-    128 keys. Else the
+    """The main kernel's config. sm_90 at d64, d96 and d128: the Hopper backward, 128 keys and
+    128 query rows at d64 (FlashAttention-4's tile), 64 at d96 and d128. Else the
     mma_sync backward: eight warps, 64 query rows x 128 keys, two query blocks in
     flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
     ``arch``) take 64 keys: d96 two blocks in flight (89 KB), d128 one (80 KB); sm_80 and
