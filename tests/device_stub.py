@@ -9,16 +9,17 @@ import torch
 
 
 @contextlib.contextmanager
-def stubbed_device(launched: list, loaded=None, scratch=None, capturing: bool = False):
-    """CPU tensors pass for CUDA device 0 of an sm_90 with 132 SMs; every launch appends
+def stubbed_device(launched: list, loaded=None, scratch=None, capturing: bool = False,
+                   arch: str = "sm_90"):
+    """CPU tensors pass for CUDA device 0 of an ``arch`` GPU with 132 SMs; every launch appends
     (grid, arguments) to ``launched``; ``loaded(device, key)`` (default: a Mock) stands for
     each attention kernel loaded, ``scratch(like, numel)`` (default: a fresh CPU tensor) for
     the split partials' buffer; ``capturing``: whether a CUDA graph is being captured."""
     from flashcore.ops import eager, launcher, plan, serving
 
-    with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
-          mock.patch.object(eager, "arch_of", return_value="sm_90"),
-          mock.patch.object(serving, "arch_of", return_value="sm_90"),
+    with (mock.patch.object(launcher, "arch_of", return_value=arch),
+          mock.patch.object(eager, "arch_of", return_value=arch),
+          mock.patch.object(serving, "arch_of", return_value=arch),
           mock.patch.object(plan, "sm_count", return_value=132),
           mock.patch.object(plan, "capturing", return_value=capturing),
           mock.patch.object(launcher, "loaded_kernel", side_effect=loaded),

@@ -494,6 +494,86 @@ def backward_specs(arch: str) -> list:
     return list(dict.fromkeys(specs))
 
 
+# the calls whose forward kernels the backward's GPU tests run (autograd's forward keeps the
+# LSE): test_gpu_backward.py's query and key lengths and batches, windows narrower and wider
+# than the keys (the planner folds the wide ones away), every head dim its tests draw, and the
+# backward benchmark's shapes
+BACKWARD_CALL_LENGTHS = [(sq, sk) for sq in (1, 2, 16, 17, 190, 257, 300, 333)
+                         for sk in (1, 190, 257, 333)]
+BACKWARD_CALL_HEADS = [(1, 1, 1), (2, 3, 4)]  # (batch, K/V heads, query heads a K/V head)
+BACKWARD_CALL_WINDOWS = [(0, 0), (64, 0), (100, 0), (30, 90), (-1, 5), (5, -1), (300, 300)]
+BACKWARD_BENCH_CALLS = [(4, 16, 16, 4096, 64), (4, 32, 8, 4096, 128), (4, 16, 16, 4096, 128),
+                        (2, 16, 16, 8192, 128), (1, 32, 32, 32768, 128)]
+BACKWARD_VARLEN_LENGTHS = [(77, 145), (0, 30), (130, 130), (1, 0), (45, 20)]
+
+
+def backward_forward_specs(arch: str) -> list:
+    """The forward kernels that the backward's GPU tests and benchmark run, as the planner picks
+    them for their calls on ``arch`` (asked through the launcher with the device stubbed; no
+    kernel is built or run): dense and packed calls, every mask, both dtypes, every head dim."""
+    import torch
+
+    from flashcore.ops import attention, attention_varlen, eager
+    from flashcore.ops.launcher import attention_spec
+    from tests.device_stub import stubbed_device
+
+    keys: list = []
+
+    def loaded(device, key):
+        keys.append(key)
+        from unittest import mock
+        return mock.Mock(tensor_maps=(), tma_args_memo={})
+
+    masks = [{**({"window": w} if w else {}), **({"softcap": 2.0} if cap else {})}
+             for w in (None, *BACKWARD_CALL_WINDOWS) for cap in (False, True)]
+    masks += [{"mask_align": "bottom_right", **m} for m in masks]
+    calls = []
+    for dtype, d, causal, m in itertools.product(DTYPES, ALL_HEAD_DIMS, (False, True), masks):
+        if (m.get("mask_align") == "bottom_right" and not causal and "window" not in m
+                or d not in HEAD_DIMS and (m or dtype != "float16")):
+            continue  # (bottom-right aligns a causal mask or a window; the head-dim tests: fp16)
+        for (sq, sk), (b, hkv, g) in itertools.product(BACKWARD_CALL_LENGTHS,
+                                                       BACKWARD_CALL_HEADS):
+            calls.append((dtype, (b, hkv * g, sq, d), (b, hkv, sk, d), causal, m))
+    for (b, hq, hkv, s, d), causal in itertools.product(BACKWARD_BENCH_CALLS, (False, True)):
+        calls.append(("float16", (b, hq, s, d), (b, hkv, s, d), causal, {}))
+    eager.forget()  # plans memoised for another arch
+    try:
+        with stubbed_device([], loaded=loaded, arch=arch):
+            for dtype, qshape, kshape, causal, m in calls:
+                dt = getattr(torch, dtype)
+                q = torch.empty(qshape, dtype=dt)
+                k = torch.empty(kshape, dtype=dt)
+                try:
+                    attention(q, k, k, causal=causal, return_lse=True, **m)
+                except ValueError:
+                    pass  # a mask the call refuses (a causal window looking right)
+            cu_q = torch.tensor([0, *itertools.accumulate(a for a, _ in BACKWARD_VARLEN_LENGTHS)],
+                                dtype=torch.int32)
+            cu_k = torch.tensor([0, *itertools.accumulate(b for _, b in BACKWARD_VARLEN_LENGTHS)],
+                                dtype=torch.int32)
+            for dtype, d, causal, m in itertools.product(DTYPES, HEAD_DIMS, (False, True),
+                                                         masks):
+                if m.get("mask_align") != "bottom_right" and (causal or "window" in m):
+                    continue  # a packed call's masks are FlashAttention's, bottom-right
+                dt = getattr(torch, dtype)
+                q = torch.empty(int(cu_q[-1]), 4, d, dtype=dt)
+                k = torch.empty(int(cu_k[-1]) + 5, 2, d, dtype=dt)
+                try:
+                    attention_varlen(q, k, k, cu_q, cu_k, 130, 145, causal, return_lse=True,
+                                     check_lengths=False, **m)
+                except ValueError:
+                    pass
+    finally:
+        eager.forget()
+    return list(dict.fromkeys(attention_spec(arch, key) for key in keys))
+
+
+def backward_test_specs(arch: str) -> list:
+    """What the backward's GPU tests and benchmark launch: its kernels and the forward's."""
+    return backward_specs(arch) + backward_forward_specs(arch)
+
+
 def _as_launched(spec):
     """The spec the launcher builds: a split-KV kernel writes its LSE partials whatever the
     caller asked (the combine kernel writes the LSE), so it is built without ``return_lse``."""
@@ -504,7 +584,7 @@ def _as_launched(spec):
 
 def gpu_test_specs(arch: str, buckets=None) -> list:
     specs = (prefill_specs(arch) + decode_specs(arch) + mask_specs(arch) + fp8_specs(arch)
-             + serving_specs(arch) + wgmma_specs(arch) + backward_specs(arch)
+             + serving_specs(arch) + wgmma_specs(arch) + backward_test_specs(arch)
              + head_dim_specs(arch))
     specs += [s for s in winner_specs(table_arch(arch), build_arch=arch).values()]
     if buckets != []:  # the autotuner's candidates
@@ -527,7 +607,7 @@ GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "wgmma-masks": wgmma_mask_specs, "wgmma-head-dims": wgmma_head_dim_specs,
           "wgmma-varlen": wgmma_varlen_specs, "wgmma-paged": wgmma_paged_specs,
           "wgmma-tile-n": wgmma_tile_n_specs,
-          "backward": backward_specs, "head_dims": head_dim_specs}
+          "backward": backward_test_specs, "head_dims": head_dim_specs}
 
 
 def main() -> None:

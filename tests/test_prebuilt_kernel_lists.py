@@ -3,6 +3,8 @@ every kernel those tests launch (a miss is a KernelNotAvailableError there)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
 from flashcore.specs import AttentionSpec, TileConfig
@@ -69,4 +71,47 @@ def test_the_kernels_the_sm90_catalog_run_missed_are_listed():
         "fc_attn_fwd_sm90_f16_d64_m192n128_w12_s2_wgmma_ws_causal_lse",
         "fc_attn_fwd_sm90_f16_d64_m64n64_w2_s1_causal_window",
     } - names)
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("arch", ["sm_89", "sm_90"])
+def test_the_backward_group_holds_the_forward_kernels_its_tests_run(arch):
+    """``--only backward`` builds the forward kernels the backward's GPU tests and benchmark
+    run (autograd's forward keeps the LSE), as the planner picks them for ``arch``: without
+    them, a DSL-less host cannot run those tests and a host with the DSL spends its time
+    compiling them. Calls drawn from test_gpu_backward.py and the benchmark, each asked of the
+    launcher on its own here."""
+    import torch
+
+    from flashcore.ops import attention, eager
+    from flashcore.ops.launcher import attention_spec
+    from tests.device_stub import stubbed_device
+    from tests.gpu_specs import GROUPS
+
+    names = {s.name for s in GROUPS["backward"](arch)}
+    keys = []
+
+    def loaded(device, key):
+        keys.append(key)
+        return mock.Mock(tensor_maps=(), tma_args_memo={})
+
+    calls = [  # (q shape, k shape, dtype, causal, masks)
+        ((1, 1, 333, 64), (1, 1, 190, 64), torch.bfloat16, True,
+         {"mask_align": "bottom_right", "window": (100, 0), "softcap": 10.0}),  # test_masks
+        ((2, 12, 17, 128), (2, 3, 300, 128), torch.float16, False, {}),  # the property's GQA
+        ((4, 32, 4096, 128), (4, 8, 4096, 128), torch.float16, True, {}),  # the benchmark's
+    ]
+    eager.forget()
+    try:
+        with stubbed_device([], loaded=loaded, arch=arch):
+            for qs, ks, dt, causal, m in calls:
+                k = torch.empty(ks, dtype=dt)
+                attention(torch.empty(qs, dtype=dt), k, k, causal=causal, return_lse=True, **m)
+    finally:
+        eager.forget()
+    specs = [attention_spec(arch, key) for key in keys]
+    assert len(specs) == len(calls) and all(s.arch == arch and s.return_lse for s in specs)
+    # the long GQA call runs the Hopper family on sm_90 only
+    assert (specs[-1].config.family == "wgmma_ws") == (arch == "sm_90")
+    missing = [s.name for s in specs if s.name not in names]
     assert not missing, missing

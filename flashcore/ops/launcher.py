@@ -67,23 +67,27 @@ class KernelKey(NamedTuple):
 
 def loaded_kernel(device: int, key: KernelKey) -> Any:
     """The loaded attention kernel of ``key`` on CUDA device index ``device`` (from the
-    runtime's one registry, ``runtime.launch.kernel_for``). A paged cache's page size is
-    compiled in when the family can copy such pages whole (the Hopper family's only way),
-    else the kernel gathers any page size."""
+    runtime's one registry, ``runtime.launch.kernel_for``)."""
+    return kernel_for(attention_spec(arch_of(device), key), device)
+
+
+def attention_spec(arch: str, key: KernelKey) -> AttentionSpec:
+    """The ``AttentionSpec`` of ``key`` on ``arch``. A paged cache's page size is compiled in
+    when the family can copy such pages whole (the Hopper family's only way), else the kernel
+    gathers any page size."""
     align, window, softcap, alibi = key.masks
     spec_of = partial(
-        AttentionSpec, arch=arch_of(device), dtype=key.dtype, head_dim=key.head_dim,
+        AttentionSpec, arch=arch, dtype=key.dtype, head_dim=key.head_dim,
         config=key.config, causal=key.causal, return_lse=key.return_lse, precision=key.precision,
         k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv, mask_align=align,
         window=window, softcap=softcap, alibi=alibi, varlen=key.varlen,
         paged_kv=key.page_size > 0, packed_tokens=key.packed_tokens)
-    spec = None
     if key.page_size:
         try:
-            spec = spec_of(page_size=key.page_size)
+            return spec_of(page_size=key.page_size)
         except SpecError:  # pages this family does not copy whole: it gathers them
             pass
-    return kernel_for(spec or spec_of(), device)
+    return spec_of()
 
 
 def combine_kernel(device: int, dtype: str, head_dim: int, return_lse: bool) -> Any:
