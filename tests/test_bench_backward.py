@@ -119,3 +119,19 @@ def test_an_implementation_a_graph_cannot_capture_is_timed_with_events(monkeypat
     extra: dict = {}
     assert bb._timed(lambda: None, [()], None, extra) == 42.0
     assert extra["timer"] == "events" and "capturing" in extra["graph_error"]
+
+
+def test_a_variant_refuses_head_dims_it_names_no_kernel_for(monkeypatch):
+    """``--bwd-variants "64:..."`` at d128 would time the default under the variant's name."""
+    import torch
+
+    ran = []
+    monkeypatch.setattr(bb, "_flashcore", lambda: lambda q, k, v, causal: ran.append(q.shape))
+    d64 = bb.variant_implementation("64:64x128w8s2-hopper")
+    q64, q128 = torch.empty(1, 1, 8, 64), torch.empty(1, 1, 8, 128)
+    d64(q64, q64, q64, False)
+    with pytest.raises(ValueError, match="names no kernel for head_dim 128"):
+        d64(q128, q128, q128, False)
+    every = bb.variant_implementation("64x128w8s2-hopper")  # every head dim
+    every(q128, q128, q128, False)
+    assert ran == [q64.shape, q128.shape]

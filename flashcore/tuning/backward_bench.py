@@ -92,12 +92,18 @@ def backward_implementations() -> dict[str, Impl]:
 def variant_implementation(text: str) -> Impl:
     """Ours with the backward's main kernel chosen by ``text`` (``spec.backward.
     parse_backward_choices``, e.g. ``128:64x128w8s2a242``): an A/B of its variants in one
-    run."""
+    run. At a head dim that ``text`` names no kernel for it refuses (a ``ValueError``, the
+    table's "n/a"), rather than time the default under the variant's name."""
     from ..ops.backward import backward_choices_override
+    from ..specs.backward import parse_backward_choices
 
     ours = _flashcore()
+    dims = parse_backward_choices(text)
 
     def run(q, k, v, causal):
+        if None not in dims and q.shape[-1] not in dims:
+            raise ValueError(f"backward variant {text!r} names no kernel for head_dim "
+                             f"{q.shape[-1]}")
         return ours(q, k, v, causal)
 
     run.context = lambda: backward_choices_override(text)  # type: ignore[attr-defined]
