@@ -43,6 +43,9 @@ limit() {  # the phase's time limit: ${PHASE}_S, else the default given
 
 use_arch() {  # kernels of ARCH: its catalog, and FLASHCORE_ARCH unless it is this GPU's own
   export FLASHCORE_CACHE_DIR=$cache-$1
+  # a catalog built from other sources is all misses: every kernel would compile here
+  [ -f "$cache-$1/index.json" ] && { python3 -m tests.gpu_specs --check "$cache-$1" \
+    || echo "gpu.sh: $cache-$1 was built from other sources; its kernels compile again here"; }
   if [ "$1" = "$(python3 -c 'from flashcore.runtime.device import arch_of; print(arch_of(0))' \
                   2>/dev/null)" ]
   then unset FLASHCORE_ARCH; else export FLASHCORE_ARCH=$1; fi

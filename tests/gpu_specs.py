@@ -2,6 +2,7 @@
 on any machine with the DSL) and a GPU host can run them from a catalog:
 
     python -m tests.gpu_specs --arch sm_90 --out .cache/sm90      # on any machine with the DSL
+    python -m tests.gpu_specs --check .cache/sm90                  # built from this tree?
     FLASHCORE_CACHE_DIR=.cache/sm90 pytest -m gpu                  # on the GPU host
 
 Configs that do not fit the arch (an L4's 99 KB of shared memory for sm_89) are left out; the
@@ -610,10 +611,29 @@ GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
           "backward": backward_test_specs, "head_dims": head_dim_specs}
 
 
+def check_catalog(root: Path) -> int:
+    """How many of the catalog's kernels were built from this tree's sources (their entries'
+    source hash, ``compiler.fingerprint.source_hash``); 1 when any was not. A kernel built from
+    other sources is a catalog miss: a host with the DSL compiles it again, one without fails."""
+    import json
+
+    from flashcore.compiler.fingerprint import source_hash
+
+    kernels = json.loads((root / "index.json").read_text())["kernels"]
+    ours = source_hash()
+    other = [k["name"] for k in kernels if not Path(k["path"]).name.startswith(f"{ours}-")]
+    print(f"{root}: {len(kernels) - len(other)} of {len(kernels)} kernels built from this tree's "
+          f"sources ({ours})" + (f"; not: {other[0]} and {len(other) - 1} more" if other else ""))
+    return 1 if other else 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="sm_90")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--check", metavar="CATALOG",
+                    help="count the catalog's kernels built from this tree's sources (exit 1 "
+                    "when any was not: they would compile again)")
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--buckets", nargs="*", default=None,
                     help="autotune candidates of these buckets only (default: all; none: "
@@ -621,6 +641,10 @@ def main() -> None:
     ap.add_argument("--only", nargs="+", choices=sorted(GROUPS), default=None,
                     help="only the kernels of these test groups")
     a = ap.parse_args()
+    if a.check:
+        raise SystemExit(check_catalog(Path(a.check)))
+    if not a.out:
+        ap.error("--out is required (or --check CATALOG)")
     from flashcore.compiler.cache import KernelCache
     from flashcore.compiler.catalog import write_catalog
     from flashcore.compiler.compiler import compile_many

@@ -115,3 +115,26 @@ def test_the_backward_group_holds_the_forward_kernels_its_tests_run(arch):
     assert (specs[-1].config.family == "wgmma_ws") == (arch == "sm_90")
     missing = [s.name for s in specs if s.name not in names]
     assert not missing, missing
+
+
+def test_check_tells_a_catalog_built_from_other_sources(tmp_path, capsys):
+    """``python -m tests.gpu_specs --check DIR``: a catalog whose kernels were built from other
+    sources than this tree's is all misses on a GPU host (each would compile again there)."""
+    import json
+
+    from flashcore.compiler.fingerprint import source_hash
+    from tests.gpu_specs import check_catalog
+
+    def catalog(hashes):
+        root = tmp_path / "-".join(hashes)
+        root.mkdir()
+        kernels = [{"name": f"k{i}", "path": f"v1/k{i}-abc/{h}-dsl4.8.1-cu12"}
+                   for i, h in enumerate(hashes)]
+        (root / "index.json").write_text(json.dumps({"kernels": kernels}))
+        return root
+
+    ours = source_hash()
+    assert check_catalog(catalog([ours, ours])) == 0
+    assert "2 of 2 kernels built from this tree's sources" in capsys.readouterr().out
+    assert check_catalog(catalog([ours, "0123456789abcdef"])) == 1
+    assert "1 of 2" in capsys.readouterr().out
