@@ -12,7 +12,9 @@ tests skip them there too.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 from flashcore.compiler.catalog import catalog_specs
@@ -508,13 +510,13 @@ BACKWARD_BENCH_CALLS = [(4, 16, 16, 4096, 64), (4, 32, 8, 4096, 128), (4, 16, 16
 BACKWARD_VARLEN_LENGTHS = [(77, 145), (0, 30), (130, 130), (1, 0), (45, 20)]
 
 
-def backward_forward_specs(arch: str) -> list:
-    """The forward kernels that the backward's GPU tests and benchmark run, as the planner picks
-    them for their calls on ``arch`` (asked through the launcher with the device stubbed; no
-    kernel is built or run): dense and packed calls, every mask, both dtypes, every head dim."""
-    import torch
+def launched_specs(arch: str, calls: Callable[[], None]) -> list:
+    """The ``AttentionSpec`` of each attention kernel the launcher asks for while ``calls()``
+    calls the ops on CPU tensors, the device stubbed as an ``arch`` GPU (nothing is built or
+    run; the ops' memoised plans are dropped before and after, as they hold another arch's)."""
+    from unittest import mock
 
-    from flashcore.ops import attention, attention_varlen, eager
+    from flashcore.ops import eager
     from flashcore.ops.launcher import attention_spec
     from tests.device_stub import stubbed_device
 
@@ -522,52 +524,68 @@ def backward_forward_specs(arch: str) -> list:
 
     def loaded(device, key):
         keys.append(key)
-        from unittest import mock
         return mock.Mock(tensor_maps=(), tma_args_memo={})
+
+    eager.forget()
+    try:
+        with stubbed_device([], loaded=loaded, arch=arch):
+            calls()
+    finally:
+        eager.forget()
+    return [attention_spec(arch, key) for key in keys]
+
+
+@functools.cache
+def _backward_forward_specs(arch: str) -> tuple:
+    import torch
+
+    from flashcore.ops import attention, attention_varlen
 
     masks = [{**({"window": w} if w else {}), **({"softcap": 2.0} if cap else {})}
              for w in (None, *BACKWARD_CALL_WINDOWS) for cap in (False, True)]
     masks += [{"mask_align": "bottom_right", **m} for m in masks]
-    calls = []
+    dense = []
     for dtype, d, causal, m in itertools.product(DTYPES, ALL_HEAD_DIMS, (False, True), masks):
         if (m.get("mask_align") == "bottom_right" and not causal and "window" not in m
                 or d not in HEAD_DIMS and (m or dtype != "float16")):
             continue  # (bottom-right aligns a causal mask or a window; the head-dim tests: fp16)
         for (sq, sk), (b, hkv, g) in itertools.product(BACKWARD_CALL_LENGTHS,
                                                        BACKWARD_CALL_HEADS):
-            calls.append((dtype, (b, hkv * g, sq, d), (b, hkv, sk, d), causal, m))
+            dense.append((dtype, (b, hkv * g, sq, d), (b, hkv, sk, d), causal, m))
     for (b, hq, hkv, s, d), causal in itertools.product(BACKWARD_BENCH_CALLS, (False, True)):
-        calls.append(("float16", (b, hq, s, d), (b, hkv, s, d), causal, {}))
-    eager.forget()  # plans memoised for another arch
-    try:
-        with stubbed_device([], loaded=loaded, arch=arch):
-            for dtype, qshape, kshape, causal, m in calls:
-                dt = getattr(torch, dtype)
-                q = torch.empty(qshape, dtype=dt)
-                k = torch.empty(kshape, dtype=dt)
-                try:
-                    attention(q, k, k, causal=causal, return_lse=True, **m)
-                except ValueError:
-                    pass  # a mask the call refuses (a causal window looking right)
-            cu_q = torch.tensor([0, *itertools.accumulate(a for a, _ in BACKWARD_VARLEN_LENGTHS)],
-                                dtype=torch.int32)
-            cu_k = torch.tensor([0, *itertools.accumulate(b for _, b in BACKWARD_VARLEN_LENGTHS)],
-                                dtype=torch.int32)
-            for dtype, d, causal, m in itertools.product(DTYPES, HEAD_DIMS, (False, True),
-                                                         masks):
-                if m.get("mask_align") != "bottom_right" and (causal or "window" in m):
-                    continue  # a packed call's masks are FlashAttention's, bottom-right
-                dt = getattr(torch, dtype)
-                q = torch.empty(int(cu_q[-1]), 4, d, dtype=dt)
-                k = torch.empty(int(cu_k[-1]) + 5, 2, d, dtype=dt)
-                try:
-                    attention_varlen(q, k, k, cu_q, cu_k, 130, 145, causal, return_lse=True,
-                                     check_lengths=False, **m)
-                except ValueError:
-                    pass
-    finally:
-        eager.forget()
-    return list(dict.fromkeys(attention_spec(arch, key) for key in keys))
+        dense.append(("float16", (b, hq, s, d), (b, hkv, s, d), causal, {}))
+
+    def calls():
+        for dtype, qshape, kshape, causal, m in dense:
+            dt = getattr(torch, dtype)
+            k = torch.empty(kshape, dtype=dt)
+            try:
+                attention(torch.empty(qshape, dtype=dt), k, k, causal=causal, return_lse=True,
+                          **m)
+            except ValueError:
+                pass  # a mask the call refuses (a causal window looking right)
+        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n[i] for n in
+                                                             BACKWARD_VARLEN_LENGTHS)],
+                                   dtype=torch.int32) for i in (0, 1))
+        for dtype, d, causal, m in itertools.product(DTYPES, HEAD_DIMS, (False, True), masks):
+            if m.get("mask_align") != "bottom_right" and (causal or "window" in m):
+                continue  # a packed call's masks are FlashAttention's, bottom-right
+            dt = getattr(torch, dtype)
+            k = torch.empty(int(cu_k[-1]) + 5, 2, d, dtype=dt)
+            try:
+                attention_varlen(torch.empty(int(cu_q[-1]), 4, d, dtype=dt), k, k, cu_q, cu_k,
+                                 130, 145, causal, return_lse=True, check_lengths=False, **m)
+            except ValueError:
+                pass
+
+    return tuple(dict.fromkeys(launched_specs(arch, calls)))
+
+
+def backward_forward_specs(arch: str) -> list:
+    """The forward kernels that the backward's GPU tests and benchmark run, as the planner picks
+    them for their calls on ``arch`` (``launched_specs``): dense and packed calls, every mask,
+    both dtypes, every head dim (worked out once a process)."""
+    return list(_backward_forward_specs(arch))
 
 
 def backward_test_specs(arch: str) -> list:

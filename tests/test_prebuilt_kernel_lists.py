@@ -3,8 +3,6 @@ every kernel those tests launch (a miss is a KernelNotAvailableError there)."""
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
 
 from flashcore.specs import AttentionSpec, TileConfig
@@ -83,33 +81,23 @@ def test_the_backward_group_holds_the_forward_kernels_its_tests_run(arch):
     launcher on its own here."""
     import torch
 
-    from flashcore.ops import attention, eager
-    from flashcore.ops.launcher import attention_spec
-    from tests.device_stub import stubbed_device
-    from tests.gpu_specs import GROUPS
+    from flashcore.ops import attention
+    from tests.gpu_specs import GROUPS, launched_specs
 
     names = {s.name for s in GROUPS["backward"](arch)}
-    keys = []
-
-    def loaded(device, key):
-        keys.append(key)
-        return mock.Mock(tensor_maps=(), tma_args_memo={})
-
     calls = [  # (q shape, k shape, dtype, causal, masks)
         ((1, 1, 333, 64), (1, 1, 190, 64), torch.bfloat16, True,
          {"mask_align": "bottom_right", "window": (100, 0), "softcap": 10.0}),  # test_masks
         ((2, 12, 17, 128), (2, 3, 300, 128), torch.float16, False, {}),  # the property's GQA
         ((4, 32, 4096, 128), (4, 8, 4096, 128), torch.float16, True, {}),  # the benchmark's
     ]
-    eager.forget()
-    try:
-        with stubbed_device([], loaded=loaded, arch=arch):
-            for qs, ks, dt, causal, m in calls:
-                k = torch.empty(ks, dtype=dt)
-                attention(torch.empty(qs, dtype=dt), k, k, causal=causal, return_lse=True, **m)
-    finally:
-        eager.forget()
-    specs = [attention_spec(arch, key) for key in keys]
+
+    def run():
+        for qs, ks, dt, causal, m in calls:
+            k = torch.empty(ks, dtype=dt)
+            attention(torch.empty(qs, dtype=dt), k, k, causal=causal, return_lse=True, **m)
+
+    specs = launched_specs(arch, run)
     assert len(specs) == len(calls) and all(s.arch == arch and s.return_lse for s in specs)
     # the long GQA call runs the Hopper family on sm_90 only
     assert (specs[-1].config.family == "wgmma_ws") == (arch == "sm_90")
