@@ -713,12 +713,13 @@ def kv_split_cases():
         yield ok
 
 
-def backward_cases(deterministic: bool = False, head_dims: bool = False, only_dim: int = 0):
-    """Ragged shapes through the backward against float64 autograd (``only_dim``: those of
-    that head dim alone)."""
+def backward_cases(deterministic: bool = False, head_dims: bool = False, only_dim: int = 0,
+                   shapes: tuple = ()):
+    """Ragged shapes (``shapes``: these instead) through the backward against float64
+    autograd (``only_dim``: those of that head dim alone)."""
     from flashcore.ops.backward import attention_backward
 
-    shapes = ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64))
+    shapes = shapes or ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64))
     masks = ({},)
     if head_dims:  # each dim's own tile, lines and copy passes over ragged blocks
         shapes = tuple((1, 4, 2, 77, 145, d) for d in (32, 80, 96, 256))
@@ -747,7 +748,9 @@ def backward_cases(deterministic: bool = False, head_dims: bool = False, only_di
 def backward_hopper_cases():
     """The Hopper backward (sm_90: the d64, d96 and d128 default there): the backward cases' ragged
     shapes, free dQ adds and in turns (more key blocks per query block, a window), and a
-    packed batch's, at 64 query rows; then d64's default, 128-row blocks, the same three."""
+    packed batch's, at 64 query rows; then d64's default, 128-row blocks, the same three;
+    then d128's default of plain calls, 80-row blocks (the causal ones take 64): query rows no
+    multiple of 80, several query and key blocks, GQA."""
     from flashcore.ops.backward import backward_choices_override
 
     with backward_choices_override("64x128w8s2-hopper"):
@@ -760,6 +763,8 @@ def backward_hopper_cases():
         yield from backward_cases(only_dim=64)
         yield from backward_cases(deterministic=True, only_dim=64)
         yield from backward_varlen_cases()
+    yield from backward_cases(shapes=((2, 4, 2, 33, 130, 128), (1, 4, 2, 170, 300, 128),
+                                      (1, 2, 1, 400, 77, 128)))
 
 
 def backward_varlen_cases():
