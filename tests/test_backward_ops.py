@@ -134,7 +134,7 @@ def test_plain_d128_calls_on_sm90_take_80_query_rows(monkeypatch):
     """sm_90 d128: a dense call with no causal mask, window or soft-cap and dQ's adds in any
     order runs 80-row blocks (the warp-specialised kernel's own tile), every other call 64;
     a choice (the benchmark's variants) still forces 64; the workspace rows of 80-row blocks
-    are a multiple of 80 and of ``ROW_PAD``."""
+    cover the last 80-row block, a multiple of ``ROW_PAD``."""
     monkeypatch.delenv(bw.CHOICES_ENV, raising=False)
     assert bw.backward_choices("sm_90", 128, True)[0].tile == (80, 128)
     assert bw.backward_choices("sm_90", 128)[0].tile == (64, 128)
@@ -142,7 +142,7 @@ def test_plain_d128_calls_on_sm90_take_80_query_rows(monkeypatch):
     assert bw.backward_choices("sm_89", 128, True)[0].family == ""
     with bw.backward_choices_override("128:64x128w8s2-hopper"):
         assert bw.backward_choices("sm_90", 128, True)[0].tile == (64, 128)
-    assert [workspace_rows(s, 80) for s in (1, 640, 641)] == [640, 640, 1280]
+    assert [workspace_rows(s, 80) for s in (1, 128, 4096, 4161)] == [128, 256, 4224, 4352]
     assert [workspace_rows(s, 64) for s in (1, 128, 129)] == [128, 128, 256]
 
     seen, buffers = [], []
@@ -178,7 +178,8 @@ def test_plain_d128_calls_on_sm90_take_80_query_rows(monkeypatch):
                               dk=torch.empty_like(q), dv=torch.empty_like(q), **kw)
         assert seen[-1] == tile, kw
         rows = workspace_rows(S, tile[0])
-        assert buffers[0].numel() >= B * H * rows * (D + 2) and rows % tile[0] == 0
+        last = -(-S // tile[0]) * tile[0]  # the end of the last query block
+        assert buffers[0].numel() >= B * H * rows * (D + 2) and rows >= last
 
 
 def test_backward_specs_of_one_pass():

@@ -23,13 +23,12 @@ Three kernels make one backward pass, each a spec of its own (``op``):
 The dQ accumulator's rows hold their 32-byte chunks in an order turned by the row
 (``DQ_CHUNK_TURNS``), which the main kernels write and the post kernel reads.
 
-The workspaces' rows per (batch, head) are a multiple of ``ROW_PAD`` and of the main
-kernel's ``tile_m`` (``workspace_rows``), so its query blocks never run past them.
+The workspaces' rows per (batch, head) cover the main kernel's last query block and are a
+multiple of ``ROW_PAD`` (``workspace_rows``), so its query blocks never run past them.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +50,7 @@ from .serial import SpecData
 from .tile import TileConfig, TiledKernel
 
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
-ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this and of tile_m
+ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this
 ROW_THREADS = 128  # threads of a pre/post CTA
 PRODUCER_THREADS = 128  # a warp-specialised main kernel's producer warpgroup
 # ``stages``: query blocks (Q, dO and their LSE and D rows) in flight: 2 prefetches the next
@@ -93,11 +92,10 @@ def dq_chunk_turns(head_dim: int) -> int:
 
 def workspace_rows(seq_q: int, tile_m: int) -> int:
     """Rows per (batch, head) of the backward's workspaces for ``seq_q`` query rows (a packed
-    batch's: its total plus a block's padding): a multiple of ``ROW_PAD`` and of the main
-    kernel's ``tile_m``, so a query block's rows (its bulk dQ add and LSE/D copies) never leave
-    its head's."""
-    pad = math.lcm(ROW_PAD, tile_m)
-    return -(-seq_q // pad) * pad
+    batch's: its total plus a block's padding): every query block of ``tile_m`` rows (its bulk
+    dQ add and LSE/D copies stay in its head's rows), rounded to a multiple of ``ROW_PAD``."""
+    blocks = -(-seq_q // tile_m) * tile_m
+    return -(-blocks // ROW_PAD) * ROW_PAD
 
 
 def _align(n: int) -> int:
