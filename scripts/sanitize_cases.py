@@ -7,8 +7,8 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
                                       wgmma-varlen|wgmma-paged|wgmma-tile-n|
                                       fp8-khead|serving|
                                       hostile|backward|backward-deterministic|
-                                      backward-varlen|backward-hopper|kv-splits|
-                                      head-dims]
+                                      backward-varlen|backward-hopper|backward-hopper-80|
+                                      kv-splits|head-dims]
 
 ``hostile``: misaligned and strided views, and serving tables that lie with their checks off
 (offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
@@ -16,7 +16,8 @@ table): memcheck must see no access outside the tensors, and each output stays f
 ``backward``: the backward kernels on ragged shapes, against float64 autograd;
 ``backward-deterministic``: the same and more key blocks per query block, dQ's adds in turns;
 ``backward-varlen``: a packed batch's backward (empty sequences, blocks past a sequence's end).
-``backward-hopper``: the three above on the Hopper backward (sm_90).
+``backward-hopper``: the three above on the Hopper backward (sm_90); ``backward-hopper-80``: its
+d128 plain calls alone (80-row blocks).
 ``head-dims``: the head dims only the 16-bit forward builds (32, 80, 96, 256) on ragged shapes:
 prefill (tuned and explicit tiles), GQA decode split over CTAs and its combine, masks, varlen
 and paged.
@@ -763,6 +764,12 @@ def backward_hopper_cases():
         yield from backward_cases(only_dim=64)
         yield from backward_cases(deterministic=True, only_dim=64)
         yield from backward_varlen_cases()
+    yield from backward_hopper_80_cases()
+
+
+def backward_hopper_80_cases():
+    """d128's plain calls on the Hopper backward's default, 80-row blocks (their causal
+    twins take 64): query rows no multiple of 80, several query and key blocks, GQA."""
     yield from backward_cases(shapes=((2, 4, 2, 33, 130, 128), (1, 4, 2, 170, 300, 128),
                                       (1, 2, 1, 400, 77, 128)))
 
@@ -924,6 +931,7 @@ def main() -> int:
              "backward-deterministic": lambda: backward_cases(True),
              "backward-varlen": backward_varlen_cases,
              "backward-hopper": backward_hopper_cases,
+             "backward-hopper-80": backward_hopper_80_cases,
              "backward-head-dims": lambda: backward_cases(head_dims=True),
              "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
              "alibi": alibi_cases, "kv-append": kv_append_cases}[mode]

@@ -130,6 +130,20 @@ def test_backward_choices_default_override_and_env(monkeypatch):
     assert bw.backward_choices("sm_90", 128) == (TileConfig((64, 64), warps=8), ())
 
 
+def _stub_launch_pass(monkeypatch, kernels, launch, empty) -> None:
+    """``launch_pass`` on CPU tensors as on an sm_90 device: ``kernels`` for the specs'
+    loaded kernels, ``launch`` for each launch, ``empty`` for the workspace's allocation."""
+    monkeypatch.setattr(bw, "backward_kernels", kernels)
+    monkeypatch.setattr(bw, "launch", launch)
+    monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
+    monkeypatch.setattr(bw, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(bw, "check_extents", lambda *a: None)
+    monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
+    monkeypatch.setattr(bw.torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+
 def test_plain_d128_calls_on_sm90_take_80_query_rows(monkeypatch):
     """sm_90 d128: a dense call with no causal mask, window or soft-cap and dQ's adds in any
     order runs 80-row blocks (the warp-specialised kernel's own tile), every other call 64;
@@ -158,15 +172,7 @@ def test_plain_d128_calls_on_sm90_take_80_query_rows(monkeypatch):
         buffers.append(real_empty(*shape, **{k: v for k, v in kw.items() if k != "device"}))
         return buffers[-1]
 
-    monkeypatch.setattr(bw, "backward_kernels", kernels)
-    monkeypatch.setattr(bw, "launch", lambda *a: None)
-    monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
-    monkeypatch.setattr(bw, "sm_count", lambda dev: 132)
-    monkeypatch.setattr(bw, "check_extents", lambda *a: None)
-    monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
-    monkeypatch.setattr(bw.torch, "empty", empty)
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    _stub_launch_pass(monkeypatch, kernels, lambda *a: None, empty)
     B, H, S, D = 1, 2, 200, 128
     q = real_empty(B, H, S, D, dtype=torch.float16)
     lse = real_empty(B, H, S)
@@ -241,16 +247,8 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
     def launch(kernel, grid, args, dev):
         launched.append((grid, args))
 
-    monkeypatch.setattr(bw, "backward_kernels", kernels)
-    monkeypatch.setattr(bw, "launch", launch)
     monkeypatch.setattr(bw, "tma_args", tma_args)
-    monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
-    monkeypatch.setattr(bw, "sm_count", lambda dev: 132)
-    monkeypatch.setattr(bw, "check_extents", lambda *a: None)
-    monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
-    monkeypatch.setattr(bw.torch, "empty", empty)
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    _stub_launch_pass(monkeypatch, kernels, launch, empty)
     B, H, Hkv, S, D = 2, 4, 2, 200, 64
     q = real_empty(B, H, S, D, dtype=torch.float16).normal_()
     k = real_empty(B, Hkv, S, D, dtype=torch.float16).normal_()
