@@ -17,8 +17,8 @@ HAZARD = re.compile(r"Potential (RAW|WAR|WAW) hazard detected at __shared__ 0x[0
 ACCESS = re.compile(r"(Read|Write) Thread \((\d+),\d+,\d+\) at (\S+?)\+(0x[0-9a-f]+)")
 SUMMARY = re.compile(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?")
 # the warp-specialised Hopper backward (``BackwardSpec.warp_specialized``): dense, dQ added in
-# bulk, 64 or 128 query rows at d64, 64 or 80 at d128
-WARP_SPECIALIZED_BWD = re.compile(r"fc_attn_bwd_sm90_\w+?_(d64_m(64|128)|d128_m(64|80))n128_w8_s2"
+# bulk, 64 or 128 query rows at d64, 64 at d128
+WARP_SPECIALIZED_BWD = re.compile(r"fc_attn_bwd_sm90_\w+?_(d64_m(64|128)|d128_m64)n128_w8_s2"
                                   r"_hopper(?!\w*_(varlen|det))")
 
 

@@ -7,8 +7,8 @@ the float64 reference, so a kernel that misbehaves only under the sanitizer show
                                       wgmma-varlen|wgmma-paged|wgmma-tile-n|
                                       fp8-khead|serving|
                                       hostile|backward|backward-deterministic|
-                                      backward-varlen|backward-hopper|backward-hopper-80|
-                                      kv-splits|head-dims]
+                                      backward-varlen|backward-hopper|kv-splits|
+                                      head-dims]
 
 ``hostile``: misaligned and strided views, and serving tables that lie with their checks off
 (offsets past the tensors, wrapped and decreasing; pages outside the cache, lengths past the
@@ -16,8 +16,7 @@ table): memcheck must see no access outside the tensors, and each output stays f
 ``backward``: the backward kernels on ragged shapes, against float64 autograd;
 ``backward-deterministic``: the same and more key blocks per query block, dQ's adds in turns;
 ``backward-varlen``: a packed batch's backward (empty sequences, blocks past a sequence's end).
-``backward-hopper``: the three above on the Hopper backward (sm_90); ``backward-hopper-80``: its
-d128 plain calls alone (80-row blocks).
+``backward-hopper``: the three above on the Hopper backward (sm_90).
 ``head-dims``: the head dims only the 16-bit forward builds (32, 80, 96, 256) on ragged shapes:
 prefill (tuned and explicit tiles), GQA decode split over CTAs and its combine, masks, varlen
 and paged.
@@ -714,13 +713,12 @@ def kv_split_cases():
         yield ok
 
 
-def backward_cases(deterministic: bool = False, head_dims: bool = False, only_dim: int = 0,
-                   shapes: tuple = ()):
-    """Ragged shapes (``shapes``: these instead) through the backward against float64
-    autograd (``only_dim``: those of that head dim alone)."""
+def backward_cases(deterministic: bool = False, head_dims: bool = False, only_dim: int = 0):
+    """Ragged shapes through the backward against float64 autograd (``only_dim``: those of
+    that head dim alone)."""
     from flashcore.ops.backward import attention_backward
 
-    shapes = shapes or ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64))
+    shapes = ((1, 2, 2, 77, 45, 64), (2, 4, 2, 33, 130, 128), (1, 4, 1, 150, 1, 64))
     masks = ({},)
     if head_dims:  # each dim's own tile, lines and copy passes over ragged blocks
         shapes = tuple((1, 4, 2, 77, 145, d) for d in (32, 80, 96, 256))
@@ -749,9 +747,7 @@ def backward_cases(deterministic: bool = False, head_dims: bool = False, only_di
 def backward_hopper_cases():
     """The Hopper backward (sm_90: the d64, d96 and d128 default there): the backward cases' ragged
     shapes, free dQ adds and in turns (more key blocks per query block, a window), and a
-    packed batch's, at 64 query rows; then d64's default, 128-row blocks, the same three;
-    then d128's default of plain calls, 80-row blocks (the causal ones take 64): query rows no
-    multiple of 80, several query and key blocks, GQA."""
+    packed batch's, at 64 query rows; then d64's default, 128-row blocks, the same three."""
     from flashcore.ops.backward import backward_choices_override
 
     with backward_choices_override("64x128w8s2-hopper"):
@@ -764,14 +760,6 @@ def backward_hopper_cases():
         yield from backward_cases(only_dim=64)
         yield from backward_cases(deterministic=True, only_dim=64)
         yield from backward_varlen_cases()
-    yield from backward_hopper_80_cases()
-
-
-def backward_hopper_80_cases():
-    """d128's plain calls on the Hopper backward's default, 80-row blocks (their causal
-    twins take 64): query rows no multiple of 80, several query and key blocks, GQA."""
-    yield from backward_cases(shapes=((2, 4, 2, 33, 130, 128), (1, 4, 2, 170, 300, 128),
-                                      (1, 2, 1, 400, 77, 128)))
 
 
 def backward_varlen_cases():
@@ -931,7 +919,6 @@ def main() -> int:
              "backward-deterministic": lambda: backward_cases(True),
              "backward-varlen": backward_varlen_cases,
              "backward-hopper": backward_hopper_cases,
-             "backward-hopper-80": backward_hopper_80_cases,
              "backward-head-dims": lambda: backward_cases(head_dims=True),
              "kv-splits": kv_split_cases, "head-dims": head_dim_cases,
              "alibi": alibi_cases, "kv-append": kv_append_cases}[mode]

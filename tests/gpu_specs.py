@@ -417,11 +417,9 @@ BACKWARD_TEST_CONFIGS = [TileConfig((64, 64), warps=4), TileConfig((64, 64), war
                          TileConfig((32, 64), warps=4, stages=2)]
 
 
-# the Hopper backward's tiles (its sm_90 default at d64, d96 and d128; d64 also builds 128 x 128,
-# d128 80 x 128 for plain calls)
+# the Hopper backward's tiles (its sm_90 default at d64, d96 and d128; d64 also builds 128 x 128)
 HOPPER_BWD_CONFIGS = [TileConfig((64, 128), warps=8, stages=2, family="hopper"),
-                      TileConfig((128, 128), warps=8, stages=2, family="hopper"),
-                      TileConfig((80, 128), warps=8, stages=2, family="hopper")]
+                      TileConfig((128, 128), warps=8, stages=2, family="hopper")]
 
 
 # every mask combination the backward builds: (causal, mask_align, window, softcap), as
@@ -472,8 +470,7 @@ def backward_specs(arch: str) -> list:
     for dtype, d, (causal, align, window, cap) in itertools.product(DTYPES, HEAD_DIMS,
                                                                     BACKWARD_MASKS):
         masks = Masking(align, (1, 0) if window else None, 1.0 if cap else None)
-        plain = not (causal or window or cap)  # the launcher's default of a dense call
-        specs += one_pass(arch, dtype, d, default_backward_config(d, arch, plain), causal, masks)
+        specs += one_pass(arch, dtype, d, default_backward_config(d, arch), causal, masks)
     for config, d, causal in itertools.product(BACKWARD_TEST_CONFIGS, HEAD_DIMS, (False, True)):
         try:
             specs.append(one_pass(arch, "bfloat16", d, config, causal)[1])

@@ -123,10 +123,6 @@ HOPPER += [BackwardSpec(arch="sm_90", dtype=dt, head_dim=64,
                                                 "softcap": True}),
                             ("float16", True, {"deterministic": True}),
                             ("bfloat16", True, {"varlen": True}))]
-# d128's 80-row blocks: the warp-specialised kernel alone (dense, unmasked), dQ transposed
-HOPPER += [BackwardSpec(arch="sm_90", dtype=dt, head_dim=128,
-                        config=HOPPER_TILE.replace(tile=(80, 128)))
-           for dt in ("float16", "bfloat16")]
 ROWS = [BackwardSpec(arch=a, dtype=dt, head_dim=d, op=op)
         for a, dt, d in (("sm_80", "float16", 64), ("sm_89", "bfloat16", 128),
                          ("sm_90", "float16", 128), ("sm_89", "float16", 80),
@@ -289,11 +285,11 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     dt = {"float16": "f16", "bfloat16": "bf16"}[spec.dtype]
     # per query block and warpgroup: Sᵀ and dPᵀ (64 keys x tile_m over d: d / 16 each), dV
     # and dK (64 x d over tile_m rows: tile_m / 16 each), dQ (64 rows: its half of d over 128
-    # keys, 8; d96 the first warpgroup's 64 x 96; 128 rows: each warpgroup's 64 x d; 80 rows:
-    # dQᵀ, each warpgroup's 64 of d x 80 rows); no mma.sync
+    # keys, 8; d96 the first warpgroup's 64 x 96; 128 rows: each warpgroup's 64 x d); no
+    # mma.sync
     mma = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16\.f32\.{dt}\.{dt}", ptx)
     d, tm = spec.head_dim, spec.config.tile_m
-    dq_n = tm if tm % 64 else d if d == 96 or tm == 128 else d // 2
+    dq_n = d if d == 96 or tm == 128 else d // 2
     assert sorted(mma) == sorted([str(tm)] * (2 * d // 16) + [str(d)] * (2 * tm // 16)
                                  + [str(dq_n)] * 8), mma
     assert "mma.sync" not in ptx and "ldmatrix" not in ptx
@@ -307,15 +303,8 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     if bulk:
         assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0;", ptx)
         assert re.search(r"cp\.async\.bulk\.wait_group\s+0;", ptx)
-        # dQ staged as the accumulator lies (``dq_layout``): pairs at XORed addresses (dQᵀ:
-        # each value alone, 40 a thread, into the one buffer)
-        assert "xor.b32" in ptx
-        if tm % 64:
-            assert ptx.count("st.shared.f32") == tm * d // 256
-            assert len(set(re.findall(r"cp\.reduce\.async\.bulk\.\S+ \[%\w+\], \[(%\w+)\], "
-                                      rf"{tm * d * 4};", ptx))) == 1
-        else:
-            assert "st.shared.v2.f32" in ptx
+        # dQ staged as the accumulator lies (``dq_layout``): pairs at XORed addresses
+        assert "st.shared.v2.f32" in ptx and "xor.b32" in ptx
     # Q, K, V and dO by TMA over dense batches, a box a swizzle span of each row (K and V
     # once; Q and dO where the first query block is copied and where each next one is), by
     # every thread's 16-byte cp.async over packed ones;
@@ -329,8 +318,7 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
     # warps meet at named barriers
     ws = spec.warp_specialized
     assert ws == (spec.loads_by_tma and spec.bulk_dq
-                  and (spec.config.tile_m, spec.head_dim) in ((64, 64), (128, 64), (64, 128),
-                                                              (80, 128)))
+                  and (spec.config.tile_m, spec.head_dim) in ((64, 64), (128, 64), (64, 128)))
     if ws:
         assert len(tma) >= 4 * boxes and len(tma) % (2 * boxes) == 0
     else:
@@ -366,9 +354,8 @@ def test_hopper_backward_takes_tma_descriptors_over_dense_batches():
     from flashcore.specs.packing import CoordParam, TensorMapParam, TensorParam
     from flashcore.specs.params import BACKWARD
 
-    for d, tile, span in ((64, (128, 128), 128), (96, (64, 128), 64), (128, (64, 128), 128),
-                          (128, (80, 128), 128)):
-        spec = BackwardSpec(arch="sm_90", head_dim=d, causal=tile[0] != 80,
+    for d, tile, span in ((64, (128, 128), 128), (96, (64, 128), 64), (128, (64, 128), 128)):
+        spec = BackwardSpec(arch="sm_90", head_dim=d, causal=True,
                             config=HOPPER_TILE.replace(tile=tile))
         assert spec.loads_by_tma
         packed = BACKWARD.packing(spec)
@@ -397,27 +384,13 @@ def test_hopper_defaults_and_refusals():
         assert default_warps_m(d, HOPPER_TILE) == ()
     for d in (32, 80, 256):
         assert default_backward_config(d, "sm_90").family == ""
-    # a plain call (dense, unmasked, dQ in any order) at d128: FlashAttention-3's 80 rows,
-    # built by the warp-specialised kernel alone
-    plain = default_backward_config(128, "sm_90", plain=True)
-    assert plain == HOPPER_TILE.replace(tile=(80, 128))
-    assert BackwardSpec(arch="sm_90", head_dim=128, config=plain).warp_specialized
-    assert default_backward_config(64, "sm_90", plain=True) == default_backward_config(64,
-                                                                                       "sm_90")
-    assert parse_backward_choices("128:80x128w8s2-hopper")[128] == (plain, None)
-    for field in ("causal", "window", "softcap", "deterministic", "varlen"):
-        with pytest.raises(SpecError, match=f"{field}=True"):
-            BackwardSpec(arch="sm_90", head_dim=128, config=plain, **{field: True})
-    for d in (64, 96):
-        with pytest.raises(SpecError, match="for tiles"):
-            BackwardSpec(arch="sm_90", head_dim=d, config=plain)
     assert parse_backward_choices("64x128w8s2-hopper")[None] == (HOPPER_TILE, None)
     with pytest.raises(SpecError, match="family 'sideways'"):
         parse_backward_choices("64x128w8s2-sideways")
     for bad, match in (({"arch": "sm_89"}, "sm_90 only"),
                        ({"head_dim": 256}, "head_dim in"),
                        ({"config": TileConfig((128, 128), warps=8, stages=2, family="hopper")},
-                        "head_dim=128 for tiles \\(\\(64, 128\\), \\(80, 128\\)\\)"),
+                        "head_dim=128 for tiles \\(\\(64, 128\\),\\)"),
                        ({"config": TileConfig((64, 128), warps=8, stages=1, family="hopper")},
                         "stages=2"),
                        ({"warps_m": (2, 4, 2)}, "warps_m")):
@@ -545,38 +518,3 @@ def test_dq_accumulator_chunks_turn_within_each_row_and_spread_a_warps_store(d):
             windows = [((r * row_bytes + turned_chunk(c, r, d) * DQ_CHUNK_BYTES) % 128) // 32
                        for r in range(first_row, first_row + 8)]
             assert sorted(windows) == [0, 0, 1, 1, 2, 2, 3, 3], (first_row, c, windows)
-
-
-def test_transposed_dq_staging_is_the_accumulator_layout_without_bank_conflicts():
-    """d128's 80-row blocks stage dQᵀ (``wgmma_bwd.dq_bulk.stage_dq_transposed``): thread
-    4g + t of warp w of warpgroup v holds head_dim column m = 64v + 16w + g + 8h of query rows
-    n = 8j + 2t + c (value c + 2h + 4j, the wgmma accumulator's); its k-th store of a pair
-    goes to row c = k ^ (t >> 1) at (n · 512 + 4m) XOR the turn of the block's row r0 + n.
-    Modelled here: every value lands where the post kernel reads it (``turned_chunk``), once,
-    and each of a warp's 4-byte stores meets every bank once, whatever row the block starts
-    at (a multiple of 80 in the workspace, which is of 4 too, but any is modelled)."""
-    from flashcore.kernels.mma_sync_bwd.dq_layout import turned_chunk
-    from flashcore.specs.backward import DQ_CHUNK_BYTES, dq_chunk_turns
-
-    d, tm = 128, 80
-    turns = dq_chunk_turns(d)
-    for r0 in (0, 80, 1, 3):
-        want = {}
-        for n, m in itertools.product(range(tm), range(d)):
-            chunk = turned_chunk(m // 8, r0 + n, d)
-            want[n * 4 * d + chunk * DQ_CHUNK_BYTES + m % 8 * 4] = (n, m)
-        got = {}
-        for v, w in itertools.product(range(2), range(4)):
-            for j, h, k in itertools.product(range(tm // 8), range(2), range(2)):
-                banks = []
-                for lane in range(32):
-                    g, t = divmod(lane, 4)
-                    c = k ^ (t >> 1)
-                    m, n = 64 * v + 16 * w + g + 8 * h, 8 * j + 2 * t + c
-                    turn = (r0 + 2 * t + c) % turns * DQ_CHUNK_BYTES  # first row's, plus c
-                    addr = (n * 4 * d + 4 * m) ^ turn
-                    assert addr not in got
-                    got[addr] = (n, m)
-                    banks.append(addr // 4 % 32)
-                assert sorted(banks) == list(range(32)), (r0, v, w, j, h, k)
-        assert got == want

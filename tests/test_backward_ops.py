@@ -13,7 +13,7 @@ import flashcore.ops.backward as bw
 import flashcore.ops.backward_varlen as bwv
 from flashcore.ops.masks import masking
 from flashcore.specs import BackwardSpec, TileConfig
-from flashcore.specs.backward import ROW_PAD, default_backward_config, workspace_rows
+from flashcore.specs.backward import default_backward_config
 
 
 def test_fake_implementation_gives_the_gradients_shapes():
@@ -130,64 +130,6 @@ def test_backward_choices_default_override_and_env(monkeypatch):
     assert bw.backward_choices("sm_90", 128) == (TileConfig((64, 64), warps=8), ())
 
 
-def _stub_launch_pass(monkeypatch, kernels, launch, empty) -> None:
-    """``launch_pass`` on CPU tensors as on an sm_90 device: ``kernels`` for the specs'
-    loaded kernels, ``launch`` for each launch, ``empty`` for the workspace's allocation."""
-    monkeypatch.setattr(bw, "backward_kernels", kernels)
-    monkeypatch.setattr(bw, "launch", launch)
-    monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
-    monkeypatch.setattr(bw, "sm_count", lambda dev: 132)
-    monkeypatch.setattr(bw, "check_extents", lambda *a: None)
-    monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
-    monkeypatch.setattr(bw.torch, "empty", empty)
-    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-
-
-def test_plain_d128_calls_on_sm90_take_80_query_rows(monkeypatch):
-    """sm_90 d128: a dense call with no causal mask, window or soft-cap and dQ's adds in any
-    order runs 80-row blocks (the warp-specialised kernel's own tile), every other call 64;
-    a choice (the benchmark's variants) still forces 64; the workspace rows of 80-row blocks
-    cover the last 80-row block, a multiple of ``ROW_PAD``."""
-    monkeypatch.delenv(bw.CHOICES_ENV, raising=False)
-    assert bw.backward_choices("sm_90", 128, True)[0].tile == (80, 128)
-    assert bw.backward_choices("sm_90", 128)[0].tile == (64, 128)
-    assert bw.backward_choices("sm_90", 64, True)[0].tile == (128, 128)
-    assert bw.backward_choices("sm_89", 128, True)[0].family == ""
-    with bw.backward_choices_override("128:64x128w8s2-hopper"):
-        assert bw.backward_choices("sm_90", 128, True)[0].tile == (64, 128)
-    assert [workspace_rows(s, 80) for s in (1, 128, 4096, 4161)] == [128, 256, 4224, 4352]
-    assert [workspace_rows(s, 64) for s in (1, 128, 129)] == [128, 128, 256]
-
-    seen, buffers = [], []
-
-    def kernels(dev, dtype, d, config, causal, masks, warps_m, det, varlen=False):
-        seen.append(config.tile)
-        return tuple(SimpleNamespace(artifact=SimpleNamespace(spec=SimpleNamespace(
-            rows_per_cta=8)), tensor_maps=()) for _ in range(3))
-
-    real_empty = torch.empty
-
-    def empty(*shape, **kw):
-        buffers.append(real_empty(*shape, **{k: v for k, v in kw.items() if k != "device"}))
-        return buffers[-1]
-
-    _stub_launch_pass(monkeypatch, kernels, lambda *a: None, empty)
-    B, H, S, D = 1, 2, 200, 128
-    q = real_empty(B, H, S, D, dtype=torch.float16)
-    lse = real_empty(B, H, S)
-    for kw, tile in (({}, (80, 128)), ({"causal": True}, (64, 128)),
-                     ({"window": (32, 32)}, (64, 128)), ({"softcap": 30.0}, (64, 128)),
-                     ({"deterministic": True}, (64, 128))):
-        buffers.clear()
-        bw.attention_backward(q, q, q, q, q, lse, dq=torch.empty_like(q),
-                              dk=torch.empty_like(q), dv=torch.empty_like(q), **kw)
-        assert seen[-1] == tile, kw
-        rows = workspace_rows(S, tile[0])
-        last = -(-S // tile[0]) * tile[0]  # the end of the last query block
-        assert buffers[0].numel() >= B * H * rows * (D + 2) and rows >= last
-
-
 def test_backward_specs_of_one_pass():
     pre, main, post = bw.backward_specs("sm_89", "bfloat16", 128, default_backward_config(128),
                                         True)
@@ -247,8 +189,16 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
     def launch(kernel, grid, args, dev):
         launched.append((grid, args))
 
+    monkeypatch.setattr(bw, "backward_kernels", kernels)
+    monkeypatch.setattr(bw, "launch", launch)
     monkeypatch.setattr(bw, "tma_args", tma_args)
-    _stub_launch_pass(monkeypatch, kernels, launch, empty)
+    monkeypatch.setattr(bw, "arch_of", lambda dev: "sm_90")
+    monkeypatch.setattr(bw, "sm_count", lambda dev: 132)
+    monkeypatch.setattr(bw, "check_extents", lambda *a: None)
+    monkeypatch.setattr(bw, "prepared", lambda t: (t, (t.data_ptr(),)))
+    monkeypatch.setattr(bw.torch, "empty", empty)
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     B, H, Hkv, S, D = 2, 4, 2, 200, 64
     q = real_empty(B, H, S, D, dtype=torch.float16).normal_()
     k = real_empty(B, Hkv, S, D, dtype=torch.float16).normal_()
@@ -271,7 +221,7 @@ def test_the_main_launch_gets_zeroed_turn_counters_when_deterministic(determinis
     # the four (batch, K/V head) pairs' two key blocks fit one wave: one chunk
     assert config.tile_n == 128 and grid == (2 * B * Hkv, 1, 1)
     blocks = -(-S // config.tile_m)
-    rows = workspace_rows(S, config.tile_m)
+    rows = -(-S // bw.ROW_PAD) * bw.ROW_PAD
     if deterministic:
         ptr, n = main_args[-1]
         assert n == B * H * blocks
@@ -376,7 +326,7 @@ def test_varlen_backward_launches_with_the_offsets_and_the_batch_in_z(monkeypatc
     assert [a[0] for a in args[-2:]] == [cu_q.data_ptr(), cu_k.data_ptr()]
     assert [a[1] for a in args[-2:]] == [4, 4]
     rows = buffers[0].numel() // (H * (D + 2))
-    assert rows % ROW_PAD == 0 and rows >= 230 + config.tile_m - 1
+    assert rows % bw.ROW_PAD == 0 and rows >= 230 + config.tile_m - 1
     assert launched[0][0] == (rows // 8 * H, 1, 1) and launched[2][0] == (-(-230 // 8) * H, 1, 1)
     assert (dk[290:] == 0).all() and (dv[290:] == 0).all() and dq.shape == q.shape
     # deterministic: a counter per (sequence, head, query block of the longest sequence)

@@ -23,7 +23,6 @@ from flashcore.specs import BackwardSpec
 from flashcore.specs.backward import (
     HOPPER_BWD_HEAD_DIMS,
     HOPPER_BWD_TILES,
-    HOPPER_BWD_WS_ONLY,
     default_warps_m,
     parse_backward_choices,
 )
@@ -219,21 +218,14 @@ def test_gradients_match_reference_within_sdpa_error(b, hkv, ratio, sq, sk, d, d
 @example(b=2, hkv=3, ratio=1, sq=206, sk=79, d=96, dtype="float16", causal=True,
          align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[0],
          deterministic=True, seed=3217)  # d96 rows copied whole (three 32-wide lines)
-@example(b=2, hkv=2, ratio=2, sq=333, sk=190, d=128, dtype="bfloat16", causal=False,
-         align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[2],
-         deterministic=False, seed=11)  # d128's 80-row blocks: a ragged last block of 13 rows
 def test_hopper_backward_matches_reference(b, hkv, ratio, sq, sk, d, dtype, causal, align,
                                            window, softcap, config, deterministic, seed):
     """The Hopper backward (``kernels/wgmma_bwd``: warpgroup MMAs, Sᵀ by keys in rows): random
     shapes over ragged key and query blocks, GQA, every mask, dQ's adds free or in turns; a
-    deterministic call repeats bit for bit. The warp-specialised kernel's own tiles
-    (``HOPPER_BWD_WS_ONLY``: d128's 80 rows) take the plain call alone: the draw's masks and
-    order are dropped there."""
+    deterministic call repeats bit for bit."""
     if current_arch() != "sm_90":
         pytest.skip("the Hopper backward runs on sm_90")
     assume(config.tile in HOPPER_BWD_TILES[d])
-    if config.tile in HOPPER_BWD_WS_ONLY:
-        causal, align, window, softcap, deterministic = False, "top_left", None, None, False
     grads, call = _check(b, hkv * ratio, hkv, sq, sk, d, dtype, causal, None, seed,
                          config=config, masks=_masks(causal, align, window, softcap),
                          deterministic=deterministic)

@@ -48,9 +48,8 @@ def test_known_patterns_pass_and_are_grouped(tmp_path, capsys):
 
 def test_the_pattern_names_every_warp_specialised_kernel_and_no_other():
     ws_names = [WS, WS.replace("d64_m64", "d64_m128"), WS.replace("d64", "d128"),
-                WS.replace("d64_m64", "d128_m80"), WS.replace("_hopper", "_hopper_causal_br_softcap")]
+                WS.replace("_hopper", "_hopper_causal_br_softcap")]
     other = [WS.replace("d64", "d96"), WS.replace("d64_m64", "d128_m128"),
-             WS.replace("d64_m64", "d64_m80"), WS.replace("d64_m64", "d96_m80"),
              WS.replace("_hopper", "_hopper_varlen"), WS.replace("_hopper", "_hopper_det")]
     for name in ws_names + other:
         r = race_summary.Report("WAR", name, (race_summary.Access("Read", 380, "0x3b60"),

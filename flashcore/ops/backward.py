@@ -39,10 +39,10 @@ from ..runtime.device import arch_of
 from ..runtime.launch import kernel_for, launch
 from ..specs import BACKWARD_HEAD_DIMS, BackwardSpec, TileConfig
 from ..specs.backward import (
+    ROW_PAD,
     default_backward_config,
     default_warps_m,
     parse_backward_choices,
-    workspace_rows,
 )
 from .inputs import DTYPE_NAMES, prepared, rows_arg, tensor_arg, vector_arg
 from .launcher import tma_args
@@ -83,20 +83,18 @@ def backward_specs(arch: str, dtype: str, head_dim: int, config: TileConfig, cau
 _parsed_choices = functools.lru_cache(maxsize=16)(parse_backward_choices)  # a call's text
 
 
-def backward_choices(arch: str, head_dim: int, plain: bool = False,
-                     ) -> tuple[TileConfig, tuple[int, ...] | None]:
+def backward_choices(arch: str, head_dim: int) -> tuple[TileConfig, tuple[int, ...] | None]:
     """(config, warps_m) of the main kernel for a call that gives no config: the innermost
     ``backward_choices_override``, else ``$FLASHCORE_BWD_CONFIG`` (``spec.backward.
     parse_backward_choices``; an A/B of variants without code changes), else the arch's
-    default (``plain``: a dense call with no causal mask, window or soft-cap and dQ's adds in
-    any order, ``default_backward_config``'s)."""
+    default."""
     text = _choices_override[-1] if _choices_override else os.environ.get(CHOICES_ENV, "")
     if text:
         choices = _parsed_choices(text)
         hit = choices.get(head_dim, choices.get(None))
         if hit is not None:
             return hit
-    return default_backward_config(head_dim, arch, plain), None
+    return default_backward_config(head_dim, arch), None
 
 
 @contextlib.contextmanager
@@ -200,9 +198,7 @@ def launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale: float, causal:
     dtype = DTYPE_NAMES[q.dtype]
     dev = q.get_device()
     if config is None:
-        _, window, softcap, _ = masks.spec_fields
-        plain = not (causal or window or softcap or deterministic or packed is not None)
-        config, chosen = backward_choices(arch_of(dev), D, plain)
+        config, chosen = backward_choices(arch_of(dev), D)
         warps_m = chosen if warps_m is None else warps_m
     pre, main, post = backward_kernels(dev, dtype, D, config, causal, masks, warps_m,
                                        deterministic, packed is not None)
@@ -217,7 +213,7 @@ def launch_pass(q, k, v, dout, out, lse, dlse, dq, dk, dv, scale: float, causal:
     # and with ``deterministic`` the int32 turn counters (batch, H, query blocks: a packed
     # batch's sequences, its longest one's), zeroed here. A packed batch's last query block may
     # reach tile_m - 1 rows past its end: padding rows.
-    rows = workspace_rows(Sq + (config.tile_m if packed else 0), config.tile_m)
+    rows = -(-(Sq + (config.tile_m if packed else 0)) // ROW_PAD) * ROW_PAD
     n = B * H * rows
     counters = 0
     if deterministic:

@@ -23,8 +23,8 @@ Three kernels make one backward pass, each a spec of its own (``op``):
 The dQ accumulator's rows hold their 32-byte chunks in an order turned by the row
 (``DQ_CHUNK_TURNS``), which the main kernels write and the post kernel reads.
 
-The workspaces' rows per (batch, head) cover the main kernel's last query block and are a
-multiple of ``ROW_PAD`` (``workspace_rows``), so its query blocks never run past them.
+The workspaces have ``ROW_PAD``-aligned rows per (batch, head), so the main kernel's query
+blocks never run past them.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from .serial import SpecData
 from .tile import TileConfig, TiledKernel
 
 BACKWARD_OPS = ("attention_bwd", "attention_bwd_pre", "attention_bwd_post")
-ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this
+ROW_PAD = 128  # workspace rows per (batch, head) are a multiple of this (the largest tile_m)
 ROW_THREADS = 128  # threads of a pre/post CTA
 PRODUCER_THREADS = 128  # a warp-specialised main kernel's producer warpgroup
 # ``stages``: query blocks (Q, dO and their LSE and D rows) in flight: 2 prefetches the next
@@ -59,16 +59,10 @@ BACKWARD_KNOBS = {"tile_m": (32, 64, 128), "tile_n": (32, 64, 128), "warps": (4,
                   "stages": (1, 2), "kv_splits": (1,)}
 # The Hopper backward (``kernels/wgmma_bwd``): warpgroup MMAs on sm_90, two warpgroups of 64
 # keys, two stages of Q and dO; query blocks of 128 rows at d64, 64 at d96 and d128 (each head
-# dim's first tile is its default; 128 rows spill at d96 and d128). d64 also builds 64 rows;
-# d128 also 80 (``HOPPER_BWD_WS_ONLY``), the default of dense unmasked calls
-# (``default_backward_config``).
+# dim's first tile is its default; 128 rows spill at d96 and d128). d64 also builds 64 rows.
 HOPPER_BWD = "hopper"
 HOPPER_BWD_HEAD_DIMS = (64, 96, 128)
-HOPPER_BWD_TILES = {64: ((128, 128), (64, 128)), 96: ((64, 128),), 128: ((64, 128), (80, 128))}
-# tiles only the warp-specialised kernel builds (dense, unmasked, dQ added in bulk): 80 query
-# rows are no whole number of 64-row wgmma tiles, so its dQ is computed transposed
-# (``kernels/wgmma_bwd/layouts.py``) with no causal or window blocks
-HOPPER_BWD_WS_ONLY = ((80, 128),)
+HOPPER_BWD_TILES = {64: ((128, 128), (64, 128)), 96: ((64, 128),), 128: ((64, 128),)}
 BACKWARD_FAMILIES = ("", "mma_sync", HOPPER_BWD)
 _SMEM_ALIGN = 1024
 
@@ -88,14 +82,6 @@ def dq_chunk_turns(head_dim: int) -> int:
     1 (plain row-major) where a row is no multiple of that many chunks (d80)."""
     chunks = head_dim * 4 // DQ_CHUNK_BYTES
     return DQ_CHUNK_TURNS if chunks % DQ_CHUNK_TURNS == 0 else 1
-
-
-def workspace_rows(seq_q: int, tile_m: int) -> int:
-    """Rows per (batch, head) of the backward's workspaces for ``seq_q`` query rows (a packed
-    batch's: its total plus a block's padding): every query block of ``tile_m`` rows (its bulk
-    dQ add and LSE/D copies stay in its head's rows), rounded to a multiple of ``ROW_PAD``."""
-    blocks = -(-seq_q // tile_m) * tile_m
-    return -(-blocks // ROW_PAD) * ROW_PAD
 
 
 def _align(n: int) -> int:
@@ -201,8 +187,6 @@ class BackwardSpec(SpecData, TiledKernel):
                       "spec has neither")
         c = self.config
         for knob, allowed in BACKWARD_KNOBS.items():
-            if knob in ("tile_m", "tile_n") and c.family == HOPPER_BWD:
-                continue  # the Hopper family's own tiles (``_check_hopper``)
             if getattr(c, knob) not in allowed:
                 raise bad(f"{knob}={getattr(c, knob)} is not supported; choose one of {allowed}")
         if c.family not in BACKWARD_FAMILIES:
@@ -235,13 +219,6 @@ class BackwardSpec(SpecData, TiledKernel):
         if self.warps_m:
             raise bad(f"family={HOPPER_BWD!r} places its warps itself: warps_m must be (), got "
                       f"{self.warps_m!r}")
-        if c.tile in HOPPER_BWD_WS_ONLY:
-            for name in ("causal", "window", "softcap", "deterministic", "varlen"):
-                if getattr(self, name):
-                    others = tuple(t for t in tiles if t not in HOPPER_BWD_WS_ONLY)
-                    raise bad(f"tile={c.tile} is built by the warp-specialised kernel alone "
-                              f"(dense, unmasked, dQ added in bulk), not {name}=True; tiles "
-                              f"{others} build it")
 
     def _check_warp_grids(self, bad) -> None:
         c = self.config
@@ -287,20 +264,10 @@ class BackwardSpec(SpecData, TiledKernel):
         """The Hopper kernel over a dense batch with bulk dQ: a producer warpgroup whose first
         warp copies every tile by TMA and whose second adds each block's dQ, the MMA
         warpgroups meeting at named barriers only (``kernels/wgmma_bwd/warp_specialized.py``).
-        d64 at 128 or 64 query rows, d128 at 64 or 80 (d96 spills at the MMA warps' 240
+        d64 at 128 or 64 query rows, d128 at 64 (d96 spills at the MMA warps' 240
         registers)."""
         return (self.loads_by_tma and self.bulk_dq
-                and (self.config.tile_m, self.head_dim) in ((64, 64), (128, 64), (64, 128),
-                                                            (80, 128)))
-
-    @property
-    def dq_buffers(self) -> int:
-        """fp32 dQ blocks staged in shared memory for the bulk reductions: two (a block's
-        reduction reads one while the next block is staged), one where two do not fit (d128's
-        80-row blocks: 40 KB each)."""
-        if not self.bulk_dq:
-            return 0
-        return 1 if self.config.tile in HOPPER_BWD_WS_ONLY else 2
+                and (self.config.tile_m, self.head_dim) in ((64, 64), (128, 64), (64, 128)))
 
     @property
     def rows_per_cta(self) -> int:
@@ -357,14 +324,14 @@ class BackwardSpec(SpecData, TiledKernel):
             return 0
         c, d, e = self.config, self.head_dim, DTYPE_BYTES[self.dtype]
         if self.hopper:  # Q, dO staged; K, V; dS (keys x query rows); LSE and D rows staged;
-            # the fp32 dQ blocks of the bulk reductions (``dq_buffers``); the TMA copies'
-            # barriers (8-byte aligned: they may sit in the last member's padding)
+            # two fp32 dQ blocks for the bulk reductions; the TMA copies' barriers (8-byte
+            # aligned: they may sit in the last member's padding)
             ds = 2 if self.warp_specialized else 1  # dSᵀ in two stages
             n = (2 * _align(c.tile_m * d * e * c.stages) + 2 * _align(c.tile_n * d * e)
                  + _align(c.tile_n * c.tile_m * e * ds) + _align(c.tile_m * 4 * c.stages))
             n += c.tile_m * 4 * c.stages  # D's rows, the last 1 KB-aligned member but one
             if self.bulk_dq:
-                n = _align(n) + self.dq_buffers * c.tile_m * d * 4
+                n = _align(n) + 2 * c.tile_m * d * 4
             if self.loads_by_tma:  # a full barrier a stage and the key block's; empty ones
                 n = -(-n // 8) * 8 + 8 * (c.stages + 1 + (c.stages if ds == 2 else 0))
             return _align(n)
@@ -402,12 +369,9 @@ class BackwardSpec(SpecData, TiledKernel):
         return d
 
 
-def default_backward_config(head_dim: int, arch: str | None = None,
-                            plain: bool = False) -> TileConfig:
+def default_backward_config(head_dim: int, arch: str | None = None) -> TileConfig:
     """The main kernel's config. sm_90 at d64, d96 and d128: the Hopper backward, 128 keys and
-    128 query rows at d64 (FlashAttention-4's tile), 64 at d96 and d128, and 80 at d128 for a
-    ``plain`` call (a dense batch, no causal mask, window or soft-cap, dQ's adds in any order:
-    FlashAttention-3's and -4's tile, which only the warp-specialised kernel builds). Else the
+    128 query rows at d64 (FlashAttention-4's tile), 64 at d96 and d128. Else the
     mma_sync backward: eight warps, 64 query rows x 128 keys, two query blocks in
     flight where they fit (98 KB at d64: an L4's 99 KB hold it). Wider rows on an L4 (or no
     ``arch``) take 64 keys: d96 two blocks in flight (89 KB), d128 one (80 KB); sm_80 and
@@ -418,9 +382,7 @@ def default_backward_config(head_dim: int, arch: str | None = None,
     128 x 128, FlashAttention-2's H100 choice, runs at 255 registers with a few spilled: a
     variant to time, not the default.)"""
     if arch == "sm_90" and head_dim in HOPPER_BWD_HEAD_DIMS:
-        tiles = HOPPER_BWD_TILES[head_dim]
-        tile = next((t for t in tiles if t in HOPPER_BWD_WS_ONLY), tiles[0]) if plain else tiles[0]
-        return TileConfig(tile, warps=8, stages=2, family=HOPPER_BWD)
+        return TileConfig(HOPPER_BWD_TILES[head_dim][0], warps=8, stages=2, family=HOPPER_BWD)
     big = arch is not None and SMEM_PER_BLOCK[arch] >= 160 * 1024
     if head_dim == 80:
         return TileConfig((64, 64), warps=4, stages=2)

@@ -274,7 +274,7 @@ QUANTIZE_FP8 = Signature("quantize", (
 # The backward (``flashcore.kernels.mma_sync_bwd``). pre: O and dO (batch, heads, seq_q,
 # head_dim), the forward's LSE (batch, heads, seq_q), then the fp32 workspaces: LSE in log2
 # units and D = rowsum(dO ∘ O) (batch, heads, rows) and the dQ accumulator (batch, heads,
-# rows, head_dim), rows = ``spec.backward.workspace_rows``. main: Q, K, V, dO,
+# rows, head_dim), rows = seq_q rounded up to ``spec.backward.ROW_PAD``. main: Q, K, V, dO,
 # the workspaces, dK and dV (K's shape), the exp2 softmax scale and the softmax scale, the
 # masks' sizes, (``varlen``) the packed batch's int32 offsets (batch + 1) of Q's rows and of
 # K's, and (``deterministic``) the int32 counters of key blocks done, (batch, heads, query

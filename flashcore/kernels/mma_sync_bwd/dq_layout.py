@@ -23,14 +23,6 @@ def turn_bytes(dst: cute.Tensor, accumulator: cute.Tensor, head_dim: cutlass.Con
     return out
 
 
-@cute.jit
-def first_row(dst: cute.Tensor, accumulator: cute.Tensor, head_dim: cutlass.Constexpr):
-    """The accumulator row of this thread's first value (``dst``: its partition of a block of
-    the fp32 ``accumulator``, any view of it)."""
-    first = (dst.iterator + cute.crd2idx(0, dst.layout)).toint()
-    return cutlass.Int32((first - accumulator.iterator.toint()) // (4 * head_dim))
-
-
 def turned_chunk(chunk, row, head_dim: int):
     """Chunk ``chunk`` of row ``row`` (each ``DQ_CHUNK_BYTES``), as stored."""
     turns = dq_chunk_turns(head_dim)

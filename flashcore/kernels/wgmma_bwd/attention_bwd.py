@@ -80,12 +80,8 @@ class HopperCta(BackwardCta):
         self.tVrdOt = dkv.make_fragment_B(dkv.partition_B(transposed(self.sdO, tm, d)))
         self.wg = wg
         dq = lay.mma_dq.get_slice(0 if lay.dq_single else wg * WARPGROUP)
-        if lay.dq_transposed:  # dQᵀ = Kᵀ·dSᵀ: Kᵀ the A operand, dSᵀ's (rows, keys) view B
-            self.tQrKt = dq.make_fragment_A(dq.partition_A(transposed(self.sK, tn, d)))
-            self.tQrdS = dq.make_fragment_B(dq.partition_B(transposed(self.sdS, tn, tm)))
-        else:
-            self.tQrdS = dq.make_fragment_A(dq.partition_A(transposed(self.sdS, tn, tm)))
-            self.tQrKt = dq.make_fragment_B(dq.partition_B(transposed(self.sK, tn, d)))
+        self.tQrdS = dq.make_fragment_A(dq.partition_A(transposed(self.sdS, tn, tm)))
+        self.tQrKt = dq.make_fragment_B(dq.partition_B(transposed(self.sK, tn, d)))
         self.thr_sdp = lay.mma_sdp.get_slice(self.tidx)
         self.thr_dkv = lay.mma_dkv.get_slice(self.tidx)
         self.thr_dq = lay.mma_dq.get_slice(self.tidx % WARPGROUP if lay.dq_single

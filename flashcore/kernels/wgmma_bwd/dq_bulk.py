@@ -2,15 +2,12 @@
 accumulator in global memory lies, ``mma_sync_bwd/dq_layout.py``) and one thread adds the whole
 block into global memory with ``cp.reduce.async.bulk`` (one L2 reduction of whole lines,
 instead of a ``red.global`` per pair of values a thread). Two shared buffers: a block's
-reduction reads its buffer while the next block computes (one where two do not fit:
-``BackwardSpec.dq_buffers``)."""
+reduction reads its buffer while the next block computes."""
 
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
-
-from ...specs.backward import DQ_CHUNK_BYTES
 
 
 @dsl_user_op
@@ -45,41 +42,6 @@ def stage_dq(acc_dQ: cute.Tensor, tdQsdQ: cute.Tensor, slot, turn):
     for j in cutlass.range_constexpr(cute.size(acc_dQ) // 2):
         ptr = dst.iterator + cute.crd2idx(2 * j, dst.layout)
         st_shared_v2_f32(acc_dQ[2 * j], acc_dQ[2 * j + 1], ptr.toint() ^ turn)
-
-
-@dsl_user_op
-def st_shared_f32(a, saddr, *, loc=None, ip=None) -> None:
-    """``st.shared.f32``: ``a`` at the 4-byte aligned shared address ``saddr``."""
-    llvm.inline_asm(None, [cutlass.Int32(saddr).ir_value(loc=loc, ip=ip),
-                           cutlass.Float32(a).ir_value(loc=loc, ip=ip)],
-                    "st.shared.f32 [$0], $1;", "r,f", has_side_effects=True, loc=loc, ip=ip)
-
-
-@cute.jit
-def stage_dq_transposed(acc_dQt: cute.Tensor, tdQsdQ: cute.Tensor, row, lane,
-                        turns: cutlass.Constexpr):
-    """This thread's dQᵀ (a (head_dim, rows) accumulator) into the one buffer as the
-    accumulator in global memory lays out dQ: values 2j and 2j + 1 are the same column of
-    adjacent rows, so each is a 4-byte store, its address XORed with its row's turn (``row``:
-    the accumulator row of this thread's first value; ``turns``: ``dq_chunk_turns``).
-
-    A warp's store of one value index covers 8 columns (32 bytes, lanes 4g + t, g = 0..7) of
-    four rows 2t + c, whose turns would meet two bank windows twice; so lanes with t >= 2 store
-    their pair the other way round (c = k ^ (t >> 1) at the k-th store of a pair): the four
-    rows' turns, 2 (t & 1) + c mod 4, then differ and the warp's 128 bytes meet every bank
-    once."""
-    dst = tdQsdQ[None, None, None, 0]
-    row_bytes = (cute.crd2idx(1, dst.layout) - cute.crd2idx(0, dst.layout)) * 4
-    swap = (lane >> 1) & 1
-    # the k-th store of a pair goes to row c = swap ^ k: its offset and its turn
-    off0, off1 = swap * row_bytes, (swap ^ 1) * row_bytes
-    turn0 = (row + swap) % turns * DQ_CHUNK_BYTES
-    turn1 = (row + (swap ^ 1)) % turns * DQ_CHUNK_BYTES
-    for j in cutlass.range_constexpr(cute.size(acc_dQt) // 2):
-        lo, hi = acc_dQt[2 * j], acc_dQt[2 * j + 1]
-        base = (dst.iterator + cute.crd2idx(2 * j, dst.layout)).toint()
-        st_shared_f32(cutlass.select_(swap == 1, hi, lo), (base + off0) ^ turn0)
-        st_shared_f32(cutlass.select_(swap == 1, lo, hi), (base + off1) ^ turn1)
 
 
 @cute.jit

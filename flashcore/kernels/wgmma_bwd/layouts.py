@@ -8,9 +8,6 @@ layouts of ``hopper/layouts.py``), the three tiled warpgroup MMAs and the copies
 * dQ = dS·K: (tile_m, head_dim) over tile_n, A the dSᵀ tile read transposed (MN-major), B K
   read transposed; the warpgroups split its rows where there are 64 each, else head_dim, or
   (a half of head_dim no whole number of swizzle atoms: d96) the first computes it alone.
-  Query blocks of no whole number of 64 rows (d128's 80: ``dq_transposed``) compute dQᵀ =
-  Kᵀ·dSᵀ instead: (head_dim, tile_m) over tile_n, warpgroup w head_dim's columns 64w ..
-  64w + 63, A K read transposed, B the dSᵀ tile read transposed (both MN-major).
 
 The transposed views are ``mma_sync_bwd.layouts.transposed``'s: the transposed K-major swizzle
 atom is the MN-major one.
@@ -42,27 +39,17 @@ class HopperBackwardLayouts:
         # dSᵀ as the Sᵀ accumulator holds it (warp-specialised: two stages)
         self.sdS = k_major(dt, (tn, tm, 2) if spec.warp_specialized else (tn, tm))
         self.sRows = cute.make_layout((tm, c.stages))  # each stage's LSE and D rows
-        # 64-row wgmma tiles along dQ's rows, or dQᵀ's (``dq_transposed``)
-        self.dq_transposed = tm % ROWS_PER_WARPGROUP != 0
-        # the fp32 dQ blocks (``spec.dq_buffers``), row-major as the accumulator lies
-        # (``dq_bulk.py``); dQᵀ's view of them: (head_dim, rows)
-        bufs = spec.dq_buffers
-        self.sdQ = None
-        if spec.bulk_dq:
-            self.sdQ = (cute.make_layout((d, tm, bufs), stride=(1, d, tm * d))
-                        if self.dq_transposed
-                        else cute.make_layout((tm, d, bufs), stride=(d, 1, tm * d)))
+        # two fp32 dQ blocks, row-major as the accumulator lies (``dq_bulk.py``)
+        self.sdQ = cute.make_layout((tm, d, 2), stride=(d, 1, tm * d)) if spec.bulk_dq else None
         f32 = cutlass.Float32
         self.mma_sdp = sm90.make_trivial_tiled_mma(dt, dt, K, K, f32, (wgs, 1, 1),
                                                    (ROWS_PER_WARPGROUP, tm))
         self.mma_dkv = sm90.make_trivial_tiled_mma(dt, dt, K, MN, f32, (wgs, 1, 1),
                                                    (ROWS_PER_WARPGROUP, d),
                                                    sm90.OperandSource.RMEM)
-        # copies go by swizzle lines (d96: three of 32), a pass of the threads whole rows (the
-        # key block's in the epilogue; the query blocks' too where the threads copy them)
+        # copies go by swizzle lines (d96: three of 32), a pass of the threads whole rows
         line = swizzle_bytes(dt, d) * 8 // dt.width
-        copied = tn if spec.loads_by_tma else min(tm, tn)
-        assert copied % (c.threads * 8 // line) == 0, (tm, tn, line)
+        assert min(tm, tn) % (c.threads * 8 // line) == 0, (tm, tn, line)
         along_m = tm // ROWS_PER_WARPGROUP  # warpgroups along dQ's rows; the rest split d
         split = wgs // along_m
         # a share of d that neither fills whole swizzle atoms of Kᵀ nor divides one (d96: 48
@@ -72,13 +59,8 @@ class HopperBackwardLayouts:
         self.dq_single = split > 1 and share % atom != 0 and atom % share != 0
         if self.dq_single:
             along_m, split = 1, 1
-        if self.dq_transposed:
-            assert d == wgs * ROWS_PER_WARPGROUP, (d, wgs)
-            self.mma_dq = sm90.make_trivial_tiled_mma(dt, dt, MN, MN, f32, (wgs, 1, 1),
-                                                      (ROWS_PER_WARPGROUP, tm))
-        else:
-            self.mma_dq = sm90.make_trivial_tiled_mma(dt, dt, MN, MN, f32, (along_m, split, 1),
-                                                      (ROWS_PER_WARPGROUP, d // split))
+        self.mma_dq = sm90.make_trivial_tiled_mma(dt, dt, MN, MN, f32, (along_m, split, 1),
+                                                  (ROWS_PER_WARPGROUP, d // split))
         self.g2s = g2s_copy(dt, line, c.threads)
         self.rows_atom = cute.make_copy_atom(
             cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.ALWAYS), f32,

@@ -6,10 +6,9 @@ whole CTA.
 * Warp 0 copies: K and V once, then each query block's Q and dO tiles (TMA) and its LSE and D
   rows (1-D bulk copies) into the block's stage, all on the stage's full barrier; a stage is
   refilled once every MMA warp has arrived on its empty barrier.
-* Warp 1 adds dQ: each block's dQ, staged by the MMA warpgroups in one of two buffers (one
-  where two do not fit: ``BackwardSpec.dq_buffers``), goes to the fp32 accumulator as one bulk
-  reduction; the buffers change hands on named barriers (full: the MMA warps arrive, the writer
-  waits; empty: the other way round).
+* Warp 1 adds dQ: each block's dQ, staged by the MMA warpgroups in one of two buffers, goes to
+  the fp32 accumulator as one bulk reduction; the buffers change hands on named barriers (full:
+  the MMA warps arrive, the writer waits; empty: the other way round).
 * The MMA warpgroups meet each other once a block (dSᵀ written, a named barrier; dSᵀ has two
   stages, so no barrier guards its store), and at the epilogue.
 
@@ -20,12 +19,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from ...specs.backward import dq_chunk_turns
 from ..hopper.fragments import acc_as_operand_a
 from ..hopper.mma import wgmmas
-from ..mma_sync_bwd.dq_layout import first_row
 from ..mma_sync_bwd.epilogue import store_key_grads
-from ..mma_sync_bwd.layouts import transposed
 from .attention_bwd import (
     HopperBackward,
     HopperCta,
@@ -35,13 +31,13 @@ from .attention_bwd import (
     next_block,
     p_and_ds,
 )
-from .dq_bulk import bulk_add_f32, stage_dq, stage_dq_transposed
+from .dq_bulk import bulk_add_f32, stage_dq
 from .loads import bulk_copy_g2s
 
 PRODUCER_REGS = 24  # the producer warps only issue copies and walk the blocks
 MMA_REGS = 240  # 2 x 128 x 240 + 128 x 24 registers fit the register file
 DS_BARRIER = 2  # named barriers (1: the epilogue's, ``mma_sync_bwd.epilogue``)
-DQ_FULL = 3  # and 4: a dQ buffer staged (the second buffer's, where there are two)
+DQ_FULL = 3  # and 4: a dQ buffer staged
 DQ_EMPTY = 5  # and 6: a dQ buffer's reduction has read it
 WRITER = 32  # threads of the dQ writer warp, beside the MMA warps at the dQ barriers
 
@@ -79,14 +75,14 @@ def copy_block(cta: HopperCta, head, m_block, slot):
 def write_dq(cta: HopperCta, mdQacc, first, lo, per_head, steps, lane):
     """Warp 1: each step's staged dQ block into the fp32 accumulator, one bulk reduction from
     lane 0; a buffer is handed back once its reduction has read it."""
-    mma_threads, buffers = cta.config.threads, cta.spec.dq_buffers
-    for buf in cutlass.range_constexpr(buffers):  # every buffer starts free
+    mma_threads = cta.config.threads
+    for buf in cutlass.range_constexpr(2):  # both buffers start free
         cute.arch.barrier_arrive(barrier_id=DQ_EMPTY + buf,
                                  number_of_threads=mma_threads + WRITER)
     head, m_block = cutlass.Int32(first), cutlass.Int32(lo)
     rows, d = cta.config.tile_m, cta.spec.head_dim
     for step in range(steps):
-        buf = step % buffers
+        buf = step % 2
         cute.arch.barrier(barrier_id=DQ_FULL + buf, number_of_threads=mma_threads + WRITER)
         if lane == 0:
             gdQ = dq_block(cta, mdQacc, head, m_block)
@@ -121,44 +117,21 @@ def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step):
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=c.threads)
     rdS_a = cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout))
-    if cutlass.const_expr(lay.dq_transposed):  # dQᵀ: this warpgroup's 64 of head_dim
-        acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((d, tm)), cutlass.Float32)
-        wgmmas([(lay.mma_dq, acc_dQ, cta.tQrKt, cta.tQrdS[None, None, None, slot])], True,
+    acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
+    mine = not lay.dq_single or cta.wg == 0  # (d96: the first warpgroup's dQ alone)
+    if mine:
+        wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS[None, None, None, slot], cta.tQrKt)], True,
                None)
-    else:
-        acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
-        mine = not lay.dq_single or cta.wg == 0  # (d96: the first warpgroup's dQ alone)
-        if mine:
-            wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS[None, None, None, slot], cta.tQrKt)], True,
-                   None)
     wgmmas([(lay.mma_dkv, cta.acc_dK, rdS_a, cta.tKrQt[None, None, None, slot])], False, 1)
     # dQ into the writer's buffer once its last reduction has read it, under dK's MMAs
-    buf = dq_buffer(cta, slot)
-    cute.arch.barrier(barrier_id=DQ_EMPTY + buf, number_of_threads=c.threads + WRITER)
-    if cutlass.const_expr(lay.dq_transposed):
-        stage_dq_transposed(acc_dQ, cta.tdQsdQ, dq_first_row(cta, mdQacc, head, m_block),
-                            cute.arch.lane_idx(), dq_chunk_turns(d))
-    else:
-        if mine:
-            stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
+    cute.arch.barrier(barrier_id=DQ_EMPTY + slot, number_of_threads=c.threads + WRITER)
+    if mine:
+        stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
     warpgroup.wait_group(0)
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier_arrive(barrier_id=DQ_FULL + buf, number_of_threads=c.threads + WRITER)
+    cute.arch.barrier_arrive(barrier_id=DQ_FULL + slot, number_of_threads=c.threads + WRITER)
     if cta.tidx % 32 == 0:  # this warp is done with the stage (its MMAs waited)
         cute.arch.mbarrier_arrive(cta.mbar + c.stages + 1 + slot)
-
-
-def dq_buffer(cta: HopperCta, slot):
-    """The dQ buffer of a block in stage ``slot``: that stage's (two buffers), else the one."""
-    return slot if cta.spec.dq_buffers == 2 else 0
-
-
-@cute.jit
-def dq_first_row(cta: HopperCta, mdQacc, head, m_block):
-    """The accumulator row of this thread's first dQᵀ value of block ``m_block``."""
-    gdQt = transposed(dq_block(cta, mdQacc, head, m_block), cta.config.tile_m,
-                      cta.spec.head_dim)
-    return first_row(cta.thr_dq.partition_C(gdQt), mdQacc, cta.spec.head_dim)
 
 
 class WarpSpecializedBackward(HopperBackward):
