@@ -342,11 +342,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def host_main(a: argparse.Namespace) -> int:
     """``--host``: eager host time a call (``host_bench``)."""
-    from .host_bench import host_table, measure_host, record_host
+    from .host_bench import HOST_HEADER, host_row, measure_host, record_host
 
-    results = measure_host()
+    print(HOST_HEADER, flush=True)  # a row a case as it is measured
+    results = measure_host(report=lambda r: print(host_row(r), flush=True))
     path = record_host(results, Path(a.out), environment())
-    print(host_table(results))
     print(f"record: {path}")
     return 0
 

@@ -114,7 +114,10 @@ def per_call_us(fn: Callable, views: list, runs: int = RUNS) -> float:
     return statistics.median(times)
 
 
-def measure_host(cases=CASES) -> list[HostResult]:
+def measure_host(cases=CASES, report: Callable[[HostResult], None] | None = None
+                 ) -> list[HostResult]:
+    """Each case's result; ``report`` gets each as it is measured (a run cut short still
+    shows the cases it finished)."""
     results = []
     for case in cases:
         views, ours, theirs = _calls(case)
@@ -123,15 +126,22 @@ def measure_host(cases=CASES) -> list[HostResult]:
         b2, a2 = per_call_us(theirs, views), per_call_us(ours, views)
         results.append(HostResult(case, (a1 + a2) / 2, (b1 + b2) / 2,
                                   time_kernel(ours, views[:1]), time_kernel(theirs, views[:1])))
+        if report is not None:
+            report(results[-1])
     return results
 
 
+HOST_HEADER = (f"{'eager µs a call (kernel µs)':46s} {'flashcore':>16s} {'SDPA':>16s} "
+               f"{'SDPA/ours':>10s}")
+
+
+def host_row(r: HostResult) -> str:
+    return (f"{r.case.name:46s} {r.flashcore_us:7.2f} ({r.flashcore_kernel_us:6.1f}) "
+            f"{r.sdpa_us:7.2f} ({r.sdpa_kernel_us:6.1f}) {r.ratio:10.2f}")
+
+
 def host_table(results: list[HostResult]) -> str:
-    head = f"{'eager µs a call (kernel µs)':46s} {'flashcore':>16s} {'SDPA':>16s} {'SDPA/ours':>10s}"
-    lines = [head]
-    lines += [f"{r.case.name:46s} {r.flashcore_us:7.2f} ({r.flashcore_kernel_us:6.1f}) "
-              f"{r.sdpa_us:7.2f} ({r.sdpa_kernel_us:6.1f}) {r.ratio:10.2f}" for r in results]
-    return "\n".join(lines)
+    return "\n".join([HOST_HEADER, *map(host_row, results)])
 
 
 def record_host(results: list[HostResult], out: Path, environment: dict) -> Path:
