@@ -52,6 +52,7 @@ from . import padding, sdpa_fallback
 
 DEFAULT_NAME = "fcore_attention"
 _BUILTIN = ("eager", "sdpa", "flex_attention", "paged|eager")
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @dataclass
@@ -173,7 +174,7 @@ def _varlen_kwargs(kwargs: dict) -> tuple | None:
 def _why_torch(query, key, value, mask, dropout: float, call: _Call, packed,
                training: bool) -> str | None:
     """Why this call runs in torch (None: it runs on flashcore's kernels)."""
-    if query.dtype not in (torch.float16, torch.bfloat16):
+    if query.dtype not in _KERNEL_DTYPES:
         return f"dtype {query.dtype}"
     if query.shape[-1] not in HEAD_DIMS:
         return f"head_dim {query.shape[-1]}"
@@ -226,11 +227,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 def _dense(query, key, value, scaling, call: _Call) -> torch.Tensor:
     """Every key valid: ``attention``, writing (batch, seqlen_q, heads, head_dim) in place (one
     query token: (batch, heads, 1, head_dim) is that layout already, as a transposed view)."""
-    same = query.shape[2] == key.shape[2]
+    seqlen_q = query.shape[2]
+    same = seqlen_q == key.shape[2]
     align = "top_left" if same or not (call.causal or call.window) else "bottom_right"
-    if query.shape[2] == 1:
+    if seqlen_q == 1:  # every decode step of every layer: keywords spelled out (no ** unpacking)
         return ops.attention(query, key, value, causal=call.causal, softmax_scale=scaling,
-                             **call.kwargs(align)).transpose(1, 2)
+                             mask_align=align, window=call.window,
+                             softcap=call.softcap).transpose(1, 2)
     out = query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     ops.attention(query, key, value, causal=call.causal, softmax_scale=scaling,
                   out=out.transpose(1, 2), **call.kwargs(align))
