@@ -31,3 +31,31 @@ def test_each_case_is_reported_as_it_is_measured(monkeypatch):
     # each case is reported after its four loops and before the next case's first
     assert done == [(CASES[0].name, 4), (CASES[1].name, 8)]
     assert [r.case for r in results] == list(CASES[:2])
+
+
+def test_hook_case_calls_both_backends_as_a_layer_does():
+    """The transformers case times flashcore's registered attention function and transformers'
+    SDPA one on the same views (flashcore's launch stubbed on CPU); both return (B, S, H, D).
+    Without transformers the case is left out of the run."""
+    import pytest
+    import torch
+
+    (case,) = [c for c in CASES if c.hook]
+    if not host_bench.runnable(case):
+        with pytest.raises(ImportError):
+            import transformers.integrations.sdpa_attention  # noqa: F401
+        return
+    from tests.device_stub import stubbed_device
+
+    launched: list = []
+    real_randn = torch.randn
+    with stubbed_device(launched), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "randn", lambda *a, device=None, **k: real_randn(*a, **k))
+        views, ours, theirs = host_bench._calls(case)
+        k, v = views[3]
+        assert k.shape == (1, case.heads_kv, case.keys + 3, case.head_dim)
+        mine = ours(k, v)
+        assert len(launched) >= 1  # flashcore's kernels, not a torch fallback
+        ref = theirs(k, v)
+    want = (case.batch, case.seqlen_q, case.heads, case.head_dim)
+    assert mine.shape == want and ref.shape == want

@@ -8,6 +8,9 @@ call over several runs of it. Each case also gets both kernels' time (a CUDA gra
 call): where a kernel takes longer than the host's work the loop measures the GPU, not the host.
 The output-layout case writes (batch, seq, heads, head_dim), as a
 transformers attention hook returns it (flashcore with ``out=``; SDPA then transposes and copies).
+The hook case calls the attention functions themselves, flashcore's transformers backend
+(``integrations.transformers.attention_forward``) against transformers' SDPA one, as a decoder
+layer does each step (it is left out where transformers is not installed).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class HostCase:
     causal: bool = False
     bshd_out: bool = False  # write (batch, seq, heads, head_dim), as transformers wants it
     grows: bool = True  # the keys grow by one each call
+    hook: bool = False  # through transformers' attention functions (query (B, H, 1, D) in)
 
 
 CASES = (
@@ -51,7 +55,21 @@ CASES = (
     # a transformers layer's prefill: the prompt against itself, written as the hook returns it
     HostCase("prefill 1,16/4,512,128 causal into (B, S, H, D)", 1, 16, 4, 512, 512, 128,
              causal=True, bshd_out=True, grows=False),
+    # a decoder layer's decode step through the registered backends (examples/generate_*)
+    HostCase("transformers hook, decode 1,16/4,1xS,128, S from 600", 1, 16, 4, 1, 600, 128,
+             causal=True, hook=True),
 )
+
+
+def runnable(case: HostCase) -> bool:
+    """Whether this host can run ``case`` (the hook case needs transformers)."""
+    if not case.hook:
+        return True
+    try:
+        import transformers.integrations.sdpa_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass
@@ -79,6 +97,8 @@ def _calls(case: HostCase, dtype=torch.float16) -> tuple[list, Callable, Callabl
              for i in range(max(grow, 1))]
     gqa = case.heads != case.heads_kv
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    if case.hook:
+        return views, *_hooks(case, q)
     if case.bshd_out:
         out = torch.empty(case.batch, case.seqlen_q, case.heads, case.head_dim, device=dev,
                           dtype=dtype).transpose(1, 2)
@@ -96,6 +116,26 @@ def _calls(case: HostCase, dtype=torch.float16) -> tuple[list, Callable, Callabl
         def theirs(k, v):
             return sdpa(q, k, v, is_causal=case.causal, enable_gqa=gqa)
     return views, ours, theirs
+
+
+def _hooks(case: HostCase, q) -> tuple[Callable, Callable]:
+    """flashcore's and SDPA's transformers attention functions, called as a decoder layer
+    calls them (both return (batch, seq, heads, head_dim))."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from ..integrations.transformers import attention_forward
+
+    layer = torch.nn.Module().eval()  # what the functions read of the attention module
+    layer.is_causal = case.causal
+    layer.num_key_value_groups = case.heads // case.heads_kv
+    scaling = case.head_dim ** -0.5
+
+    def ours(k, v):
+        return attention_forward(layer, q, k, v, None, scaling=scaling, dropout=0.0)[0]
+
+    def theirs(k, v):
+        return sdpa_attention_forward(layer, q, k, v, None, scaling=scaling, dropout=0.0)[0]
+    return ours, theirs
 
 
 def per_call_us(fn: Callable, views: list, runs: int = RUNS) -> float:
@@ -119,7 +159,7 @@ def measure_host(cases=CASES, report: Callable[[HostResult], None] | None = None
     """Each case's result; ``report`` gets each as it is measured (a run cut short still
     shows the cases it finished)."""
     results = []
-    for case in cases:
+    for case in filter(runnable, cases):
         views, ours, theirs = _calls(case)
         # in turn, twice (ABBA): the host's clock and caches drift over a run
         a1, b1 = per_call_us(ours, views), per_call_us(theirs, views)
