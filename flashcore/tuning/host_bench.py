@@ -56,7 +56,7 @@ CASES = (
     HostCase("prefill 1,16/4,512,128 causal into (B, S, H, D)", 1, 16, 4, 512, 512, 128,
              causal=True, bshd_out=True, grows=False),
     # a decoder layer's decode step through the registered backends (examples/generate_*)
-    HostCase("transformers hook, decode 1,16/4,1xS,128, S from 600", 1, 16, 4, 1, 600, 128,
+    HostCase("transformers hook 1,16/4,1xS,128, S from 600", 1, 16, 4, 1, 600, 128,
              causal=True, hook=True),
 )
 
