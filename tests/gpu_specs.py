@@ -631,10 +631,13 @@ GROUPS = {"prefill": prefill_specs, "decode": decode_specs, "masks": mask_specs,
 
 def check_catalog(root: Path) -> int:
     """How many of the catalog's kernels were built from this tree's sources (their entries'
-    source hash, ``compiler.fingerprint.source_hash``); 1 when any was not. A kernel built from
-    other sources is a catalog miss: a host with the DSL compiles it again, one without fails."""
+    source hash, ``compiler.fingerprint.source_hash``) and load as the cache loads them
+    (``KernelCache.verify``: every file its checksums name, e.g. a kernel.mlir deleted to save
+    space makes the entry corrupt); 1 when any was not or does not. Either is a catalog miss: a
+    host with the DSL compiles the kernel again, one without fails."""
     import json
 
+    from flashcore.compiler.cache import KernelCache
     from flashcore.compiler.fingerprint import source_hash
 
     kernels = json.loads((root / "index.json").read_text())["kernels"]
@@ -642,7 +645,11 @@ def check_catalog(root: Path) -> int:
     other = [k["name"] for k in kernels if not Path(k["path"]).name.startswith(f"{ours}-")]
     print(f"{root}: {len(kernels) - len(other)} of {len(kernels)} kernels built from this tree's "
           f"sources ({ours})" + (f"; not: {other[0]} and {len(other) - 1} more" if other else ""))
-    return 1 if other else 0
+    problems = KernelCache(root, read_only=True).verify()
+    if problems:
+        path, why = problems[0]
+        print(f"{root}: {len(problems)} entries the cache would not serve; first: {path}: {why}")
+    return 1 if other or problems else 0
 
 
 def main() -> None:

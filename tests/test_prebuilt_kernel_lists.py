@@ -105,24 +105,47 @@ def test_the_backward_group_holds_the_forward_kernels_its_tests_run(arch):
     assert not missing, missing
 
 
-def test_check_tells_a_catalog_built_from_other_sources(tmp_path, capsys):
+def test_check_tells_a_catalog_built_from_other_sources_or_damaged(tmp_path, monkeypatch,
+                                                                     capsys):
     """``python -m tests.gpu_specs --check DIR``: a catalog whose kernels were built from other
-    sources than this tree's is all misses on a GPU host (each would compile again there)."""
-    import json
+    sources than this tree's is all misses on a GPU host (each would compile again there), and
+    so is one whose entries the cache would not load (a kernel.mlir deleted by hand to save
+    space: its checksums name it); one copied without the IR by ``copy_catalog`` is served."""
+    import dataclasses
 
+    from flashcore.compiler.cache import KernelCache
+    from flashcore.compiler.catalog import copy_catalog, write_catalog
     from flashcore.compiler.fingerprint import source_hash
+    from tests.artifact_helpers import SPEC, isolate_cache, synthetic_artifact
     from tests.gpu_specs import check_catalog
 
-    def catalog(hashes):
-        root = tmp_path / "-".join(hashes)
-        root.mkdir()
-        kernels = [{"name": f"k{i}", "path": f"v1/k{i}-abc/{h}-dsl4.8.1-cu12"}
-                   for i, h in enumerate(hashes)]
-        (root / "index.json").write_text(json.dumps({"kernels": kernels}))
+    dsl = "4.8.1-cu12"
+    isolate_cache(tmp_path, monkeypatch, dsl)
+    specs = (SPEC, AttentionSpec(arch="sm_90", head_dim=64))
+
+    def catalog(name, hashes):
+        root = tmp_path / name
+        cache = KernelCache(root)
+        arts = [dataclasses.replace(synthetic_artifact(s, dsl=dsl), source_hash=h)
+                for s, h in zip(specs, hashes)]
+        for a in arts:
+            cache.put(a)
+        write_catalog(root, arts)
         return root
 
     ours = source_hash()
-    assert check_catalog(catalog([ours, ours])) == 0
+    root = catalog("ours", [ours, ours])
+    assert check_catalog(root) == 0
     assert "2 of 2 kernels built from this tree's sources" in capsys.readouterr().out
-    assert check_catalog(catalog([ours, "0123456789abcdef"])) == 1
+    assert check_catalog(catalog("other", [ours, "0123456789abcdef"])) == 1
     assert "1 of 2" in capsys.readouterr().out
+    lean = copy_catalog(root, tmp_path / "lean").parent  # without the IR, re-saved
+    assert not any(f.stat().st_size for f in lean.rglob("kernel.mlir"))
+    assert check_catalog(lean) == 0
+    capsys.readouterr()
+    for ir in root.rglob("kernel.mlir"):
+        ir.unlink()
+    assert check_catalog(root) == 1
+    out = capsys.readouterr().out
+    assert "2 of 2 kernels built" in out and "2 entries the cache would not serve" in out
+    assert "kernel.mlir" in out
