@@ -74,19 +74,24 @@ def generate_seconds(model, ids: torch.Tensor, new: int, compiled: bool = False,
     return time.perf_counter() - start, out
 
 
-def prefill_ms(model, ids: torch.Tensor, mask: torch.Tensor | None, reps: int = 10) -> float:
-    """Median time of the forward over the whole prompt (no cache kept), CUDA events."""
-    times = []
+def prefill_ms(models: dict, ids: torch.Tensor, mask: torch.Tensor | None,
+               reps: int = 15) -> dict:
+    """Each model's median time of the forward over the whole prompt (no cache kept), CUDA
+    events; the models in turn, one forward each a round (a host's drift hits all alike)."""
+    times = {backend: [] for backend in models}
     with torch.no_grad():
         for i in range(reps + 2):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model(ids, attention_mask=mask, use_cache=False)
-            end.record()
-            torch.cuda.synchronize()
-            if i >= 2:
-                times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+            for backend, model in models.items():
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                start.record()
+                model(ids, attention_mask=mask, use_cache=False)
+                end.record()
+                torch.cuda.synchronize()
+                if i >= 2:
+                    times[backend].append(start.elapsed_time(end))
+    return {backend: statistics.median(t) for backend, t in times.items()}
 
 
 def main() -> None:
@@ -124,10 +129,11 @@ def main() -> None:
             t, results[backend] = generate_seconds(model, ids, args.new, args.compile,
                                                    mask=mask)
             seconds[backend].append(t)
-    for backend, model in models.items():
+    prefill = prefill_ms(models, ids, mask)
+    for backend in models:
         rate = args.batch * args.new / statistics.median(seconds[backend])
         print(f"{backend:>16}: {rate:9.1f} tokens/s (median of {args.rounds}), prefill "
-              f"{prefill_ms(model, ids, mask):7.2f} ms")
+              f"{prefill[backend]:7.2f} ms")
     same = (results["sdpa"] == results[name]).float().mean().item()
     print(f"tokens equal to SDPA's: {same:.1%}; torch fallbacks: "
           f"{fc_transformers.fallback_reasons() or 'none'}")
