@@ -9,8 +9,8 @@
   shuffled) against the same decode on a contiguous cache (ours and SDPA flash), and the same
   with an e4m3 cache (per-key scales), paged and contiguous;
 * paged chunked prefill: 2048 new tokens a sequence against 8192 cached keys, bottom-right
-  causal, pages of 16, 128 and 256 against the contiguous cache and FlashAttention-4's paged
-  varlen.
+  causal, pages of 16 to 256 against the contiguous cache and FlashAttention-4's paged varlen
+  (pages of 16 and 128).
 
     python scripts/serving_bench.py [varlen] [paged] [prefill]
 """
@@ -157,10 +157,13 @@ def paged_decode_case(fa4, gen, b, hq, hkv, s, d) -> None:
            [(q, k, v)], moved, unit="TB/s")
 
 
+PREFILL_PAGES = (128, 256, 64, 32, 16)  # tests/gpu_specs.py builds their kernels
+
+
 def paged_prefill(fa4) -> None:
     """Chunked prefill: each sequence's next 2048 tokens against its 8192 cached keys
-    (bottom-right causal), the cache paged (pages of 128 and 256 on the Hopper family on sm_90,
-    16 gathered) or contiguous (the dense call that does the same work)."""
+    (bottom-right causal), the cache paged (pages of 16 to 256, on the Hopper family on sm_90)
+    or contiguous (the dense call that does the same work)."""
     gen = torch.Generator().manual_seed(1)
     b, hq, hkv, sq, s, d = 4, 32, 8, 2048, 8192, 128
     q = torch.randn(b, hq, sq, d, device="cuda", dtype=torch.float16)
@@ -179,12 +182,12 @@ def paged_prefill(fa4) -> None:
         return lambda q, k, v: fa4(q_packed, kc, vc, cu_seqlens_q=cu_q, seqused_k=lens,
                                    page_table=table, causal=True)
 
-    caches = {page: _paged(k, v, page, gen) for page in (16, 128, 256)}
-    impls = {"flashcore contiguous": lambda q, k, v: attention(q, k, v, **mask),
-             "flashcore paged, page 128": ours_paged(caches[128]),
-             "flashcore paged, page 256": ours_paged(caches[256]),
-             "flashcore paged, page 16": ours_paged(caches[16]),
-             "FA4 paged, page 128": None if fa4 is None else fa4_paged(caches[128])}
+    caches = {page: _paged(k, v, page, gen) for page in PREFILL_PAGES}
+    impls = {"flashcore contiguous": lambda q, k, v: attention(q, k, v, **mask)}
+    impls.update({f"flashcore paged, page {page}": ours_paged(caches[page])
+                  for page in PREFILL_PAGES})
+    impls.update({f"FA4 paged, page {page}": None if fa4 is None else fa4_paged(caches[page])
+                  for page in (16, 128)})
     seen = sq * (s - sq) + sq * (sq + 1) // 2
     report(f"paged chunked prefill {b},{hq}/{hkv},{sq}x{s},{d}, bottom-right causal", impls,
            [(q, k, v)], 4 * b * hq * d * seen)

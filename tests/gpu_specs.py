@@ -38,6 +38,7 @@ from tests.gpu_utils import (
     WGMMA_PAGED_CONFIGS,
     WGMMA_TILE_N_CONFIGS,
     WGMMA_VARLEN_CONFIGS,
+    wgmma_page_sizes,
 )
 
 TEST_TILES = [(64, 64), (128, 64), (64, 128), (128, 128), (32, 64), (16, 32)]
@@ -202,18 +203,19 @@ def wgmma_specs(arch: str) -> list:
 
 
 def wgmma_paged_specs(arch: str) -> list:
-    """A paged cache on the Hopper family: test_gpu_serving.py's configs over pages of one and
-    two key blocks, q dense or packed (bottom-right, with LSE; plain, causal, and with a window
-    and a soft-cap), and the tuned entries' kernels for such a cache (``tile=None``)."""
+    """A paged cache on the Hopper family: test_gpu_serving.py's configs over the pages it
+    draws (``wgmma_page_sizes``), q dense or packed (bottom-right, with LSE; plain, causal, and
+    with a window and a soft-cap), and the tuned entries' kernels for such a cache
+    (``tile=None``; scripts/serving_bench.py's pages among them)."""
     specs = []
-    for config, pages in itertools.product(WGMMA_PAGED_CONFIGS, (1, 2)):
+    for config in WGMMA_PAGED_CONFIGS:
         fixed = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "paged_kv": True,
-                 "page_size": config.tile_n * pages, "varlen": [False, True],
-                 "return_lse": True, "mask_align": "bottom_right"}
+                 "page_size": list(wgmma_page_sizes(config).values()),
+                 "varlen": [False, True], "return_lse": True, "mask_align": "bottom_right"}
         specs += _specs(arch, [config], causal=[False, True], **fixed)
         specs += _specs(arch, [config], causal=True, window=True, softcap=True, **fixed)
     for bucket, d, causal, page_size in itertools.product(
-            [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), (128, 256)):
+            [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), (16, 32, 64, 128, 256)):
         features = (("paged_kv", True), ("page_size", page_size))
         config = _tuned(arch, bucket, d, causal, features=features)
         if config.family == "wgmma_ws":

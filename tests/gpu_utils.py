@@ -113,6 +113,15 @@ WGMMA_VARLEN_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_
 WGMMA_PAGED_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                        TileConfig((128, 64), warps=8, stages=2, family="wgmma_ws"),
                        TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]
+
+
+def wgmma_page_sizes(config: TileConfig) -> dict:
+    """The page sizes tests/test_gpu_serving.py draws for a Hopper paged config, by kind: a
+    key block spans two pages, eight (16 rows, the smallest box), is one, or is half of one."""
+    tn = config.tile_n
+    return {"two a block": tn // 2, "16 rows": 16, "a block": tn, "two blocks": 2 * tn}
+
+
 # FP8 operands with masks: the d128 causal winner, and three consumers taking turns
 WGMMA_FP8_MASK_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws"),
                           TileConfig((192, 128), warps=12, stages=2, family="wgmma_ws")]

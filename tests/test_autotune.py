@@ -149,14 +149,15 @@ def test_a_hopper_winner_gives_way_to_its_fallback_where_its_family_cannot_run(t
     tables("sm_90", {"d128-full-long-fp16": {"config": HOPPER, "fallback": {"config": MMA}}})
     hopper, mma = TileConfig.from_dict(HOPPER), TileConfig.from_dict(MMA)
     assert table.lookup("sm_90", 128, False, "long") == hopper
-    # features the Hopper family does not build: pages that are not whole key blocks, split
-    # keys
-    for features in [(("paged_kv", True),), (("paged_kv", True), ("page_size", 16)),
+    # features the Hopper family does not build: pages of any size (gathered), pages neither
+    # whole key blocks nor whole 16-row boxes of one, split keys
+    for features in [(("paged_kv", True),), (("paged_kv", True), ("page_size", 24)),
                      (("split_kv", True),)]:
         assert table.lookup("sm_90", 128, False, "long", "fp16", features) == mma, features
-    # its masks, packed batches and paged caches of whole key blocks it builds
+    # its masks, packed batches and the paged caches it builds
     for features in [(("window", True),), (("softcap", True),), (("window", False),),
-                     (("varlen", True),), (("paged_kv", True), ("page_size", 256))]:
+                     (("varlen", True),), (("paged_kv", True), ("page_size", 256)),
+                     (("paged_kv", True), ("page_size", 16))]:
         assert table.lookup("sm_90", 128, False, "long", "fp16", features) == hopper, features
     assert table.lookup("sm_89", 128, False, "long") == mma  # borrowed: no wgmma on an L4
     specs = table.winner_specs("sm_90", precisions=("fp16",))

@@ -31,6 +31,7 @@ from tests.gpu_utils import (
     max_abs,
     requires_cuda,
     torch_baseline,
+    wgmma_page_sizes,
 )
 from tests.test_gpu_decode import FP8_KV_TOL, _rel_l2
 
@@ -266,27 +267,34 @@ def _poison_past_keys(cache: torch.Tensor, table: torch.Tensor, lens) -> None:
 @given(
     lens=st.lists(st.tuples(st.integers(0, 300), st.integers(0, 3000)), min_size=1, max_size=4),
     packed=st.booleans(),
-    pages_per_block=st.sampled_from([1, 2]),
+    pages=st.sampled_from(["a block", "two blocks", "two a block", "16 rows"]),
     hkv=st.integers(1, 2),
     group=st.sampled_from([1, 4]),
     **MASKED_CALL,
     config=st.sampled_from(WS_PAGED),
     seed=st.integers(0, 2**31 - 1),
 )
-@example(lens=[(70, 1000), (0, 0), (1, 129), (300, 300)], packed=True, pages_per_block=1,
+@example(lens=[(70, 1000), (0, 0), (1, 129), (300, 300)], packed=True, pages="a block",
          hkv=2, group=4, d=128, dtype="float16", causal=True, window=None, softcap=None,
          config=WS_PAGED[0], seed=1)  # chunked prefill: an empty sequence, one query
-@example(lens=[(200, 2500), (200, 77)], packed=False, pages_per_block=2, hkv=1, group=1,
+@example(lens=[(200, 2500), (200, 77)], packed=False, pages="two blocks", hkv=1, group=1,
          d=64, dtype="bfloat16", causal=True, window=(500, 0), softcap=30.0,
          config=WS_PAGED[2], seed=2)  # queries that see no key, a window, three consumers
-def test_paged_prefill_on_the_hopper_family(lens, packed, pages_per_block, hkv, group, d,
-                                            dtype, causal, window, softcap, config, seed):
+@example(lens=[(70, 1000), (0, 0), (1, 1), (300, 333)], packed=True, pages="16 rows",
+         hkv=2, group=4, d=128, dtype="float16", causal=True, window=None, softcap=None,
+         config=WS_PAGED[0], seed=3)  # a block of eight pages, its last ones past the table
+@example(lens=[(129, 129), (129, 3000)], packed=False, pages="two a block", hkv=1, group=4,
+         d=64, dtype="bfloat16", causal=True, window=(700, 0), softcap=None,
+         config=WS_PAGED[2], seed=4)  # two pages a block, a window, three consumers
+def test_paged_prefill_on_the_hopper_family(lens, packed, pages, hkv, group, d, dtype, causal,
+                                            window, softcap, config, seed):
     """Prefill and chunked prefill (bottom-right) against a paged cache on the Hopper family
-    (sm_90): each key block one page's rows by TMA, the pages shuffled, the rows past each
-    sequence's keys NaN; q dense (every sequence the same query length) or packed."""
+    (sm_90): each key block one page's rows by TMA, or a box from each of its pages, the
+    pages shuffled, the rows past each sequence's keys NaN; q dense (every sequence the same
+    query length) or packed."""
     assume(current_arch() == "sm_90")
     masks = _masks(causal, window, softcap)
-    page_size = config.tile_n * pages_per_block
+    page_size = wgmma_page_sizes(config)[pages]
     try:
         AttentionSpec(arch="sm_90", dtype=dtype, head_dim=d, causal=causal, paged_kv=True,
                       page_size=page_size, varlen=packed, return_lse=True,

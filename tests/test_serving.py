@@ -336,7 +336,8 @@ def test_alibi_slopes_follow_a_packed_batch_split_over_launches():
 
 def test_a_paged_kernel_compiles_its_page_size_in_where_its_family_copies_such_pages():
     """``launcher.loaded_kernel``: mma_sync compiles pages of 16 in and gathers pages of 24; the
-    Hopper family compiles pages of whole key blocks in and refuses the others by name."""
+    Hopper family compiles pages of whole key blocks in, and pages a block holds a whole number
+    of in boxes of 16 rows or more, and refuses the others by name."""
     from unittest import mock
 
     from flashcore.ops import launcher
@@ -352,6 +353,8 @@ def test_a_paged_kernel_compiles_its_page_size_in_where_its_family_copies_such_p
         assert launcher.loaded_kernel(0, key(TileConfig((64, 64)), 16)).page_size == 16
         gathered = launcher.loaded_kernel(0, key(TileConfig((64, 64)), 24))
         assert gathered.paged_kv and gathered.page_size == 0
-        assert launcher.loaded_kernel(0, key(ws, 256)).page_size == 256
-        with pytest.raises(SpecError, match="page size compiled in, a multiple of tile_n=128"):
-            launcher.loaded_kernel(0, key(ws, 16))
+        for page_size in (256, 128, 64, 16):
+            assert launcher.loaded_kernel(0, key(ws, page_size)).page_size == page_size
+        for page_size in (24, 8):
+            with pytest.raises(SpecError, match="page size compiled in, a multiple of tile_n"):
+                launcher.loaded_kernel(0, key(ws, page_size))

@@ -101,9 +101,9 @@ def test_masks_and_serving_layouts_are_built():
     """Bottom-right alignment, windows and soft-capping are specs of the family (FP8 with its
     masks), their run-time sizes after ``q_group`` in the ABI; a packed batch (``varlen``)
     takes its two offset tables last, a paged cache its block table and lengths, with its
-    page size compiled in as whole key blocks; soft-capping beside a mask where P goes through
-    shared memory, pages that are not whole key blocks, FP8 serving layouts and split keys are
-    refused."""
+    page size compiled in as whole key blocks or whole TMA boxes of a block (16 rows or more);
+    soft-capping beside a mask where P goes through shared memory, other page sizes, FP8
+    serving layouts and split keys are refused."""
     spec = AttentionSpec(arch="sm_90", head_dim=128, causal=True, mask_align="bottom_right",
                          window=True, softcap=True, return_lse=True, config=WS)
     assert spec.name.endswith("_wgmma_ws_causal_lse_br_window_softcap")
@@ -133,12 +133,21 @@ def test_masks_and_serving_layouts_are_built():
     assert [p.name for p in params_for(paged)][-2:] == ["block_table", "seqlens_k"]
     assert [p.name for p in params_for(paged.replace(varlen=True))][-3:] == [
         "cu_seqlens_q", "block_table", "seqlens_k"]
-    assert family("wgmma_ws").copies_whole_pages(paged, 128)
-    for page_size in (0, 16, 64, 192):  # not whole 128-key blocks (0: any size, gathered)
-        assert not family("wgmma_ws").copies_whole_pages(paged, page_size)
+    ws = family("wgmma_ws")
+    for page_size in (128, 256, 16, 32, 64):  # whole blocks, or whole boxes of 16+ rows
+        assert ws.copies_whole_pages(paged, page_size)
+        small = spec.replace(paged_kv=True, page_size=page_size)
+        box = min(page_size, 128)  # K's and V's TMA boxes: a page's rows where it is smaller
+        assert [(p.name, p.box_rows) for p in params_for(small) if isinstance(p, TensorMapParam)
+                ] == [("q_tma", 128), ("k_tma", box), ("v_tma", box)]
+    for page_size in (0, 8, 24, 48, 192):  # 0: any size, gathered; 8: too small a box
+        assert not ws.copies_whole_pages(paged, page_size)
         with pytest.raises(SpecError, match="page size compiled in, a multiple of tile_n=128"):
             spec.replace(paged_kv=True, page_size=page_size)
     spec.replace(paged_kv=True, page_size=64, config=WS.replace(tile=(128, 64)))
+    spec.replace(paged_kv=True, page_size=48, config=WS.replace(tile=(128, 144)))
+    with pytest.raises(SpecError, match="precision='fp8' is for dense tensors"):
+        fp8.replace(paged_kv=True, page_size=128)
     with pytest.raises(SpecError, match="kv_fp8"):
         paged.replace(kv_fp8=True)
 
@@ -188,6 +197,14 @@ MASK_SPECS = [
                   k_scale="head", config=WS.replace(tile=(192, 128), warps=12)),
 ]
 
+# pages smaller than a key block: a TMA box from each page a block spans
+SMALL_PAGE_SPECS = [
+    AttentionSpec(arch="sm_90", head_dim=128, paged_kv=True, page_size=16, causal=True,
+                  mask_align="bottom_right", return_lse=True, config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, varlen=True, paged_kv=True,
+                  page_size=32, causal=True, mask_align="bottom_right", window=True,
+                  config=WS.replace(tile=(192, 128), warps=12)),
+]
 WS_SPECS = [
     AttentionSpec(arch="sm_90", head_dim=128, config=WS),
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, causal=True, return_lse=True,
@@ -252,6 +269,7 @@ WS_SPECS = [
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, varlen=True, paged_kv=True,
                   page_size=256, window=True, softcap=True,
                   config=WS.replace(tile=(192, 128), warps=12)),
+    *SMALL_PAGE_SPECS,
     *MASK_SPECS,
 ]
 
@@ -259,6 +277,18 @@ WS_SPECS = [
 @pytest.fixture(scope="module")
 def ws_artifacts(tmp_path_factory):
     return compiled_in_fresh_cache(WS_SPECS, tmp_path_factory)
+
+
+@pytest.mark.parametrize("spec", SMALL_PAGE_SPECS, ids=lambda s: s.name)
+def test_pages_smaller_than_a_block_are_loaded_a_box_a_page(ws_artifacts, spec):
+    """K and V of a key block are a TMA box for each of its pages and 128-byte column span
+    (at least that many copies besides Q's one a span, however the producer's loop is
+    unrolled), each page's block-table entry read from global memory."""
+    art, c = ws_artifacts[spec], spec.config
+    body = art.ptx[art.ptx.index(".entry"):]
+    spans, pages = spec.head_dim // 64, c.tile_n // spec.page_size
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", body)) - spans >= 2 * pages * spans
+    assert len(re.findall(r"ld\.global", body)) >= pages
 
 
 @pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)

@@ -53,6 +53,9 @@ def _align(n: int, a: int = _SMEM_ALIGN) -> int:
 
 
 SWIZZLE_SPANS = (128, 64, 32)  # bytes; each has a TMA swizzle mode (runtime.tensor_map)
+# the fewest rows of a paged cache's TMA box in the Hopper family: whole 8-row swizzle atoms,
+# and at most tile_n / 16 boxes a block an operand for the producer's one lane to issue
+MIN_PAGE_BOX_ROWS = 16
 
 
 def swizzle_span(row_bytes: int) -> int:
@@ -242,8 +245,8 @@ class WgmmaWs:
     (``setmaxnreg``), no CTA barrier in the key loop, softmax overlapped with the previous
     block's P·V (``flashcore/kernels/wgmma_ws``); fp16/bf16 and FP8 e4m3 operands (e4m3
     wgmma). Masks as data: bottom-right alignment and sliding windows (key blocks outside
-    skipped), and soft-capping (16-bit only, as every family); LSE, GQA, dense tensors; no
-    split-KV or serving layouts.
+    skipped), and soft-capping (16-bit only, as every family); LSE, GQA; dense tensors, packed
+    batches and paged caches (``copies_whole_pages``); no split-KV.
     ``warps`` counts the consumer warps; the CTA has ``producer_threads`` more. The runtime
     encodes the TMA descriptors (``flashcore.runtime.tensor_map``)."""
 
@@ -290,7 +293,8 @@ class WgmmaWs:
         paged = getattr(spec, "paged_kv", False)
         if paged and not self.copies_whole_pages(spec, spec.page_size):
             raise bad(f"a paged cache needs its page size compiled in, a multiple of tile_n="
-                      f"{c.tile_n} (each key block one page's rows, by TMA), got page_size="
+                      f"{c.tile_n} or a multiple of {MIN_PAGE_BOX_ROWS} that divides "
+                      f"it (each key block one TMA box a page), got page_size="
                       f"{spec.page_size}; the mma_sync family reads any page size")
         if spec.head_dim not in WGMMA_HEAD_DIMS:
             raise bad(f"head_dim={spec.head_dim} is not built (only {WGMMA_HEAD_DIMS}); the "
@@ -319,8 +323,20 @@ class WgmmaWs:
                       "warps=8 or (192, 64) with warps=12")
 
     def copies_whole_pages(self, spec: FamilySpec, page_size: int) -> bool:
-        """A key block is one TMA box of a page's rows: pages of whole blocks."""
-        return page_size > 0 and page_size % spec.config.tile_n == 0
+        """A key block is one TMA box of a page's rows (pages of whole blocks) or one box from
+        each page it spans (``key_box_rows``): pages that divide tile_n, whole 8-row swizzle
+        atoms of at least 16 rows (at most tile_n / 16 boxes an operand a block). (A paged
+        cache is 16-bit: ``AttentionSpec`` refuses FP8 operands there.)"""
+        tn = spec.config.tile_n
+        if page_size <= 0 or page_size % tn == 0:
+            return page_size > 0
+        return tn % page_size == 0 and page_size % MIN_PAGE_BOX_ROWS == 0
+
+    @staticmethod
+    def key_box_rows(spec: FamilySpec) -> int:
+        """Rows of a K (or V) TMA box: a key block's, or a page's where pages are smaller."""
+        tn = spec.config.tile_n
+        return spec.page_size if 0 < spec.page_size < tn else tn
 
     def tensor_map_params(self, spec: FamilySpec, arg) -> tuple[Packed, ...]:
         """An operand's TMA descriptor and its coordinate tensor's (seq, heads, batch)
@@ -332,7 +348,7 @@ class WgmmaWs:
         dtype, esize = ("float8_e4m3fn", 1) if fp8 else ("", 2)
         transposed = arg.kind.name == "bhds"
         rows, inner = (d, c.tile_n) if transposed else (
-            c.tile_m if arg.name == "q" else c.tile_n, d)
+            c.tile_m if arg.name == "q" else self.key_box_rows(spec), d)
         return tensor_map_params(arg.abi_name, rows, inner, esize, dtype, transposed)
 
     @staticmethod

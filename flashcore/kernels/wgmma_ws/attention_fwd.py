@@ -29,12 +29,14 @@ warpgroup and 1-3 consumer warpgroups.
   its start, so a tile's rows past its end are the next sequence's (or TMA's zeros past the
   tensor), which its key bounds mask and its epilogue does not store. Rows no CTA owns are
   zeroed (``common.epilogue.clear_rows_no_cta_owns``), as in the mma_sync family.
-* A paged cache (``paged_kv``, its page size a multiple of tile_n, compiled in): the producer
-  finds each key block's page in the block table and loads that page's rows at the block's
-  offset; the sequence's keys come from ``seqlens_k``. The first block walked (the last) may
-  reach past them into the rest of its page, which may hold anything: its V rows there are
-  zeroed in shared memory before any P·V reads them (``consumer.clear_rows``), as P is 0
-  there but 0 * NaN is not.
+* A paged cache (``paged_kv``, its page size compiled in: a multiple of tile_n, or a divisor
+  of it of 16 rows or more): the producer finds each key block's page in the block table and
+  loads that page's rows at the block's offset, or, pages smaller than a block, one box from
+  each of the block's pages into its rows of the stage; the sequence's keys come from
+  ``seqlens_k``. The first block walked (the last) may reach past them into the rest of its
+  page (or into pages past the sequence's: the table's entries there are clamped into the
+  table and the cache), which may hold anything: its V rows there are zeroed in shared memory
+  before any P·V reads them (``consumer.clear_rows``), as P is 0 there but 0 * NaN is not.
 * ``precision="fp8"``: Q, K and Vᵀ in e4m3 (``flashcore.ops.fp8``'s layout: Vᵀ keys-contiguous,
   permuted within each 32), both MMAs e4m3 wgmma (k32), fp32 accumulators. Vᵀ tiles are the
   K-major B operand the 8-bit wgmma requires; the permutation lets P's accumulator registers
@@ -128,13 +130,16 @@ class WgmmaWsAttentionForward:
         c, d = self.spec.config, self.spec.head_dim
         op = cpasync.CopyBulkTensorTileG2SOp()
         atom_q, tma_q = cpasync.make_tiled_tma_atom(op, tma_view(mQ), lay.sQ, (c.tile_m, d))
-        atom_k, tma_k = cpasync.make_tiled_tma_atom(op, tma_view(mK),
-                                                    cute.select(lay.sKV, mode=[0, 1]),
-                                                    (c.tile_n, d))
+        # a K (or V) box: a key block, or one page of it where pages are smaller
+        box, box_rows = cute.select(lay.sKV, mode=[0, 1]), lay.key_box_rows
+        if cutlass.const_expr(box_rows < c.tile_n):
+            box = lay.sPage
+        atom_k, tma_k = cpasync.make_tiled_tma_atom(op, tma_view(mK), box, (box_rows, d))
         # FP8 Vᵀ (batch, heads, head_dim, keys) is seen as (head_dim, keys, heads, batch)
-        atom_v, tma_v = cpasync.make_tiled_tma_atom(op, tma_view(mV),
-                                                    cute.select(lay.sV, mode=[0, 1]),
-                                                    v_tiling(self.spec)[0])
+        if cutlass.const_expr(lay.fp8):
+            box = cute.select(lay.sV, mode=[0, 1])
+        atom_v, tma_v = cpasync.make_tiled_tma_atom(op, tma_view(mV), box,
+                                                    v_tiling(self.spec, box_rows)[0])
         m_blocks = cute.ceil_div(mQ.shape[2], c.tile_m)
         tmas = args.operands._replace(q=(atom_q, tma_q), k=(atom_k, tma_k), v=(atom_v, tma_v))
         self.kernel(args._replace(operands=tmas)).launch(

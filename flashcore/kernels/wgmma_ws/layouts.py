@@ -47,6 +47,9 @@ class WsLayouts:
         # (head_dim rows of tile_n keys, K-major) with O staged in its own 16-bit tile (the
         # e4m3 Q buffer is half its size)
         self.sV = k_major(self.dtype, (d, tn, c.stages)) if self.fp8 else self.sKV
+        # pages smaller than a key block: a K/V TMA box is one page's rows of a stage
+        self.key_box_rows = WgmmaWs.key_box_rows(spec)
+        self.sPage = k_major(self.dtype, (self.key_box_rows, d))
         self.sO = smem_tiles(self.out_dtype, tm, tn, d, 1)[0] if self.fp8 else None
         # P through shared memory (``WgmmaWs.p_in_shared``): its own tile, the SS P·V
         self.p_in_shared = WgmmaWs.p_in_shared(spec)

@@ -10,13 +10,14 @@ from cutlass.cute.nvgpu import cpasync
 from ..common.sequences import cache_page
 
 
-def v_tiling(spec) -> tuple:
+def v_tiling(spec, rows: int | None = None) -> tuple:
     """One V stage's tile of the TMA view and the coordinate that walks the key blocks:
-    (keys, head_dim), or FP8 Vᵀ's (head_dim, keys)."""
+    (keys, head_dim), or FP8 Vᵀ's (head_dim, keys); ``rows``: a box's keys where that is
+    less than a block (a paged cache's smaller pages)."""
     c, d = spec.config, spec.head_dim
     if spec.precision == "fp8":
         return (d, c.tile_n), (0, None)
-    return (c.tile_n, d), (None, 0)
+    return (rows or c.tile_n, d), (None, 0)
 
 
 class Producer:
@@ -34,7 +35,8 @@ class Producer:
         tiles' rows past its end are the next sequence's (or TMA's zeros past the tensor),
         which the masks and the epilogue leave unused. A paged cache's key block lies inside
         one page (``WgmmaWs.copies_whole_pages``): its page is looked up in the block table
-        (``serving``) and the block is that page's rows at its offset."""
+        (``serving``) and the block is that page's rows at its offset; or it spans whole
+        pages, each a box of its own (``load_pages``)."""
         c, d = self.spec.config, self.spec.head_dim
         (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), (sQ, sK, sV) = atoms, tmas, smem
         pipe_q = pipes[0]
@@ -49,7 +51,12 @@ class Producer:
         pipe_q.producer_acquire(q_state)
         cute.copy(atom_q, gQt, sQt, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, c.stages)
-        if cutlass.const_expr(self.spec.paged_kv):
+        if cutlass.const_expr(self.spec.paged_kv and self.spec.page_size < c.tile_n):
+            for i in range(n_hi - n_lo):
+                self.load_pages(pipes, (atom_k, atom_v), (tma_k, tma_v), (sK, sV), kv_head,
+                                batch, n_hi - 1 - i, serving.block_table, state)
+                state.advance()
+        elif cutlass.const_expr(self.spec.paged_kv):
             table, per_page = serving.block_table, self.spec.page_size // c.tile_n
             for i in range(n_hi - n_lo):
                 n_block = n_hi - 1 - i
@@ -94,3 +101,30 @@ class Producer:
         pipe_v.producer_acquire(state)
         cute.copy(atom_v, gVt[None, n_block], sVt[None, state.index],
                   tma_bar_ptr=pipe_v.producer_get_barrier(state))
+
+    @cute.jit
+    def load_pages(self, pipes, atoms, tmas, smem, kv_head, batch, n_block, table, state):
+        """K and V of key block ``n_block`` of a paged cache whose pages are smaller than a
+        block into stage ``state``: one TMA box a page, into the page's rows of the stage (the
+        full barrier counts the block's bytes either way). Each page is looked up once for
+        K and V; the last block's entries past the table's row read its last entry (keys past
+        the sequence's, masked, their V rows cleared: ``attention_fwd.clear_keys_past_end``)."""
+        _, pipe_k, pipe_v = pipes
+        rows, d = self.spec.page_size, self.spec.head_dim
+        boxes = self.spec.config.tile_n // rows
+        pages, last = tmas[0].shape[3], table.shape[1] - 1
+        first = n_block * boxes
+        slots = []
+        for j in cutlass.range_constexpr(boxes):
+            slots.append(cache_page(table, pages, batch, cutlass.min(first + j, last)))
+        one = cute.make_layout(1)
+        for pipe, atom, tma, ring in ((pipe_k, atoms[0], tmas[0], smem[0]),
+                                      (pipe_v, atoms[1], tmas[1], smem[1])):
+            pipe.producer_acquire(state)
+            stage = ring[None, None, state.index]
+            for j in cutlass.range_constexpr(boxes):
+                s_box, g_box = cpasync.tma_partition(
+                    atom, 0, one, cute.group_modes(cute.local_tile(stage, (rows, d), (j, 0)), 0, 2),
+                    cute.group_modes(cute.local_tile(tma[None, None, kv_head, slots[j]],
+                                                     (rows, d), (0, 0)), 0, 2))
+                cute.copy(atom, g_box, s_box, tma_bar_ptr=pipe.producer_get_barrier(state))
