@@ -381,16 +381,17 @@ def wgmma_varlen_cases():
 
 
 def wgmma_paged_cases():
-    # a paged cache on the Hopper family (sm_90): pages of one and two key blocks, shuffled,
-    # NaN past each sequence's keys (the first block's V rows there are zeroed in shared
-    # memory: the consumers' barrier), an empty sequence; q dense (queries that see no key) and
-    # packed (chunked prefill); a lying table with its checks off stays inside the cache
-    from tests.gpu_utils import WGMMA_PAGED_CONFIGS
+    # a paged cache on the Hopper family (sm_90): pages of one and two key blocks, half a
+    # block and 16 rows (a box a page), shuffled, NaN past each sequence's keys (the first
+    # block's V rows there are zeroed in shared memory: the consumers' barrier), an empty
+    # sequence; q dense (queries that see no key) and packed (chunked prefill); a lying table
+    # with its checks off stays inside the cache
+    from tests.gpu_utils import WGMMA_PAGED_CONFIGS, wgmma_page_sizes
 
     g = torch.Generator(device="cuda").manual_seed(3)
     lens, lq = [300, 0, 129, 1], [40, 0, 129, 1]
-    for config, per in itertools.product(WGMMA_PAGED_CONFIGS, (1, 2)):
-        page = config.tile_n * per
+    pages = [(c, page) for c in WGMMA_PAGED_CONFIGS for page in wgmma_page_sizes(c).values()]
+    for config, page in pages:
         n = -(-max(lens) // page)
         table = torch.randperm(4 * n + 1, device="cuda", generator=g)[:4 * n]
         table = table.view(4, n).to(torch.int32)

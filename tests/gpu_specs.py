@@ -205,8 +205,8 @@ def wgmma_specs(arch: str) -> list:
 def wgmma_paged_specs(arch: str) -> list:
     """A paged cache on the Hopper family: test_gpu_serving.py's configs over the pages it
     draws (``wgmma_page_sizes``), q dense or packed (bottom-right, with LSE; plain, causal, and
-    with a window and a soft-cap), and the tuned entries' kernels for such a cache
-    (``tile=None``; scripts/serving_bench.py's pages among them)."""
+    with a window and a soft-cap), scripts/sanitize_cases.py's, and the tuned entries' kernels
+    for such a cache (``tile=None``; scripts/serving_bench.py's pages among them)."""
     specs = []
     for config in WGMMA_PAGED_CONFIGS:
         fixed = {"dtype": DTYPES, "head_dim": HEAD_DIMS, "paged_kv": True,
@@ -214,6 +214,10 @@ def wgmma_paged_specs(arch: str) -> list:
                  "varlen": [False, True], "return_lse": True, "mask_align": "bottom_right"}
         specs += _specs(arch, [config], causal=[False, True], **fixed)
         specs += _specs(arch, [config], causal=True, window=True, softcap=True, **fixed)
+        # scripts/sanitize_cases.py's: a window alone, and a lying table without LSE (d128)
+        sanitized = {**fixed, "dtype": "float16", "head_dim": 128, "causal": True}
+        specs += _specs(arch, [config], **{**sanitized, "varlen": True, "window": True})
+        specs += _specs(arch, [config], **{**sanitized, "varlen": False, "return_lse": False})
     for bucket, d, causal, page_size in itertools.product(
             [b for b, _, _ in BUCKETS[1:]], HEAD_DIMS, (False, True), (16, 32, 64, 128, 256)):
         features = (("paged_kv", True), ("page_size", page_size))
