@@ -28,6 +28,7 @@ def test_consumers_share_what_the_producer_gives_back():
     from flashcore.kernels.wgmma_ws.layouts import consumer_regs
 
     assert [consumer_regs(n) for n in (1, 2, 3)] == [240, 240, 160]
+    assert [consumer_regs(n, 32) for n in (1, 2, 3)] == [240, 240, 160]  # paging producers
 
 
 def test_the_config_or_the_spec_names_the_family():
@@ -306,8 +307,10 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
                    "setmaxnreg.dec", "wgmma.mma_async", "prefetch.tensormap"):
         assert needle in body, needle
     consumers = spec.config.warps // 4
+    producer = 32 if 0 < spec.page_size < spec.config.tile_n else 24
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer_regs(consumers)};", body)
-    assert 128 * 24 + 128 * consumers * consumer_regs(consumers) <= 65536
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", body)
+    assert 128 * producer + 128 * consumers * consumer_regs(consumers) <= 65536
     assert "cp.async.cg" not in body and "mma.sync" not in body
     fp8 = spec.precision == "fp8"
     sixteen = re.search(r"wgmma\.mma_async\S*\.f32\.b?f16\.b?f16", body) is not None

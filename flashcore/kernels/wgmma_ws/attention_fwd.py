@@ -74,7 +74,7 @@ from ..hopper.layouts import WARPGROUP, tma_view
 from ..hopper.mma import refuse_extras, wgmma, wgmmas
 from .consumer import Consumer, clear_rows
 from .epilogue import store_output
-from .layouts import EPILOGUE_BARRIER, PRODUCER_REGS, WsLayouts
+from .layouts import EPILOGUE_BARRIER, WsLayouts
 from .producer import Producer, v_tiling
 from .row_sums import fill_ones, totals
 from .turns import Turns
@@ -190,11 +190,11 @@ class WgmmaWsAttentionForward:
         if cutlass.const_expr(spec.varlen):  # a query tile past its sequence's rows: no keys
             n_hi = cutlass.Int32(cutlass.select_(m_block * c.tile_m < seqlen_q, n_hi, n_lo))
         if warp < 4:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp == 0 and n_hi > n_lo:  # (a tile with no key block reads nothing)
+            cute.arch.setmaxregister_decrease(lay.producer_regs)
+            if warp < Producer(spec).warps and n_hi > n_lo:  # (no key block: nothing read)
                 Producer(spec).produce(pipes, (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v),
                                        (sQ, sK, sV), m_block, head, kv_head, batch, n_lo,
-                                       n_hi, starts, args.serving)
+                                       n_hi, starts, args.serving, warp)
         else:
             cute.arch.setmaxregister_increase(lay.consumer_regs)
             cons = Consumer(lay, sQ, sK, sV, sO, sP, sOnes, tidx - WARPGROUP, m_block,

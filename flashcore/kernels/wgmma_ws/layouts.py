@@ -18,14 +18,17 @@ from . import row_sums
 EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
 CONSUMERS_BARRIER = 7  # every consumer thread (4..6 are ``turns``')
 PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
+# ... or walks a block table too, each warp its share of a block's pages (``producer.py``):
+# 32 still leaves the consumers 240 (two) or 160 (three) registers
+PAGING_PRODUCER_REGS = 32
 REGISTERS_PER_SM = 65536
 
 
-def consumer_regs(consumers: int) -> int:
+def consumer_regs(consumers: int, producer_regs: int = PRODUCER_REGS) -> int:
     """What each consumer thread may take after the producer's ``setmaxnreg`` gave its share
     back: the rest of the SM's registers (one CTA an SM), a multiple of 8, at most 240
     (two consumers: 128 x 24 + 256 x 240 = 64512; three: 160)."""
-    rest = (REGISTERS_PER_SM - WARPGROUP * PRODUCER_REGS) // (WARPGROUP * consumers)
+    rest = (REGISTERS_PER_SM - WARPGROUP * producer_regs) // (WARPGROUP * consumers)
     return min(240, rest // 8 * 8)
 
 
@@ -41,7 +44,9 @@ class WsLayouts:
         self.out_dtype = DTYPES[spec.dtype]
         self.dtype = E4M3 if self.fp8 else self.out_dtype  # what TMA loads and the MMAs read
         self.consumers = c.warps // 4
-        self.consumer_regs = consumer_regs(self.consumers)
+        self.producer_regs = (PAGING_PRODUCER_REGS if 0 < spec.page_size < tn
+                              else PRODUCER_REGS)
+        self.consumer_regs = consumer_regs(self.consumers, self.producer_regs)
         self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
         # V: 16-bit V tiles read through a transposed view (MN-major), or FP8 Vᵀ tiles
         # (head_dim rows of tile_n keys, K-major) with O staged in its own 16-bit tile (the

@@ -20,15 +20,21 @@ def v_tiling(spec, rows: int | None = None) -> tuple:
     return (rows or c.tile_n, d), (None, 0)
 
 
+PRODUCER_WARPS = 4  # the producer warpgroup's
+
+
 class Producer:
-    """Trace-time configuration of the producer warp."""
+    """Trace-time configuration of the producer warpgroup: warp 0 issues every load, or, with
+    pages smaller than a key block, the four warps share a block's boxes (``load_pages``)."""
 
     def __init__(self, spec):
         self.spec = spec
+        self.small_pages = spec.paged_kv and spec.page_size < spec.config.tile_n
+        self.warps = PRODUCER_WARPS if self.small_pages else 1  # warps that issue loads
 
     @cute.jit
     def produce(self, pipes, atoms, tmas, smem, m_block, head, kv_head, batch, n_lo, n_hi,
-                starts, serving):
+                starts, serving, warp):
         """Warp 0: Q, then K and V of blocks n_hi - 1 down to n_lo, each into the next free
         stage of its ring (TMA issued by one elected lane; the full barrier counts the bytes).
         A packed batch's sequence starts at rows ``starts`` (of Q, of K and V) of batch 0: its
@@ -36,26 +42,23 @@ class Producer:
         which the masks and the epilogue leave unused. A paged cache's key block lies inside
         one page (``WgmmaWs.copies_whole_pages``): its page is looked up in the block table
         (``serving``) and the block is that page's rows at its offset; or it spans whole
-        pages, each a box of its own (``load_pages``)."""
+        pages, each a box of its own, shared by the warps (``warp`` is this one's)."""
         c, d = self.spec.config, self.spec.head_dim
         (atom_q, atom_k, atom_v), (tma_q, tma_k, tma_v), (sQ, sK, sV) = atoms, tmas, smem
-        pipe_q = pipes[0]
-        one = cute.make_layout(1)
-        q_rows = tma_q[None, None, head, batch]
-        if cutlass.const_expr(self.spec.varlen):
-            q_rows = cute.domain_offset((starts[0], 0), tma_q[None, None, head, 0])
-        gQ = cute.local_tile(q_rows, (c.tile_m, d), (m_block, 0))
-        sQt, gQt = cpasync.tma_partition(atom_q, 0, one, cute.group_modes(sQ, 0, 2),
-                                         cute.group_modes(gQ, 0, 2))
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(atom_q, gQt, sQt, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        if cutlass.const_expr(self.warps > 1):  # warp 0 loads Q
+            if warp == 0:
+                self.load_q(pipes[0], atom_q, tma_q, sQ, m_block, head, batch, starts)
+        else:
+            self.load_q(pipes[0], atom_q, tma_q, sQ, m_block, head, batch, starts)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, c.stages)
-        if cutlass.const_expr(self.spec.paged_kv and self.spec.page_size < c.tile_n):
-            for i in range(n_hi - n_lo):
-                self.load_pages(pipes, (atom_k, atom_v), (tma_k, tma_v), (sK, sV), kv_head,
-                                batch, n_hi - 1 - i, serving.block_table, state)
-                state.advance()
+        if cutlass.const_expr(self.small_pages):
+            for w in cutlass.range_constexpr(PRODUCER_WARPS):
+                if warp == w:
+                    for i in range(n_hi - n_lo):
+                        self.load_pages(pipes, (atom_k, atom_v), (tma_k, tma_v), (sK, sV),
+                                        kv_head, batch, n_hi - 1 - i, serving.block_table,
+                                        state, w)
+                        state.advance()
         elif cutlass.const_expr(self.spec.paged_kv):
             table, per_page = serving.block_table, self.spec.page_size // c.tile_n
             for i in range(n_hi - n_lo):
@@ -81,6 +84,20 @@ class Producer:
                              state)
                 state.advance()
 
+    @cute.jit
+    def load_q(self, pipe_q, atom_q, tma_q, sQ, m_block, head, batch, starts):
+        """Q's tile, once."""
+        c, d = self.spec.config, self.spec.head_dim
+        q_rows = tma_q[None, None, head, batch]
+        if cutlass.const_expr(self.spec.varlen):
+            q_rows = cute.domain_offset((starts[0], 0), tma_q[None, None, head, 0])
+        gQ = cute.local_tile(q_rows, (c.tile_m, d), (m_block, 0))
+        sQt, gQt = cpasync.tma_partition(atom_q, 0, cute.make_layout(1),
+                                         cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(atom_q, gQt, sQt, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+
     @staticmethod
     def key_tiles(atom, smem: cute.Tensor, rows: cute.Tensor, tile, coord=(None, 0)) -> tuple:
         """(stages' TMA views, the key blocks' TMA views) of K or V ``rows``."""
@@ -103,28 +120,39 @@ class Producer:
                   tma_bar_ptr=pipe_v.producer_get_barrier(state))
 
     @cute.jit
-    def load_pages(self, pipes, atoms, tmas, smem, kv_head, batch, n_block, table, state):
-        """K and V of key block ``n_block`` of a paged cache whose pages are smaller than a
-        block into stage ``state``: one TMA box a page, into the page's rows of the stage (the
-        full barrier counts the block's bytes either way). Each page is looked up once for
-        K and V; the last block's entries past the table's row read its last entry (keys past
-        the sequence's, masked, their V rows cleared: ``attention_fwd.clear_keys_past_end``)."""
-        _, pipe_k, pipe_v = pipes
+    def load_pages(self, pipes, atoms, tmas, smem, kv_head, batch, n_block, table, state,
+                   warp: cutlass.Constexpr):
+        """Warp ``warp``'s share of K and V of key block ``n_block`` of a paged cache whose
+        pages are smaller than a block, into stage ``state``: one TMA box a page, into the
+        page's rows of the stage; the block's K boxes, then its V boxes, dealt to the four
+        warps in turn (a box's issue is a chain of dependent instructions: four chains run
+        side by side). Warp 0 waits for each stage and arms its full barrier with the whole
+        block's bytes (the others' boxes may land first: the count goes below zero until it
+        does); the others only wait. A page is looked up once for its K and V boxes; the
+        last block's entries past the table's row read its last entry (keys past the
+        sequence's, masked, their V rows cleared: ``attention_fwd.clear_keys_past_end``)."""
         rows, d = self.spec.page_size, self.spec.head_dim
         boxes = self.spec.config.tile_n // rows
         pages, last = tmas[0].shape[3], table.shape[1] - 1
-        first = n_block * boxes
-        slots = []
-        for j in cutlass.range_constexpr(boxes):
-            slots.append(cache_page(table, pages, batch, cutlass.min(first + j, last)))
+        mine = [(k, j) for k in range(2) for j in range(boxes)][warp::PRODUCER_WARPS]
+        pages_of = sorted({j for _, j in mine})  # this warp's pages of the block
+        slots = [cache_page(table, pages, batch, cutlass.min(n_block * boxes + j, last))
+                 for j in pages_of]
         one = cute.make_layout(1)
-        for pipe, atom, tma, ring in ((pipe_k, atoms[0], tmas[0], smem[0]),
-                                      (pipe_v, atoms[1], tmas[1], smem[1])):
-            pipe.producer_acquire(state)
+        for k in cutlass.range_constexpr(2):  # K, then V
+            pipe, atom, tma, ring = pipes[1 + k], atoms[k], tmas[k], smem[k]
+            if cutlass.const_expr(warp == 0):
+                pipe.producer_acquire(state)  # waits, and arms the full barrier
+            elif cutlass.const_expr(any(kind == k for kind, _ in mine)):
+                pipe.sync_object_empty.wait(state.index, state.phase)
             stage = ring[None, None, state.index]
-            for j in cutlass.range_constexpr(boxes):
+            boxes_k = [j for kind, j in mine if kind == k]
+            for i in cutlass.range_constexpr(len(boxes_k)):
+                j = boxes_k[i]
+                page = slots[pages_of.index(j)]
                 s_box, g_box = cpasync.tma_partition(
-                    atom, 0, one, cute.group_modes(cute.local_tile(stage, (rows, d), (j, 0)), 0, 2),
-                    cute.group_modes(cute.local_tile(tma[None, None, kv_head, slots[j]],
+                    atom, 0, one,
+                    cute.group_modes(cute.local_tile(stage, (rows, d), (j, 0)), 0, 2),
+                    cute.group_modes(cute.local_tile(tma[None, None, kv_head, page],
                                                      (rows, d), (0, 0)), 0, 2))
                 cute.copy(atom, g_box, s_box, tma_bar_ptr=pipe.producer_get_barrier(state))
