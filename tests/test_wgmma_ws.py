@@ -25,10 +25,19 @@ WS = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
 
 
 def test_consumers_share_what_the_producer_gives_back():
-    from flashcore.kernels.wgmma_ws.layouts import consumer_regs
+    """setmaxnreg moves registers within the CTA's pool, each thread's share of the SM's a
+    multiple of 8: every split fits it (two consumers' CTA: 168 x 384 = 64512, not the SM's
+    65536: producers of 32 and consumers of 240 hung on an H200)."""
+    from flashcore.kernels.wgmma_ws.layouts import consumer_regs, producer_regs, register_pool
 
+    assert [register_pool(n) for n in (1, 2, 3)] == [65536, 64512, 65536]
     assert [consumer_regs(n) for n in (1, 2, 3)] == [240, 240, 160]
-    assert [consumer_regs(n, 32) for n in (1, 2, 3)] == [240, 240, 160]  # paging producers
+    assert [consumer_regs(n, 32) for n in (1, 2, 3)] == [240, 232, 160]
+    assert [producer_regs(n, True) for n in (1, 2, 3)] == [32, 24, 32]  # paging producers
+    assert [producer_regs(n, False) for n in (1, 2, 3)] == [24, 24, 24]
+    for n, paging in itertools.product((1, 2, 3), (False, True)):
+        p = producer_regs(n, paging)
+        assert 128 * p + 128 * n * consumer_regs(n, p) <= register_pool(n)
 
 
 def test_the_config_or_the_spec_names_the_family():
@@ -203,6 +212,9 @@ SMALL_PAGE_SPECS = [
     AttentionSpec(arch="sm_90", head_dim=128, paged_kv=True, page_size=16, causal=True,
                   mask_align="bottom_right", return_lse=True, config=WS),
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, varlen=True, paged_kv=True,
+                  page_size=64, causal=True, mask_align="bottom_right", window=True,
+                  softcap=True, return_lse=True, config=WS),
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=64, varlen=True, paged_kv=True,
                   page_size=32, causal=True, mask_align="bottom_right", window=True,
                   config=WS.replace(tile=(192, 128), warps=12)),
 ]
@@ -282,19 +294,26 @@ def ws_artifacts(tmp_path_factory):
 
 @pytest.mark.parametrize("spec", SMALL_PAGE_SPECS, ids=lambda s: s.name)
 def test_pages_smaller_than_a_block_are_loaded_a_box_a_page(ws_artifacts, spec):
-    """K and V of a key block are a TMA box for each of its pages and 128-byte column span
-    (at least that many copies besides Q's one a span, however the producer's loop is
-    unrolled), each page's block-table entry read from global memory."""
+    """K and V of a key block are a TMA box for each of its pages and 128-byte column span,
+    the pages dealt to the producer warpgroup's four warps (each warp's code: at least its
+    share of copies besides Q's one a span, however the loop is unrolled), each of its
+    pages' block-table entries read from global memory; those producers keep 24 registers
+    beside two consumers (32 would leave them less than 240) and 32 beside three."""
+    from flashcore.kernels.wgmma_ws.layouts import producer_regs
+
     art, c = ws_artifacts[spec], spec.config
     body = art.ptx[art.ptx.index(".entry"):]
-    spans, pages = spec.head_dim // 64, c.tile_n // spec.page_size
-    assert len(re.findall(r"cp\.async\.bulk\.tensor", body)) - spans >= 2 * pages * spans
-    assert len(re.findall(r"ld\.global", body)) >= pages
+    spans, turns = spec.head_dim // 64, -(-(c.tile_n // spec.page_size) // 4)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor", body)) - spans >= 2 * turns * spans
+    assert len(re.findall(r"ld\.global", body)) >= turns
+    regs = producer_regs(c.warps // 4, True)
+    assert regs == (24 if c.warps == 8 else 32)
+    assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{regs};", body)
 
 
 @pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
 def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
-    from flashcore.kernels.wgmma_ws.layouts import consumer_regs
+    from flashcore.kernels.wgmma_ws.layouts import consumer_regs, producer_regs, register_pool
     from flashcore.kernels.wgmma_ws.turns import takes_turns
 
     art = ws_artifacts[spec]
@@ -307,10 +326,13 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
                    "setmaxnreg.dec", "wgmma.mma_async", "prefetch.tensormap"):
         assert needle in body, needle
     consumers = spec.config.warps // 4
-    producer = 32 if 0 < spec.page_size < spec.config.tile_n else 24
+    producer = producer_regs(consumers, 0 < spec.page_size < spec.config.tile_n)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer_regs(consumers)};", body)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", body)
-    assert 128 * producer + 128 * consumers * consumer_regs(consumers) <= 65536
+    # within the CTA's register pool, what setmaxnreg moves registers within (a consumer
+    # asking for more than there is waits forever)
+    assert (128 * producer + 128 * consumers * consumer_regs(consumers)
+            <= register_pool(consumers))
     assert "cp.async.cg" not in body and "mma.sync" not in body
     fp8 = spec.precision == "fp8"
     sixteen = re.search(r"wgmma\.mma_async\S*\.f32\.b?f16\.b?f16", body) is not None

@@ -18,18 +18,35 @@ from . import row_sums
 EPILOGUE_BARRIER = 1  # named barriers 1.. (one per consumer warpgroup); 0 is the CTA's
 CONSUMERS_BARRIER = 7  # every consumer thread (4..6 are ``turns``')
 PRODUCER_REGS = 24  # the producer warpgroup only issues TMA
-# ... or walks a block table too, each warp its share of a block's pages (``producer.py``):
-# 32 still leaves the consumers 240 (two) or 160 (three) registers
+# ... or walks a block table too, each warp its share of a block's pages (``producer.py``),
+# where that costs the consumers nothing (``producer_regs``)
 PAGING_PRODUCER_REGS = 32
 REGISTERS_PER_SM = 65536
 
 
+def register_pool(consumers: int) -> int:
+    """The registers of a CTA of a producer and ``consumers`` consumer warpgroups, all that
+    ``setmaxnreg`` moves between them (one CTA an SM: each thread's even share of the SM's, a
+    multiple of 8): a consumer asking for more than there is waits forever (384 threads: 168
+    each, 64512; producers of 32 beside two consumers of 240 hang)."""
+    threads = WARPGROUP * (1 + consumers)
+    return min(256, REGISTERS_PER_SM // threads // 8 * 8) * threads
+
+
 def consumer_regs(consumers: int, producer_regs: int = PRODUCER_REGS) -> int:
     """What each consumer thread may take after the producer's ``setmaxnreg`` gave its share
-    back: the rest of the SM's registers (one CTA an SM), a multiple of 8, at most 240
-    (two consumers: 128 x 24 + 256 x 240 = 64512; three: 160)."""
-    rest = (REGISTERS_PER_SM - WARPGROUP * producer_regs) // (WARPGROUP * consumers)
+    back: the rest of the CTA's pool, a multiple of 8, at most 240 (two consumers:
+    128 x 24 + 256 x 240 = 64512; three: 128 x 24 + 384 x 160 = 64512 of 65536)."""
+    rest = (register_pool(consumers) - WARPGROUP * producer_regs) // (WARPGROUP * consumers)
     return min(240, rest // 8 * 8)
+
+
+def producer_regs(consumers: int, paging: bool) -> int:
+    """The producers' registers: more where they walk a block table and the consumers keep
+    theirs (three consumers: 32 and 160; two: 24, as 32 would leave them 232)."""
+    if paging and consumer_regs(consumers, PAGING_PRODUCER_REGS) == consumer_regs(consumers):
+        return PAGING_PRODUCER_REGS
+    return PRODUCER_REGS
 
 
 _ALIGN = 1024
@@ -44,8 +61,7 @@ class WsLayouts:
         self.out_dtype = DTYPES[spec.dtype]
         self.dtype = E4M3 if self.fp8 else self.out_dtype  # what TMA loads and the MMAs read
         self.consumers = c.warps // 4
-        self.producer_regs = (PAGING_PRODUCER_REGS if 0 < spec.page_size < tn
-                              else PRODUCER_REGS)
+        self.producer_regs = producer_regs(self.consumers, 0 < spec.page_size < tn)
         self.consumer_regs = consumer_regs(self.consumers, self.producer_regs)
         self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
         # V: 16-bit V tiles read through a transposed view (MN-major), or FP8 Vᵀ tiles

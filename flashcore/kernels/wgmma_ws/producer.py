@@ -52,13 +52,10 @@ class Producer:
             self.load_q(pipes[0], atom_q, tma_q, sQ, m_block, head, batch, starts)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, c.stages)
         if cutlass.const_expr(self.small_pages):
-            for w in cutlass.range_constexpr(PRODUCER_WARPS):
-                if warp == w:
-                    for i in range(n_hi - n_lo):
-                        self.load_pages(pipes, (atom_k, atom_v), (tma_k, tma_v), (sK, sV),
-                                        kv_head, batch, n_hi - 1 - i, serving.block_table,
-                                        state, w)
-                        state.advance()
+            for i in range(n_hi - n_lo):
+                self.load_pages(pipes, (atom_k, atom_v), (tma_k, tma_v), (sK, sV), kv_head,
+                                batch, n_hi - 1 - i, serving.block_table, state, warp)
+                state.advance()
         elif cutlass.const_expr(self.spec.paged_kv):
             table, per_page = serving.block_table, self.spec.page_size // c.tile_n
             for i in range(n_hi - n_lo):
@@ -121,38 +118,40 @@ class Producer:
 
     @cute.jit
     def load_pages(self, pipes, atoms, tmas, smem, kv_head, batch, n_block, table, state,
-                   warp: cutlass.Constexpr):
-        """Warp ``warp``'s share of K and V of key block ``n_block`` of a paged cache whose
-        pages are smaller than a block, into stage ``state``: one TMA box a page, into the
-        page's rows of the stage; the block's K boxes, then its V boxes, dealt to the four
-        warps in turn (a box's issue is a chain of dependent instructions: four chains run
-        side by side). Warp 0 waits for each stage and arms its full barrier with the whole
-        block's bytes (the others' boxes may land first: the count goes below zero until it
-        does); the others only wait. A page is looked up once for its K and V boxes; the
-        last block's entries past the table's row read its last entry (keys past the
-        sequence's, masked, their V rows cleared: ``attention_fwd.clear_keys_past_end``)."""
+                   warp):
+        """This warp's share of K and V of key block ``n_block`` of a paged cache whose pages
+        are smaller than a block, into stage ``state``: one TMA box a page, into the page's
+        rows of the stage; page j of the block is warp j % 4's, its K and its V box (a box's
+        issue is a chain of dependent instructions: the warps' chains run side by side).
+        Warp 0 waits for each stage and arms its full barrier with the whole block's bytes
+        (the others' boxes may land first: the count goes below zero until it does); the
+        others only wait. The last block's entries past the table's row read its last entry
+        (keys past the sequence's, masked, their V rows cleared:
+        ``attention_fwd.clear_keys_past_end``)."""
         rows, d = self.spec.page_size, self.spec.head_dim
         boxes = self.spec.config.tile_n // rows
+        turns = -(-boxes // PRODUCER_WARPS)  # pages a warp takes at most
         pages, last = tmas[0].shape[3], table.shape[1] - 1
-        mine = [(k, j) for k in range(2) for j in range(boxes)][warp::PRODUCER_WARPS]
-        pages_of = sorted({j for _, j in mine})  # this warp's pages of the block
-        slots = [cache_page(table, pages, batch, cutlass.min(n_block * boxes + j, last))
-                 for j in pages_of]
+        slots = []
+        for t in cutlass.range_constexpr(turns):
+            j = warp + PRODUCER_WARPS * t
+            slots.append(cache_page(table, pages, batch,
+                                    cutlass.min(n_block * boxes + j, last)))
         one = cute.make_layout(1)
         for k in cutlass.range_constexpr(2):  # K, then V
             pipe, atom, tma, ring = pipes[1 + k], atoms[k], tmas[k], smem[k]
-            if cutlass.const_expr(warp == 0):
+            if warp == 0:
                 pipe.producer_acquire(state)  # waits, and arms the full barrier
-            elif cutlass.const_expr(any(kind == k for kind, _ in mine)):
+            else:
                 pipe.sync_object_empty.wait(state.index, state.phase)
             stage = ring[None, None, state.index]
-            boxes_k = [j for kind, j in mine if kind == k]
-            for i in cutlass.range_constexpr(len(boxes_k)):
-                j = boxes_k[i]
-                page = slots[pages_of.index(j)]
-                s_box, g_box = cpasync.tma_partition(
-                    atom, 0, one,
-                    cute.group_modes(cute.local_tile(stage, (rows, d), (j, 0)), 0, 2),
-                    cute.group_modes(cute.local_tile(tma[None, None, kv_head, page],
-                                                     (rows, d), (0, 0)), 0, 2))
-                cute.copy(atom, g_box, s_box, tma_bar_ptr=pipe.producer_get_barrier(state))
+            for t in cutlass.range_constexpr(turns):
+                j = warp + PRODUCER_WARPS * t
+                if j < boxes:  # (every warp's, where the warps divide the pages)
+                    s_box, g_box = cpasync.tma_partition(
+                        atom, 0, one,
+                        cute.group_modes(cute.local_tile(stage, (rows, d), (j, 0)), 0, 2),
+                        cute.group_modes(cute.local_tile(tma[None, None, kv_head, slots[t]],
+                                                         (rows, d), (0, 0)), 0, 2))
+                    cute.copy(atom, g_box, s_box,
+                              tma_bar_ptr=pipe.producer_get_barrier(state))
