@@ -1,6 +1,7 @@
-"""The producer warp of the warp-specialised Hopper kernel (``attention_fwd.py``): Q once, then
-K and V of each key block the consumers walk, as TMA copies into the stages of their rings
-(dense, a packed batch's rows from its start, or a paged cache's pages)."""
+"""The producer warpgroup of the warp-specialised Hopper kernel (``attention_fwd.py``): Q once,
+then K and V of each key block the consumers walk, as TMA copies into the stages of their rings
+(dense, a packed batch's rows from its start, or a paged cache's pages), issued by warp 0, or
+by all four where a block spans several pages."""
 
 import cutlass
 import cutlass.cute as cute
