@@ -117,7 +117,7 @@ WGMMA_PAGED_CONFIGS = [TileConfig((128, 128), warps=8, stages=2, family="wgmma_w
 
 def wgmma_page_sizes(config: TileConfig) -> dict:
     """The page sizes tests/test_gpu_serving.py draws for a Hopper paged config, by kind: a
-    key block spans two pages, eight (16 rows, the smallest box), is one, or is half of one."""
+    key block spans two pages, pages of 16 rows (the smallest box), is one, or is half of one."""
     tn = config.tile_n
     return {"two a block": tn // 2, "16 rows": 16, "a block": tn, "two blocks": 2 * tn}
 

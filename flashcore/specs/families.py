@@ -54,7 +54,7 @@ def _align(n: int, a: int = _SMEM_ALIGN) -> int:
 
 SWIZZLE_SPANS = (128, 64, 32)  # bytes; each has a TMA swizzle mode (runtime.tensor_map)
 # the fewest rows of a paged cache's TMA box in the Hopper family: whole 8-row swizzle atoms,
-# and at most tile_n / 16 boxes a block an operand for the producer's one lane to issue
+# and at most tile_n / 16 boxes a block an operand for the producer warps to issue
 MIN_PAGE_BOX_ROWS = 16
 
 

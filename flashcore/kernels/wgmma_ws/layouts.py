@@ -61,16 +61,17 @@ class WsLayouts:
         self.out_dtype = DTYPES[spec.dtype]
         self.dtype = E4M3 if self.fp8 else self.out_dtype  # what TMA loads and the MMAs read
         self.consumers = c.warps // 4
-        self.producer_regs = producer_regs(self.consumers, 0 < spec.page_size < tn)
+        # pages smaller than a key block: a K/V TMA box is one page's rows of a stage, and
+        # the producer warps walk the block table
+        self.key_box_rows = WgmmaWs.key_box_rows(spec)
+        self.sPage = k_major(self.dtype, (self.key_box_rows, d))
+        self.producer_regs = producer_regs(self.consumers, self.key_box_rows < tn)
         self.consumer_regs = consumer_regs(self.consumers, self.producer_regs)
         self.sQ, self.sKV = smem_tiles(self.dtype, tm, tn, d, c.stages)
         # V: 16-bit V tiles read through a transposed view (MN-major), or FP8 Vᵀ tiles
         # (head_dim rows of tile_n keys, K-major) with O staged in its own 16-bit tile (the
         # e4m3 Q buffer is half its size)
         self.sV = k_major(self.dtype, (d, tn, c.stages)) if self.fp8 else self.sKV
-        # pages smaller than a key block: a K/V TMA box is one page's rows of a stage
-        self.key_box_rows = WgmmaWs.key_box_rows(spec)
-        self.sPage = k_major(self.dtype, (self.key_box_rows, d))
         self.sO = smem_tiles(self.out_dtype, tm, tn, d, 1)[0] if self.fp8 else None
         # P through shared memory (``WgmmaWs.p_in_shared``): its own tile, the SS P·V
         self.p_in_shared = WgmmaWs.p_in_shared(spec)

@@ -8,6 +8,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
+from ...specs.families import WgmmaWs
 from ..common.sequences import cache_page
 
 
@@ -30,7 +31,7 @@ class Producer:
 
     def __init__(self, spec):
         self.spec = spec
-        self.small_pages = spec.paged_kv and spec.page_size < spec.config.tile_n
+        self.small_pages = WgmmaWs.key_box_rows(spec) < spec.config.tile_n
         self.warps = PRODUCER_WARPS if self.small_pages else 1  # warps that issue loads
 
     @cute.jit
