@@ -403,6 +403,32 @@ def test_each_walk_of_the_keys_has_one_copy_of_the_step(ws_artifacts, spec):
 
 
 @pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
+def test_the_wait_for_p_v_comes_after_the_row_max(ws_artifacts, spec):
+    """In each overlapped step the wait for the previous block's P·V (``wait_group(0)``) comes
+    after the row max of the block's scores, so the max overlaps P·V. ptxas hoists that wait as
+    far as it may; with K's stage released before the softmax it went to the top of the block
+    after a masking branch (bottom-right, windows: two FMNMX before it, 13.6% of the chunked
+    prefill's stall samples there and 1.04x its time)."""
+    from flashcore.compiler.inspect import sass
+
+    text = sass(ws_artifacts[spec].cubin)
+    if text is None:
+        pytest.skip("nvdisasm is not installed")
+    # a thread holds a quarter of each of its rows' scores: one row's max is tile_n/4 - 1 FMNMX
+    need = spec.config.tile_n // 4 - 1
+    gaps, counting, fmnmx = [], False, 0
+    for line in text.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            counting, fmnmx = True, 0
+        elif counting and "FMNMX" in line:
+            fmnmx += 1
+        elif counting and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            gaps.append(fmnmx)
+            counting = False
+    assert gaps and min(gaps) >= need, (gaps, need)
+
+
+@pytest.mark.parametrize("spec", WS_SPECS, ids=lambda s: s.name)
 def test_fp8_row_sums_come_from_the_tensor_cores_and_no_wgmma_is_serialised(ws_artifacts, spec):
     """FP8's row sums are an n8 wgmma of P and a tile of ones in the P·V group (16-bit kernels
     and FP8 d64 ones without a mask keep their FADDs); and ptxas serialises no kernel's wgmma

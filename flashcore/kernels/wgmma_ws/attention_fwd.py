@@ -313,8 +313,8 @@ class WgmmaWsAttentionForward:
     def overlapped_step(self, cons: Consumer, softmax: OnlineSoftmax, pipes, turns: Turns, ks,
                         kd, n_block, n_lo, masked):
         """S of block ``n_block`` issued, then P·V of the block before (in this warpgroup's
-        turn); softmax of S while P·V runs; each stage released as soon as its MMA has
-        completed. ``masked``: False (known at compile time) or a run-time flag. FP8: ``kd``
+        turn); softmax of S while P·V runs; K's stage released after the softmax, V's once P·V
+        has completed. ``masked``: False (known at compile time) or a run-time flag. FP8: ``kd``
         holds this block's key descales (loaded a step ahead: a global load's latency is longer
         than an e4m3 Q·Kᵀ) and is refilled with the next block's."""
         _, pipe_k, pipe_v = pipes
@@ -332,7 +332,6 @@ class WgmmaWsAttentionForward:
         self.pv(cons, vs.index, wait=None)
         turns.pass_on()
         warpgroup.wait_group(1)
-        pipe_k.consumer_release(ks)
         S = acc_mn_view(acc_S)
         self.scale_keys(S, kd)
         self.cap_scores(cons, S)
@@ -345,6 +344,10 @@ class WgmmaWsAttentionForward:
             if masked:  # (the run-time if carries only these locals)
                 mask_scores(S, coords, seqlen_k, bounds, q_group)
         correction = softmax.step(S)
+        # ptxas hoists the wait for P·V to the earliest point it may, and an mbarrier arrive
+        # is one it does not cross: released before the softmax, K's arrive let the wait go
+        # above the row max where a masking branch ends just before it (bottom-right, windows)
+        pipe_k.consumer_release(ks)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(vs)
         cons.rescale(softmax, correction)
