@@ -315,6 +315,7 @@ def test_pages_smaller_than_a_block_are_loaded_a_box_a_page(ws_artifacts, spec):
 def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
     from flashcore.kernels.wgmma_ws.layouts import consumer_regs, producer_regs, register_pool
     from flashcore.kernels.wgmma_ws.turns import takes_turns
+    from flashcore.specs.families import WgmmaWs
 
     art = ws_artifacts[spec]
     assert len(art.params) == len(params_for(spec))  # checked against the .entry
@@ -326,7 +327,7 @@ def test_ws_kernels_load_with_tma_and_compute_with_wgmma(ws_artifacts, spec):
                    "setmaxnreg.dec", "wgmma.mma_async", "prefetch.tensormap"):
         assert needle in body, needle
     consumers = spec.config.warps // 4
-    producer = producer_regs(consumers, 0 < spec.page_size < spec.config.tile_n)
+    producer = producer_regs(consumers, WgmmaWs.key_box_rows(spec) < spec.config.tile_n)
     assert re.search(rf"setmaxnreg\.inc\.sync\.aligned\.u32\s+{consumer_regs(consumers)};", body)
     assert re.search(rf"setmaxnreg\.dec\.sync\.aligned\.u32\s+{producer};", body)
     # within the CTA's register pool, what setmaxnreg moves registers within (a consumer
@@ -409,8 +410,6 @@ def test_the_wait_for_p_v_comes_after_the_row_max(ws_artifacts, spec):
     far as it may; with K's stage released before the softmax it went to the top of the block
     after a masking branch (bottom-right, windows: two FMNMX before it, 13.6% of the chunked
     prefill's stall samples there and 1.04x its time)."""
-    from flashcore.compiler.inspect import sass
-
     text = sass(ws_artifacts[spec].cubin)
     if text is None:
         pytest.skip("nvdisasm is not installed")
