@@ -599,12 +599,16 @@ def backward_test_specs(arch: str) -> list:
     return backward_specs(arch) + backward_forward_specs(arch)
 
 
-def _as_launched(spec):
-    """The spec the launcher builds: a split-KV kernel writes its LSE partials whatever the
-    caller asked (the combine kernel writes the LSE), so it is built without ``return_lse``."""
-    if getattr(spec, "split_kv", False) and spec.return_lse:
-        return spec.replace(return_lse=False)
-    return spec
+def _as_launched(spec) -> list:
+    """The specs the launcher builds for ``spec``: a split-KV kernel in a CUDA graph writes its
+    LSE partials whatever the caller asked (the combine kernel writes the LSE), so it is built
+    without ``return_lse``; an eager call's split kernel merges its shares itself, with or
+    without the caller's LSE."""
+    if not getattr(spec, "split_kv", False):
+        return [spec]
+    return [spec.replace(return_lse=False, merge_shares=False),
+            spec.replace(return_lse=False, merge_shares=True),
+            spec.replace(return_lse=True, merge_shares=True)]
 
 
 def gpu_test_specs(arch: str, buckets=None) -> list:
@@ -619,7 +623,7 @@ def gpu_test_specs(arch: str, buckets=None) -> list:
         except SpecError:
             pass
     fits = []
-    for s in dict.fromkeys(map(_as_launched, specs)):
+    for s in dict.fromkeys(x for spec in specs for x in _as_launched(spec)):
         try:
             fits.append(s.replace())  # re-validates for this arch
         except SpecError:
@@ -680,7 +684,8 @@ def main() -> None:
     from flashcore.compiler.catalog import write_catalog
     from flashcore.compiler.compiler import compile_many
 
-    specs = (list(dict.fromkeys(_as_launched(s) for g in a.only for s in GROUPS[g](a.arch)))
+    specs = (list(dict.fromkeys(x for g in a.only for s in GROUPS[g](a.arch)
+                                for x in _as_launched(s)))
              if a.only else gpu_test_specs(a.arch, a.buckets))
     print(f"{len(specs)} kernels to build for {a.arch}", flush=True)
     arts = compile_many(specs, jobs=a.jobs, cache=KernelCache(Path(a.out)),

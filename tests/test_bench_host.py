@@ -25,7 +25,7 @@ def test_each_case_is_reported_as_it_is_measured(monkeypatch):
     monkeypatch.setattr(host_bench, "_calls", lambda case: ([case], None, None))
     monkeypatch.setattr(host_bench, "per_call_us",
                         lambda fn, views: (seen.append(views[0].name), 30.0)[1])
-    monkeypatch.setattr(host_bench, "time_kernel", lambda fn, views: 5.0)
+    monkeypatch.setattr(host_bench, "time_queued", lambda fn, views: 5.0)
     results = host_bench.measure_host(CASES[:2], report=lambda r: done.append((r.case.name,
                                                                                len(seen))))
     # each case is reported after its four loops and before the next case's first

@@ -48,6 +48,14 @@ SPECS = [
                   mask_align="bottom_right", varlen=True, return_lse=True, alibi=True),
     AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=128, config=DECODE, paged_kv=True,
                   split_kv=True, mask_align="bottom_right", alibi=True),
+    # split decode in one launch: the last share's CTA merges (the output and its LSE, packed
+    # rows scattered), on each arch, and beside key groups
+    AttentionSpec(arch="sm_90", dtype="bfloat16", head_dim=128, config=DECODE, split_kv=True,
+                  merge_shares=True, return_lse=True),
+    AttentionSpec(arch="sm_89", head_dim=64, config=DECODE, split_kv=True, merge_shares=True,
+                  packed_tokens=True, causal=True, window=True),
+    AttentionSpec(arch="sm_80", head_dim=96, config=TileConfig((32, 64), warps=2, kv_splits=2),
+                  split_kv=True, merge_shares=True, return_lse=True),
     CombineSpec(arch="sm_89", dtype="bfloat16", head_dim=128, return_lse=True),
     CombineSpec(arch="sm_90", head_dim=64),
 ]
@@ -79,6 +87,15 @@ def test_attention_variants(artifacts, spec):
     if spec.split_kv:  # fp32 partial rows, 8 or 16 bytes a store, and every share's LSE
         assert re.search(r"st\.global\.v[24]\.(b32|f32)", body)
         assert "lse" in [p.name for p in params_for(spec)]
+    if spec.merge_shares:
+        # the rows fenced, then one acquire-release count a CTA; the last one reads the shares
+        # back in 16-byte loads and writes the output (and its LSE) in the output dtype
+        counted = re.search(r"fence\.acq_rel\.gpu;.*atom\.acq_rel\.gpu\.global\.add\.s32"
+                            r".*fence\.acq_rel\.gpu;", body, re.DOTALL)
+        assert counted and body.count("atom.") == 1
+        merge = body[counted.end():]
+        assert re.search(r"ld\.global\.v4\.(b32|f32)", merge)
+        assert ("lse" in spec.name) == ("out_lse" in [p.name for p in params_for(spec)])
     if spec.kv_fp8:
         # e4m3 K/V rows in 16-byte cp.async, their descales in 4-byte ones; the codes read by
         # 16-bit ldmatrix (V transposed) and converted in registers by the hardware's e4m3

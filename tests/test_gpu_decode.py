@@ -407,3 +407,45 @@ def test_repeated_split_calls_keep_their_own_partials():
     torch.cuda.synchronize()
     _verify(g_out, *static)
     _verify(e_out, *other)
+
+
+@pytest.mark.parametrize("b,hkv,group,sq,sk,d,splits", [
+    (1, 8, 4, 1, 4096, 128, None),  # one token's heads packed, the tuned split
+    (2, 2, 1, 1, 3000, 64, 7),  # a row per head
+    (1, 2, 8, 5, 2000, 128, 16),  # packed tokens: 40 rows, two query tiles
+    (3, 1, 4, 1, 70, 96, 201),  # most shares empty; 24 chunks a row
+    (1, 1, 2, 1, 9000, 256, None),
+])
+def test_an_eager_split_merges_its_shares_as_the_graphs_combine_does(b, hkv, group, sq, sk, d,
+                                                                      splits):
+    """An eager split call is one launch whose last share's CTA merges; a CUDA graph of the same
+    call runs the split kernel and the combine. Both match the reference (output and LSE) and
+    agree with each other to rounding; the eager calls leave every arrival counter at zero
+    (a counter left raised would make a later call's tile merge early or never: poisoned
+    outputs would show it)."""
+    from flashcore.runtime import scratch
+
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v = _qkv(b, hkv * group, hkv, sq, sk, d, dtype, seed=sk + d)
+        for _ in range(3):  # the memoised path too, on the same counters
+            _check(q, k, v, sq > 1, num_splits=splits)
+        eager_out, eager_lse = attention(q, k, v, causal=sq > 1, num_splits=splits,
+                                         return_lse=True)
+        static = torch.full_like(q, float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            attention(q, k, v, causal=sq > 1, num_splits=splits, return_lse=True)  # warm
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(graph):
+            g_out, g_lse = attention(q, k, v, causal=sq > 1, num_splits=splits,
+                                     return_lse=True, out=static)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isfinite(g_out).all()
+        assert max_abs(g_out, eager_out) <= 2 * torch.finfo(dtype).eps * max(
+            1.0, eager_out.abs().max().item())
+        assert max_abs(g_lse, eager_lse) < 1e-5 * max(1.0, eager_lse.abs().max().item())
+    counters = [a for _, a in scratch._buffers.values() if a is not None]
+    assert counters and all(int(a.abs().max()) == 0 for a in counters)

@@ -109,7 +109,8 @@ def test_multi_token_gqa_rows_are_the_callers_tensors():
     """What the launcher hands the kernels for each kind of decode call: packed tokens keep
     the caller's q, out and lse arguments (the kernel gathers and scatters the rows), with
     K/V heads as the grid's heads and S_q * group rows; one token packs its heads as views'
-    arguments; the combine always writes the caller's tensors; a family that builds no
+    arguments; the combine (or, in an eager call, the split kernel whose last share merges)
+    always writes the caller's tensors; a family that builds no
     packed tokens (and FP8 operands) keeps a row per (head, token)."""
     from unittest import mock
 
@@ -120,18 +121,19 @@ def test_multi_token_gqa_rows_are_the_callers_tensors():
     b, hq, hkv, d = 2, 32, 8, 128
     k = torch.randn(b, hkv, 100, d)
 
-    def launched(sq, config=DECODE_DEFAULT, precision="fp16", num_splits=1):
+    def launched(sq, config=DECODE_DEFAULT, precision="fp16", num_splits=1, eager=False):
         q = torch.randn(b, sq, hq, d).transpose(1, 2)  # (B, S, H, D) memory
         out, lse = torch.empty_like(q), torch.empty(b, hq, sq)
         args = (tensor_arg(q), tensor_arg(k), tensor_arg(k))
         descales = ((torch.rand(b, hq, sq), torch.rand(b, hkv, 100), torch.rand(b, hkv))
                     if precision == "fp8" else ())
         with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),
+              mock.patch.object(plan, "sm_count", return_value=132),
               mock.patch.object(launcher, "loaded_kernel"),
               mock.patch.object(launcher, "combine_kernel")):
             p = launcher.plan_launch(0, b, hq, sq, d, hkv, 2, torch.float16, config, False,
                                      True, precision, False, False, NO_MASK, False, 0, 0, 0,
-                                     num_splits, 0.125)
+                                     num_splits, 0.125, host_bound=eager)
         calls = []
         with mock.patch.object(launcher, "launch",
                                side_effect=lambda kern, grid, a, dev: calls.append((grid, a))):
@@ -149,6 +151,11 @@ def test_multi_token_gqa_rows_are_the_callers_tensors():
     p, [_, (grid, a)], args, out, lse = launched(1, num_splits=3)  # the combine
     assert a[2:4] == (tensor_arg(out), rows_arg(lse)) and a[4:] == ((4,), (3,))
     assert grid == (b * hq, 1, 1)
+    p, [(grid, a)], args, out, lse = launched(1, num_splits=3, eager=True)  # one launch
+    assert p.merged and grid == (b * hkv, 3, 1) and a[0] == plan.packed_arg(args[0], hkv)
+    n = b * hkv  # counters: one per query tile, zero
+    assert a[3][1:] == (3 * b, hkv, 4, hkv * 4 * d, 4 * d, d) and a[6:8] == ((4,), (3,))
+    assert a[-3:-1] == (tensor_arg(out), rows_arg(lse)) and a[-1][1] >= n
     hopper = TileConfig((128, 128), warps=8, family="wgmma_ws")
     for sq, config, precision in ((4, hopper, "fp16"), (16, DECODE_DEFAULT, "fp16"),
                                   (4, DECODE_DEFAULT, "fp8")):
@@ -410,7 +417,9 @@ def test_plans_are_memoised_per_key_block_count():
                                                         tensor_arg(k)), (), DECODE_DEFAULT,
                                       False, 0.125, None)
     assert [key[6] for key in planned] == [65, 66]  # 64-key blocks: 4097-4160 are 65
-    assert launched[0][0] == launched[2][0] == launched[4][0]  # the same grid: one plan
+    # one launch a call: an eager split kernel merges its shares itself
+    assert len(launched) == 4 and launched[0][0][1] > 1
+    assert launched[0][0] == launched[1][0] == launched[2][0]  # the same grid: one plan
     launcher.forget()
 
 
@@ -454,9 +463,9 @@ def test_a_repeated_call_is_checked_and_configured_once():
         call(k)
         eager._checked(q, k, k, None, False, None, False, None, None, None, None, None, None,
                        "fp16", None, None, "top_left", None, None, None)  # never memoised
-        assert len(launched) == 4 and launched[0][0] == launched[2][0]
-        assert _big_ints_dropped(launched[0][1]) == _big_ints_dropped(launched[2][1])
-        assert _big_ints_dropped(launched[1][1]) == _big_ints_dropped(launched[3][1])
+        # split, one launch each (its last share merges)
+        assert len(launched) == 2 and launched[0][0] == launched[1][0] and launched[0][0][1] > 1
+        assert _big_ints_dropped(launched[0][1]) == _big_ints_dropped(launched[1][1])
 
         with pytest.raises(ValueError, match="differ in shape"):
             call(k, v=k[:, :, :-1])
@@ -564,7 +573,8 @@ def test_an_eager_short_decode_runs_unsplit_and_a_captured_one_splits():
     """Eager (no graph being captured), a decode grid whose unsplit walk takes at most
     ``EAGER_ONE_LAUNCH_BLOCKS`` runs as one launch (no shares, no combine: the launches' host
     time is what such a call costs); a graph capturing the same call splits it as the model
-    says, and long caches split either way."""
+    says (two launches: the split kernel and the combine), and long caches split either way,
+    eagerly in one launch whose last share merges."""
     from flashcore.ops import attention, launcher
 
     assert plan.num_splits(8, 8, 132) > 1 and plan.num_splits(8, 8, 132, host_bound=True) == 1
@@ -574,7 +584,8 @@ def test_an_eager_short_decode_runs_unsplit_and_a_captured_one_splits():
     assert plan.num_splits(8, 128, 132, host_bound=True) == plan.num_splits(8, 128, 132) == 16
     q = torch.randn(1, 32, 1, 64).half()
     short, long = torch.randn(1, 8, 512, 64).half(), torch.randn(1, 8, 8192, 64).half()
-    for capturing, k, launches in ((False, short, 1), (True, short, 2), (False, long, 2)):
+    for capturing, k, launches, split in ((False, short, 1, False), (True, short, 2, True),
+                                          (False, long, 1, True), (True, long, 2, True)):
         launched: list = []
         with stubbed_device(launched, capturing=capturing):
             launcher.forget()
@@ -582,6 +593,7 @@ def test_an_eager_short_decode_runs_unsplit_and_a_captured_one_splits():
                 launched.clear()
                 attention(q, k, k)
                 assert len(launched) == launches, (capturing, k.shape)
+                assert (launched[0][0][1] > 1) == split
 
 
 def test_short_prefill_over_many_heads_takes_the_mid_buckets_tile():

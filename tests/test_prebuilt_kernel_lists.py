@@ -16,11 +16,18 @@ def specs(request):
 
 
 def test_split_kernels_are_listed_as_the_launcher_builds_them(specs):
-    """A split-KV kernel writes its shares' LSE whatever the call asked (the combine kernel
-    writes the caller's): the launcher builds it without ``return_lse``."""
+    """A split-KV kernel for a CUDA graph writes its shares' LSE whatever the call asked (the
+    combine kernel writes the caller's): the launcher builds it without ``return_lse``. An
+    eager call's split kernel merges its shares itself (with or without the caller's LSE):
+    each graph kernel has both merging twins."""
     _, listed = specs
     split = [s for s in listed if getattr(s, "split_kv", False)]
-    assert split and not any(s.return_lse for s in split)
+    graph = [s for s in split if not s.merge_shares]
+    assert graph and not any(s.return_lse for s in graph)
+    names = {s.name for s in split}
+    for s in graph:
+        for lse in (False, True):
+            assert s.replace(merge_shares=True, return_lse=lse).name in names
 
 
 def test_the_kernels_the_sm89_run_missed_are_listed(specs):

@@ -272,7 +272,7 @@ def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path(
 
     from flashcore.ops import serving
 
-    launched, work = [], torch.empty(1 << 20)
+    launched, work, arrivals = [], torch.empty(1 << 20), torch.zeros(64, dtype=torch.int32)
     b, h, hkv, d, ps = 3, 8, 2, 64, 16
     g = torch.Generator().manual_seed(0)
     q = torch.randn(b, h, 1, d, generator=g).half()
@@ -280,7 +280,7 @@ def test_a_repeated_paged_call_is_checked_once_and_launches_as_the_general_path(
     table = torch.randperm(24, generator=g).to(torch.int32)[:18].view(3, 6)
     lens = torch.tensor([5, 96, 40], dtype=torch.int32)
     out = torch.empty_like(q)
-    with (stubbed_device(launched, scratch=lambda like, n: work),
+    with (stubbed_device(launched, scratch=lambda like, n, c=0: (work, arrivals) if c else work),
           mock.patch.object(serving, "checking", side_effect=lambda op, check: check),
           mock.patch.object(serving, "check_heads", wraps=serving.check_heads) as checks):
         serving._paged_calls.clear()
@@ -345,7 +345,7 @@ def test_a_paged_kernel_compiles_its_page_size_in_where_its_family_copies_such_p
 
     def key(config, page_size):
         return launcher.KernelKey("float16", 128, config, True, False, "fp16", "token", False,
-                                  False, NO_MASK.spec_fields, False, page_size, False)
+                                  False, False, NO_MASK.spec_fields, False, page_size, False)
 
     ws = TileConfig((128, 128), warps=8, stages=2, family="wgmma_ws")
     with (mock.patch.object(launcher, "arch_of", return_value="sm_90"),

@@ -294,6 +294,25 @@ def test_kv_fp8_and_split_kv_in_name_and_smem():
     assert split.name == base.name + "_split" and split.smem_bytes == base.smem_bytes
 
 
+def test_merge_shares_is_a_split_kernels_and_keeps_the_old_keys():
+    """``merge_shares``: the last share's CTA merges a split kernel's shares (named, in the
+    JSON only when on, so every other spec keeps its cache key); not without split_kv, and not
+    in the Hopper family (it splits no keys)."""
+    split = AttentionSpec(arch="sm_89", head_dim=128, config=TileConfig((16, 64), warps=1),
+                          split_kv=True)
+    merged = split.replace(merge_shares=True)
+    assert merged.name == split.name + "_merge" and "merge_shares" not in split.to_dict()
+    assert AttentionSpec.from_dict(merged.to_dict()) == merged
+    assert merged.content_hash != split.content_hash and merged.smem_bytes == split.smem_bytes
+    with pytest.raises(SpecError, match="merge_shares=True merges the shares of a split_kv"):
+        split.replace(split_kv=False, merge_shares=True)
+    with pytest.raises(SpecError, match="merge_shares must be a bool"):
+        split.replace(merge_shares=1)
+    with pytest.raises(SpecError, match="not built yet: split_kv"):
+        AttentionSpec(arch="sm_90", head_dim=128, split_kv=True, merge_shares=True,
+                      config=TileConfig((128, 128), warps=8, family="wgmma_ws"))
+
+
 def test_other_spec_kinds_round_trip():
     for s in (QuantizeSpec(arch="sm_90", transpose=True), CombineSpec(arch="sm_90",
                                                                      return_lse=True)):

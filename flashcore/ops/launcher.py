@@ -1,7 +1,8 @@
 """Launching attention kernels: the loaded kernel of each spec; a call's plan (its kernels,
 grids, GQA packing and split count, from ``flashcore.ops.plan``), worked out once per distinct
 call; and the launches that bind a call's tensors to its plan (the attention kernel, and for
-split-KV the combine kernel)."""
+split-KV in a CUDA graph the combine kernel; an eager call's split kernel merges its shares
+itself)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ class KernelKey(NamedTuple):
     k_scale: str
     kv_fp8: bool
     split_kv: bool
+    merge_shares: bool
     masks: tuple
     varlen: bool
     page_size: int
@@ -79,7 +81,8 @@ def attention_spec(arch: str, key: KernelKey) -> AttentionSpec:
     spec_of = partial(
         AttentionSpec, arch=arch, dtype=key.dtype, head_dim=key.head_dim,
         config=key.config, causal=key.causal, return_lse=key.return_lse, precision=key.precision,
-        k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv, mask_align=align,
+        k_scale=key.k_scale, kv_fp8=key.kv_fp8, split_kv=key.split_kv,
+        merge_shares=key.merge_shares, mask_align=align,
         window=window, softcap=softcap, alibi=alibi, varlen=key.varlen,
         paged_kv=key.page_size > 0, packed_tokens=key.packed_tokens)
     if key.page_size:
@@ -167,6 +170,7 @@ class Plan(NamedTuple):
     combine_grid: tuple = ()  # fp32 partials' (splits * batch, heads, rows, head_dim)
     combine_scalars: tuple = ()
     partials: tuple = ()
+    merged: bool = False  # split over CTAs, the last share's CTA merging (no combine kernel)
 
 
 _plans: dict[tuple, Plan] = {}
@@ -196,11 +200,11 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
             q_group = heads // heads_kv
             packing, rows_heads, rows = HEADS, heads_kv, q_group
     splits = 1 if varlen else num_splits  # a packed batch: a CTA per (head, query tile) of each
+    ctas = attention_grid(rows, rows_heads, batch, config.tile_m)[0]
     if splits is None:
         splits = 1
         if seqlen_q <= plan.DECODE_MAX_Q and fam.splits_keys:
-            splits = plan.num_splits(attention_grid(rows, rows_heads, batch, config.tile_m)[0],
-                                     key_blocks, plan.sm_count(device), kv_fp8,
+            splits = plan.num_splits(ctas, key_blocks, plan.sm_count(device), kv_fp8,
                                      config.kv_splits, config.tile_m, head_dim, host_bound)
     # a family that splits no keys takes no key shares (``flashcore.specs.params.ATTENTION``)
     scalars = ((softmax_scale * LOG2_E,), (q_group,)) + (((splits,),) if fam.splits_keys else ())
@@ -210,7 +214,7 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
     key = KernelKey(dtype=dtype, head_dim=head_dim, config=config, causal=causal,
                     return_lse=return_lse, precision=precision,
                     k_scale="head" if k_per_head else "token", kv_fp8=kv_fp8, split_kv=False,
-                    masks=mask.spec_fields, varlen=varlen, page_size=page_size,
+                    merge_shares=False, masks=mask.spec_fields, varlen=varlen, page_size=page_size,
                     packed_tokens=packing == TOKENS)
     common = {"device": device, "packing": packing, "heads_kv": heads_kv,
               "pack_q_descales": precision == "fp8", "scalars": scalars, "dtype": dtype,
@@ -220,14 +224,21 @@ def plan_launch(device: int, batch: int, heads: int, seqlen_q: int, head_dim: in
         grid = (varlen_grid(max_seqlen_q, rows_heads, seqs, config.tile_m) if varlen
                 else attention_grid(rows, rows_heads, batch, config.tile_m))
         return Plan(kern=kern, grid=grid, tma=fam.loads_by_tma, **common)
-    # split-KV across CTAs: fp32 partials of each share, then the combine kernel, which writes
-    # the caller's (B, Hq, S_q) rows, unpacking q_group heads a token
+    # split-KV across CTAs: fp32 partials of each share, merged into the caller's (B, Hq, S_q)
+    # rows (q_group heads a token unpacked) by the last share's CTA of each query tile where
+    # the host's work is what a call costs (a short eager call: ``plan.merges_shares``), else
+    # by the combine kernel (a graph replays two launches for the price of one)
+    grid = attention_grid(rows, rows_heads, batch, config.tile_m, splits)
+    partials = (splits * batch, rows_heads, rows, head_dim)
+    if host_bound and plan.merges_shares(splits, ctas, key_blocks, plan.sm_count(device),
+                                         config.tile_m, head_dim):
+        kern = loaded_kernel(device, key._replace(split_kv=True, merge_shares=True))
+        return Plan(kern=kern, grid=grid, tma=False, partials=partials, merged=True, **common)
     kern = loaded_kernel(device, key._replace(return_lse=False, split_kv=True, varlen=False))
-    return Plan(kern=kern, grid=attention_grid(rows, rows_heads, batch, config.tile_m, splits),
-                tma=False, combine=combine_kernel(device, dtype, head_dim, return_lse),
+    return Plan(kern=kern, grid=grid, tma=False,
+                combine=combine_kernel(device, dtype, head_dim, return_lse),
                 combine_grid=combine_grid(seqlen_q, heads, batch),
-                combine_scalars=((q_group,), (splits,)),
-                partials=(splits * batch, rows_heads, rows, head_dim), **common)
+                combine_scalars=((q_group,), (splits,)), partials=partials, **common)
 
 
 def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
@@ -246,7 +257,7 @@ def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
             descales = (plan.packed(descales[0], hkv), *descales[1:])
     descale_args = tuple(_descale_arg(t, serving.paged) for t in descales) if descales else ()
     tail = p.scalars + bias + serving.tables
-    if p.combine is None:
+    if not p.partials:
         if p.tma:
             qkv_args = tma_args(p.kern, qkv_args, p.dtype, p.head_dim)
         lse_args = () if lse_arg is None else (lse_arg,)
@@ -256,13 +267,20 @@ def launch_plan(p: Plan, out, lse, qkv_args: tuple, descales: tuple,
     # (n, H, S), contiguous; reused call after call (an eager decode call is host-bound)
     n, h, r, d = p.partials
     rows = n * h * r
-    work = scratch(out, rows * (d + 1))  # held until both launches are queued
+    final_out, final_lse = final
+    lse_args = () if final_lse is None else (final_lse,)
+    if p.merged:
+        work, arrivals = scratch(out, rows * (d + 1), p.grid[0])  # held until the launch
+    else:
+        work = scratch(out, rows * (d + 1))  # held until both launches are queued
     ptr = work.data_ptr()
     o_part = (ptr, n, h, r, h * r * d, r * d, d)
     lse_part = (ptr + 4 * rows * d, n, h, r, h * r, r)
+    if p.merged:
+        launch(p.kern, p.grid, (*qkv_args, o_part, lse_part, *descale_args, *tail, final_out,
+                                *lse_args, (arrivals.data_ptr(), arrivals.shape[0])), p.device)
+        return
     launch(p.kern, p.grid, (*qkv_args, o_part, lse_part, *descale_args, *tail), p.device)
-    final_out, final_lse = final
-    lse_args = () if final_lse is None else (final_lse,)
     launch(p.combine, p.combine_grid,
            (o_part, lse_part, final_out, *lse_args, *p.combine_scalars), p.device)
 

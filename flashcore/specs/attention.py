@@ -48,7 +48,8 @@ class AttentionSpec(SpecData, TiledKernel):
     or (``k_scale="head"``) per (batch, head). ``kv_fp8`` reads K and
     V as an e4m3 KV cache (dense or paged) with per-key descales and multiplies in ``dtype`` (dequantised in
     shared memory). ``split_kv`` writes fp32 partial outputs of one share of the keys per CTA
-    (flash-decoding); a combine kernel (``CombineSpec``) merges them. Every kernel serves
+    (flash-decoding); a combine kernel (``CombineSpec``) merges them, or with ``merge_shares``
+    the last CTA of each query tile's shares does. Every kernel serves
     grouped-query attention (K/V with fewer heads than Q) and any batch, head count and length.
     ``mask_align``, ``window`` and ``softcap`` are the masks as data: where the causal diagonal
     sits, a sliding window (key blocks outside it are skipped) and logit soft-capping; the
@@ -78,6 +79,9 @@ class AttentionSpec(SpecData, TiledKernel):
         "help": "precision='fp8': K's descale per token or per (batch, head)",
         "choices": K_SCALES})
     split_kv: bool = field(default=False, metadata={"help": "write per-CTA partials for a combine"})
+    merge_shares: bool = field(default=False, metadata={
+        "help": "split_kv: the last CTA of each query tile's shares merges them into the output "
+                "(one launch, no combine kernel; int32 arrival counters, zero before the launch)"})
     mask_align: str = field(default="top_left", metadata={
         "help": "causal/window diagonal: top_left (torch's is_causal) or bottom_right",
         "choices": MASK_ALIGNS})
@@ -139,7 +143,8 @@ class AttentionSpec(SpecData, TiledKernel):
             raise bad(f"head_dim={self.head_dim} is not supported; choose one of {HEAD_DIMS}")
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
-        for name in ("causal", "return_lse", "kv_fp8", "split_kv", "window", "softcap",
+        for name in ("causal", "return_lse", "kv_fp8", "split_kv", "merge_shares", "window",
+                     "softcap",
                      "alibi", "varlen", "paged_kv", "packed_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -185,6 +190,9 @@ class AttentionSpec(SpecData, TiledKernel):
         if self.packed_tokens and (self.varlen or self.precision == "fp8"):
             raise bad("packed_tokens=True packs a dense or paged decode's 16-bit queries; "
                       "varlen batches and precision='fp8' keep a row per (head, token)")
+        if self.merge_shares and not self.split_kv:
+            raise bad("merge_shares=True merges the shares of a split_kv kernel; set "
+                      "split_kv=True (or leave merge_shares False)")
         if self.varlen and self.split_kv:
             raise bad("varlen=True is the prefill layout and splits no keys across CTAs; "
                       "decode a paged cache (paged_kv=True) for split-KV")
@@ -234,7 +242,8 @@ class AttentionSpec(SpecData, TiledKernel):
         flags = [("causal", self.causal), ("lse", self.return_lse),
                  (self.precision, self.precision != "fp16"), ("khead", self.k_scale == "head"),
                  ("kvfp8", self.kv_fp8),
-                 ("split", self.split_kv), ("br", self.mask_align == "bottom_right"),
+                 ("split", self.split_kv), ("merge", self.merge_shares),
+                 ("br", self.mask_align == "bottom_right"),
                  ("window", self.window), ("softcap", self.softcap),
                  ("alibi", self.alibi), ("varlen", self.varlen),
                  (f"paged{self.page_size or ''}", self.paged_kv),
@@ -245,8 +254,9 @@ class AttentionSpec(SpecData, TiledKernel):
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         d["config"] = self.config.to_dict()
-        if not self.alibi:  # specs without it keep the JSON (and the cache keys) they had
-            del d["alibi"]
+        for name in ("alibi", "merge_shares"):  # off: the JSON (and cache keys) specs had before
+            if not d[name]:
+                del d[name]
         return d
 
     @classmethod

@@ -167,6 +167,10 @@ def _e4m3_kv(s) -> bool:  # e4m3 K and V: FP8 operands or an FP8 KV cache
     return s.precision == "fp8" or s.kv_fp8
 
 
+def _merges(s) -> bool:  # split-KV merged by the last share's CTA
+    return s.merge_shares
+
+
 def _kv_dtype(s) -> str:
     return E4M3 if _e4m3_kv(s) else ""
 
@@ -205,7 +209,10 @@ MASKS = Group("masks", (
 # (and K and V unless paged) are packed batches viewed as (1, heads, total rows, head_dim) and
 # int32 offsets (batch + 1) of each sequence's rows follow; the grid's z is the batch. With
 # ``paged_kv`` K and V are the cache's pages viewed as (pages, heads, page_size, head_dim), then
-# the int32 block table (batch, max_pages) and ``seqlens_k`` (batch).
+# the int32 block table (batch, max_pages) and ``seqlens_k`` (batch). With ``merge_shares`` the
+# last share's CTA of each query tile writes the output (batch, query heads, seq, head_dim), its
+# LSE (with ``return_lse``; the partials' LSE is always there) and resets its int32 arrival
+# counter (one per CTA of the grid's x, zero before the launch).
 ATTENTION = Signature("attention", (
     Group("operands", (
         Param("q", BHSD, dtype=lambda s: E4M3 if _fp8(s) else ""),
@@ -235,6 +242,11 @@ ATTENTION = Signature("attention", (
         Param("cu_seqlens_k", INT_VECTOR, when=lambda s: s.varlen and not s.paged_kv),
         Param("block_table", INT_MATRIX, when=lambda s: s.paged_kv),
         Param("seqlens_k", INT_VECTOR, when=lambda s: s.paged_kv),
+    )),
+    Group("merge", (
+        Param("out", BHSD, when=_merges),
+        Param("out_lse", ROWS, when=lambda s: _merges(s) and s.return_lse),
+        Param("arrivals", INT_VECTOR, when=_merges),
     )),
 ), kernel=lambda s: family(s.family).kernel_class)
 

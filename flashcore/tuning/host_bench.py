@@ -4,8 +4,9 @@ Each case runs the same loop for flashcore and for torch SDPA (default backend, 
 where K/V have fewer heads): back-to-back calls whose key length grows by one each call (views of
 a preallocated cache, made before the loop), one synchronisation at the end. The kernels take a
 few microseconds, less than the host's work, so the loop measures the host: the median µs per
-call over several runs of it. Each case also gets both kernels' time (a CUDA graph of the first
-call): where a kernel takes longer than the host's work the loop measures the GPU, not the host.
+call over several runs of it. Each case also gets both calls' GPU time, eager calls queued
+behind a sleep (``timing.time_queued``: what the loop launches, run back to back): where it is
+longer than the host's work the loop measures the GPU, not the host.
 The output-layout case writes (batch, seq, heads, head_dim), as a
 transformers attention hook returns it (flashcore with ``out=``; SDPA then transposes and copies).
 The hook case calls the attention functions themselves, flashcore's transformers backend
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..ops import attention
-from .timing import time_kernel
+from .timing import time_queued
 
 CALLS = 400  # a run of back-to-back calls (the keys grow by one each call)
 RUNS = 15
@@ -165,7 +166,7 @@ def measure_host(cases=CASES, report: Callable[[HostResult], None] | None = None
         a1, b1 = per_call_us(ours, views), per_call_us(theirs, views)
         b2, a2 = per_call_us(theirs, views), per_call_us(ours, views)
         results.append(HostResult(case, (a1 + a2) / 2, (b1 + b2) / 2,
-                                  time_kernel(ours, views[:1]), time_kernel(theirs, views[:1])))
+                                  time_queued(ours, views), time_queued(theirs, views)))
         if report is not None:
             report(results[-1])
     return results

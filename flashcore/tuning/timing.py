@@ -1,4 +1,5 @@
-"""Timing device work: kernel time from CUDA-graph replays, eager time per call with events.
+"""Timing device work: kernel time from CUDA-graph replays, eager time per call with events, and
+eager calls' GPU time queued behind a sleep.
 
 Used by the benchmark and the autotuner. ``call(*inputs)`` is timed over rotating input sets,
 enough of them that together they exceed the L2 cache (``n_sets``), so repeats do not measure the
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,6 +79,35 @@ def time_eager(call: Callable[..., object], sets: Sequence[tuple], reps: int = 2
         a.record()
         for i in range(calls):
             call(*sets[i % len(sets)])
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def time_queued(call: Callable[..., object], sets: Sequence[tuple], reps: int = 15,
+                calls: int = 50) -> float:
+    """Median µs per eager call of ``calls`` calls queued behind a GPU sleep that outlasts
+    their host time: the GPU then runs what the eager path launches back to back, so the
+    events time its kernels (and their launch gaps on the GPU), not the host's work. A graph
+    (``time_kernel``) may launch other kernels than an eager call does."""
+    loop = [sets[i % len(sets)] for i in range(calls)]
+    for inputs in loop:
+        call(*inputs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for inputs in loop:
+        call(*inputs)
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    cycles = int(3 * host_s * 2e9) + 100_000  # three times the host's time at 2 GHz
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(cycles)
+        a.record()
+        for inputs in loop:
+            call(*inputs)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / calls)

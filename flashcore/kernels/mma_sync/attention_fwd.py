@@ -20,7 +20,8 @@ column of scores, each query's folds into its row's exp2 scale; P comes out of i
 Vᵀ's keys are stored permuted within each 32 so P's registers serve as the A operand as they
 are), ``kv_fp8`` (an e4m3 KV cache whose codes ldmatrix reads and the
 MMAs' fragments convert in registers to fp16, for either output dtype, ``e4m3_operands.py``), ``split_kv`` (fp32 partial
-results per share of the keys, for the combine kernel), causal (top-left, torch's
+results per share of the keys, for the combine kernel, or merged by the last share's CTA with
+``merge_shares``: ``common/merge.py``), causal (top-left, torch's
 ``is_causal``), LSE.
 
 ABI: ``flashcore.compiler.abi`` (grid and parameters).
@@ -36,6 +37,7 @@ from ..common.block_info import masked_steps
 from ..common.fp8 import P_SCALE, fold_query_descales
 from ..common.fragments import mn_view
 from ..common.grid import kv_head_of, tile_coords, wait_for_previous_grid
+from ..common.merge import last_share_merges
 from ..common.sequences import Sequences
 from ..common.softmax import OnlineSoftmax
 from .block import key_block
@@ -142,6 +144,12 @@ class AttentionForward:
                 store_partials(cta, softmax, mQ, mO, mLSE, o_scale)
             else:
                 store_output(cta, softmax, mQ, mO, mLSE, o_scale)
+        if cutlass.const_expr(self.spec.merge_shares):
+            # the K ring is free (every copy landed above): a word of it says who merges
+            flag = storage.sK.get_tensor(cute.make_layout((1,)), dtype=cutlass.Int32)
+            m_block, head, batch, _ = tile_coords(mQ, self.spec, q_group)
+            last_share_merges(self.spec, args.merge, mO, mLSE, flag, (m_block, head, batch),
+                              cute.arch.thread_idx()[0], args.softmax.num_splits, q_group)
 
     @cute.jit
     def walk_keys(self, cta: Cta, softmax: OnlineSoftmax):
