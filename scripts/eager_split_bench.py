@@ -19,8 +19,8 @@ from flashcore.ops import attention, eager, launcher, plan
 from flashcore.tuning.host_bench import per_call_us
 from flashcore.tuning.timing import time_queued
 
-SHAPES = "1,32/8,4096,128;1,32/8,8192,128;1,8/8,32768,128;1,32/8,32768,128;4,32/8,8192,128;" \
-         "1,16/4,2048,128;1,32/8,2048,64;2,32/8,16384,64"
+SHAPES = "1,32/8,4096,128;1,32/8,8192,128;1,8/8,32768,128;4,32/8,8192,128;1,16/4,2048,128;" \
+         "2,32/8,16384,64"
 GROW = 200  # calls of a run, each one key longer
 
 

@@ -642,3 +642,21 @@ def test_short_prefill_over_many_heads_takes_the_mid_buckets_tile():
             launcher.forget()
             attention(q, k, k, causal=True)
         assert configs == [want], (b, h)
+
+
+def test_eager_split_calls_merge_where_the_host_bounds_them():
+    """An eager split call merges its shares in its last CTA (one launch) where its modelled
+    time is short of the host's work, and keeps the combine where the GPU bounds it. The H100
+    figures behind the line (``scripts/eager_split_bench.py``, host and GPU µs a call, merged
+    against the combine): 1,32/8,1x4096 d128 25.6 against 31.0 (GPU 12.6, 9.8); 2,32/8,1x16384
+    d64 32.7 against 38.9 (GPU 32.4, 31.8); 1,8/8,1x32768 d128 53.4 against 51.0 (GPU 52.9,
+    50.6); 4,32/8,1x8192 d128 52.5 against 52.0."""
+    def merges(b, hkv, group, keys, d):
+        ctas = b * hkv * -(-group // 16)  # a K/V head's packed query heads, 16 rows a tile
+        n_blocks = -(-keys // 64)
+        splits = plan.num_splits(ctas, n_blocks, 132, rows=16, head_dim=d, host_bound=True)
+        return splits > 1 and plan.merges_shares(splits, ctas, n_blocks, 132, 16, d)
+
+    assert merges(1, 8, 4, 4096, 128) and merges(1, 8, 4, 8192, 128)
+    assert merges(1, 4, 4, 2048, 128) and merges(2, 8, 4, 16384, 64)
+    assert not merges(1, 8, 1, 32768, 128) and not merges(4, 8, 4, 8192, 128)

@@ -29,10 +29,11 @@ SHARE_OVERHEAD = 2  # key blocks' worth of time a share costs beyond its blocks
 # combine's, whose host time (a few microseconds each) is what such a call costs; a graph
 # replays launches for ~1 us, so there the GPU time decides
 EAGER_ONE_LAUNCH_BLOCKS = int(os.environ.get("FLASHCORE_EAGER_ONE_LAUNCH_BLOCKS", "16"))  # 0: off
-# An eager split call whose modelled time (``share_cost``) is at most this many key blocks'
-# time merges its shares in the split kernel's last CTA: one launch, the combine's host time
-# saved, a few microseconds of GPU time paid; a longer call is bound by the GPU and keeps the
-# combine kernel (so does every graph: there a launch costs about a microsecond)
+# An eager split call whose modelled time (``share_cost``, in key blocks of head_dim 128) is at
+# most this many blocks merges its shares in the split kernel's last CTA: one launch, the
+# combine's host time saved (5-6 us a call on an H100 host), 2-3 us of GPU time paid; a longer
+# call is bound by the GPU and keeps the combine kernel (so does every graph: there a launch
+# costs about a microsecond)
 EAGER_MERGE_BLOCKS = int(os.environ.get("FLASHCORE_EAGER_MERGE_BLOCKS", "24"))  # 0: off
 _CUDA_BUILT = torch.backends.cuda.is_built()  # a CPU-only torch captures nothing
 
@@ -186,9 +187,11 @@ def share_cost(s: int, ctas: int, n_blocks: int, slots: int, rows: int, head_dim
 def merges_shares(splits: int, ctas: int, n_blocks: int, slots: int, rows: int,
                   head_dim: int) -> bool:
     """Whether an eager call of ``splits`` shares merges them in its last CTA (one launch)
-    rather than in the combine kernel: where its modelled time is at most
-    ``EAGER_MERGE_BLOCKS``, so that the host's work, not the GPU's, is what it costs."""
-    return share_cost(splits, ctas, n_blocks, slots, rows, head_dim) <= EAGER_MERGE_BLOCKS
+    rather than in the combine kernel: where its modelled time, its blocks counted at their
+    bytes (a head_dim-64 block is half a 128 one), is at most ``EAGER_MERGE_BLOCKS``, so that
+    the host's work, not the GPU's, is what it costs."""
+    cost = share_cost(splits, ctas, n_blocks, slots, rows, head_dim) * head_dim / 128
+    return cost <= EAGER_MERGE_BLOCKS
 
 
 @functools.lru_cache(maxsize=4096)
