@@ -405,6 +405,62 @@ def test_paged_decode_equals_contiguous_decode():
         torch.testing.assert_close(paged[b:b + 1], attention(q[b:b + 1], k, v), atol=2e-3, rtol=0)
 
 
+@pytest.mark.parametrize("b,hq,hkv,sq,lens,d,page,dtype,fp8", [
+    (3, 32, 8, 1, [5, 3000, 777], 128, 16, torch.float16, False),
+    (2, 16, 4, 1, [4097, 2500], 128, 24, torch.bfloat16, False),  # pages gathered
+    (2, 8, 2, 3, [1500, 4000], 64, 128, torch.float16, False),  # packed tokens
+    (1, 28, 4, 1, [6000], 128, 16, torch.bfloat16, False),
+    (2, 32, 8, 1, [3001, 9], 128, 16, torch.float16, True),  # an e4m3 cache
+])
+def test_an_eager_paged_split_decode_is_one_launch(b, hq, hkv, sq, lens, d, page, dtype, fp8):
+    """An eager split decode against a paged cache merges its shares in the split kernel (one
+    launch, its last share's CTA writing the output and LSE), bottom-right causal, the memoised
+    call too: against the float64 reference of the gathered pages."""
+    from flashcore.ops import launcher
+
+    gen = torch.Generator().manual_seed(len(lens) + d)
+    pages_per = -(-max(lens) // page)
+    n_pages = b * pages_per + 3
+    q = torch.randn(b, hq, sq, d, generator=gen).to("cuda", dtype)
+    kc, vc = (torch.randn(n_pages, page, hkv, d, generator=gen).to("cuda", dtype)
+              for _ in range(2))
+    table = torch.randperm(n_pages, generator=gen)[:b * pages_per].view(b, pages_per)
+    table, seqlens = table.to("cuda", torch.int32), torch.tensor(lens, device="cuda",
+                                                                 dtype=torch.int32)
+    extra, kq, vq = {}, kc.double(), vc.double()
+    if fp8:
+        kd, vd = (torch.rand(n_pages, page, hkv, device="cuda", generator=None) + 0.5
+                  for _ in range(2))
+        kc = (kc.float() / kd[..., None]).to(torch.float8_e4m3fn)
+        vc = (vc.float() / vd[..., None]).to(torch.float8_e4m3fn)
+        kq, vq = kc.double() * kd.double()[..., None], vc.double() * vd.double()[..., None]
+        extra = {"k_descale": kd, "v_descale": vd}
+    ref, ref_lse = reference.attention_paged(q.double(), kq, vq, table, seqlens, causal=True,
+                                             return_lse=True, mask_align="bottom_right")
+    ref, ref_lse = ref.to("cuda"), ref_lse.to("cuda")
+    grids = []
+    real = launcher.launch
+
+    def recording(kern, grid, args, device):
+        grids.append(grid)
+        real(kern, grid, args, device)
+
+    launcher.launch = recording
+    try:
+        for _ in range(3):
+            grids.clear()
+            out = torch.full_like(q, float("nan"))
+            res, lse = attention_paged(q, kc, vc, table, seqlens, causal=True, return_lse=True,
+                                       mask_align="bottom_right", out=out, **extra)
+            torch.cuda.synchronize()
+            assert res is out and torch.isfinite(out).all()
+            assert len(grids) == 1 and grids[0][1] > 1, grids  # split, one launch
+            assert max_abs(out, ref) < 2e-2
+            assert (lse.double() - ref_lse).abs().nan_to_num(0).max().item() < 1e-3
+    finally:
+        launcher.launch = real
+
+
 def _slopes(batch, heads, per_batch, gen):
     """ALiBi slopes: the paper's geometric ones, per head or scaled per sequence."""
     slopes = 2.0 ** (-8.0 * torch.arange(1, heads + 1, device="cuda") / heads)
