@@ -12,6 +12,7 @@ through ``plan.EAGER_MERGE_BLOCKS``; each figure is the mean of two turns (ABBA)
 from __future__ import annotations
 
 import argparse
+from unittest import mock
 
 import torch
 
@@ -58,19 +59,10 @@ def measure(shape: str, dtype: torch.dtype) -> str:
         host[name].append(per_call_us(fn, views, runs=7))
         gpu[name].append(time_queued(fn, views))
     _mode(True)
-    grids = []
-    real_launch = launcher.launch
-
-    def recording(kern, grid, args, dev):
-        grids.append(grid)
-        real_launch(kern, grid, args, dev)
-
-    launcher.launch = recording
-    try:
+    with mock.patch.object(launcher, "launch", wraps=launcher.launch) as launches:
         eager.forget()
         ours(*views[0])
-    finally:
-        launcher.launch = real_launch
+    grids = [c.args[1] for c in launches.call_args_list]
     torch.cuda.synchronize()
     h, g = ({k: sum(v) / len(v) for k, v in x.items()} for x in (host, gpu))
     return (f"{shape:26s} {h['merged']:16.1f} {h['combine']:8.1f} {h['sdpa']:8.1f} | "

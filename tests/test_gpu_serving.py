@@ -416,6 +416,8 @@ def test_an_eager_paged_split_decode_is_one_launch(b, hq, hkv, sq, lens, d, page
     """An eager split decode against a paged cache merges its shares in the split kernel (one
     launch, its last share's CTA writing the output and LSE), bottom-right causal, the memoised
     call too: against the float64 reference of the gathered pages."""
+    from unittest import mock
+
     from flashcore.ops import launcher
 
     gen = torch.Generator().manual_seed(len(lens) + d)
@@ -438,27 +440,18 @@ def test_an_eager_paged_split_decode_is_one_launch(b, hq, hkv, sq, lens, d, page
     ref, ref_lse = reference.attention_paged(q.double(), kq, vq, table, seqlens, causal=True,
                                              return_lse=True, mask_align="bottom_right")
     ref, ref_lse = ref.to("cuda"), ref_lse.to("cuda")
-    grids = []
-    real = launcher.launch
-
-    def recording(kern, grid, args, device):
-        grids.append(grid)
-        real(kern, grid, args, device)
-
-    launcher.launch = recording
-    try:
+    with mock.patch.object(launcher, "launch", wraps=launcher.launch) as launches:
         for _ in range(3):
-            grids.clear()
+            launches.reset_mock()
             out = torch.full_like(q, float("nan"))
             res, lse = attention_paged(q, kc, vc, table, seqlens, causal=True, return_lse=True,
                                        mask_align="bottom_right", out=out, **extra)
             torch.cuda.synchronize()
+            grids = [c.args[1] for c in launches.call_args_list]
             assert res is out and torch.isfinite(out).all()
             assert len(grids) == 1 and grids[0][1] > 1, grids  # split, one launch
             assert max_abs(out, ref) < 2e-2
             assert (lse.double() - ref_lse).abs().nan_to_num(0).max().item() < 1e-3
-    finally:
-        launcher.launch = real
 
 
 def _slopes(batch, heads, per_batch, gen):
