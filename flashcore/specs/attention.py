@@ -144,8 +144,7 @@ class AttentionSpec(SpecData, TiledKernel):
         if not isinstance(self.config, TileConfig):
             raise bad(f"config must be a TileConfig, got {type(self.config).__name__}")
         for name in ("causal", "return_lse", "kv_fp8", "split_kv", "merge_shares", "window",
-                     "softcap",
-                     "alibi", "varlen", "paged_kv", "packed_tokens"):
+                     "softcap", "alibi", "varlen", "paged_kv", "packed_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
         if (self.precision == "fp8" or self.kv_fp8) and self.head_dim not in FP8_HEAD_DIMS:

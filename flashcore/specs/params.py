@@ -167,10 +167,6 @@ def _e4m3_kv(s) -> bool:  # e4m3 K and V: FP8 operands or an FP8 KV cache
     return s.precision == "fp8" or s.kv_fp8
 
 
-def _merges(s) -> bool:  # split-KV merged by the last share's CTA
-    return s.merge_shares
-
-
 def _kv_dtype(s) -> str:
     return E4M3 if _e4m3_kv(s) else ""
 
@@ -244,9 +240,9 @@ ATTENTION = Signature("attention", (
         Param("seqlens_k", INT_VECTOR, when=lambda s: s.paged_kv),
     )),
     Group("merge", (
-        Param("out", BHSD, when=_merges),
-        Param("out_lse", ROWS, when=lambda s: _merges(s) and s.return_lse),
-        Param("arrivals", INT_VECTOR, when=_merges),
+        Param("out", BHSD, when=lambda s: s.merge_shares),
+        Param("out_lse", ROWS, when=lambda s: s.merge_shares and s.return_lse),
+        Param("arrivals", INT_VECTOR, when=lambda s: s.merge_shares),
     )),
 ), kernel=lambda s: family(s.family).kernel_class)
 
