@@ -131,8 +131,9 @@ def main() -> None:
             seconds[backend].append(t)
     prefill = prefill_ms(models, ids, mask)
     for backend in models:
-        rate = args.batch * args.new / statistics.median(seconds[backend])
-        print(f"{backend:>16}: {rate:9.1f} tokens/s (median of {args.rounds}), prefill "
+        rates = [args.batch * args.new / t for t in seconds[backend]]
+        print(f"{backend:>16}: {statistics.median(rates):9.1f} tokens/s (median of "
+              f"{args.rounds}; {min(rates):.1f}-{max(rates):.1f}), prefill "
               f"{prefill[backend]:7.2f} ms")
     same = (results["sdpa"] == results[name]).float().mean().item()
     print(f"tokens equal to SDPA's: {same:.1%}; torch fallbacks: "
