@@ -1,0 +1,69 @@
+"""Where eager generation's time goes, backend by backend: each round's tokens/s of SDPA,
+flashcore and a model without attention (the example's models, in turn), then a profile of a
+short ``generate`` of SDPA and of flashcore (``torch.profiler``: host and GPU time by op) and
+a Python profile of flashcore's (``cProfile``: the calls under flashcore's functions).
+
+    python scripts/generation_profile.py [--batch 1] [--layers 16] [--new 32]
+
+Needs a CUDA GPU and transformers; the models are ``examples/generate_transformers.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+from pathlib import Path
+
+import transformers
+from torch.profiler import ProfilerActivity, profile
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+import generate_transformers as example
+
+from flashcore.integrations import transformers as fc_transformers
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--prompt", type=int, default=512)
+    p.add_argument("--new", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    args = argparse.Namespace(layers=a.layers, heads=16, kv_heads=4, batch=a.batch,
+                              prompt=a.prompt, new=a.new, padded=False, compile=False)
+    ids, _ = example.prompts(args)
+    name = fc_transformers.register()
+    transformers.AttentionInterface.register(example.NO_ATTENTION, example.no_attention)
+    AttentionMaskInterface.register(example.NO_ATTENTION, sdpa_mask)
+    models = {b: example.build(args, b) for b in ("sdpa", name, example.NO_ATTENTION)}
+    for model in models.values():
+        example.generate_seconds(model, ids, a.new, warm=True)
+    for r in range(a.rounds):
+        rates = {b: a.batch * a.new / example.generate_seconds(m, ids, a.new)[0]
+                 for b, m in models.items()}
+        print(f"round {r}: " + "  ".join(f"{b} {v:.1f}" for b, v in rates.items()), flush=True)
+    steps = 8
+    for backend in ("sdpa", name):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            example.generate_seconds(models[backend], ids, steps)
+        print(f"===== {backend}: {steps} new tokens")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
+                                        max_name_column_width=60))
+    pr = cProfile.Profile()
+    pr.enable()
+    example.generate_seconds(models[name], ids, steps)
+    pr.disable()
+    out = io.StringIO()
+    pstats.Stats(pr, stream=out).sort_stats("cumtime").print_stats("flashcore", 25)
+    print(f"===== {name}: Python time under flashcore's functions")
+    print(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
