@@ -21,6 +21,9 @@
 #   decode            the decode sweep (scripts/decode_sweep.py $DECODE_ARGS)
 #   hostprof          eager host time per call of this tree, and of OLD_TREE if set
 #   ab                scripts/ab_trees.py: OLD_TREE against this tree ($AB_ARGS)
+#   generation        eager generation through transformers at batch 1 and 8 with the
+#                     no-attention bound (examples/generate_transformers.py), then
+#                     scripts/generation_profile.py at batch ${PROFILE_BATCH:-1}
 #   tune              the autotuner into $OUT/sm_90.json, then the quick benchmark with it
 #
 # A phase's time limit is ${PHASE}_S seconds (BUILD_S, TESTS_S, ...); GPU=i pins the phases to
@@ -149,6 +152,15 @@ run_phase() {  # a phase without arch words
     ab) timeout -s KILL "$(limit ab 330)" python3 scripts/ab_trees.py --old "${OLD_TREE:?}" \
           --new . --old-cache "$cache-old" ${AB_ARGS:-} > "$out/${tag}ab.log" 2>&1
         tail -12 "$out/${tag}ab.log" ;;
+    generation) local log="$out/${tag}generation.log"
+                for b in 1 8; do
+                  timeout -s KILL "$(limit generation 150)" python3 \
+                    examples/generate_transformers.py --layers 16 --new 64 --rounds 5 --bound \
+                    --batch "$b" 2>&1 | tail -5 | tee -a "$log"
+                done
+                timeout -s KILL "$(limit generation 150)" python3 scripts/generation_profile.py \
+                  --batch "${PROFILE_BATCH:-1}" > "$out/${tag}generation-profile.log" 2>&1
+                grep "^round" "$out/${tag}generation-profile.log" ;;
     tune) cp flashcore/tuned/sm_90.json "$out/sm_90.json"
           timeout -s KILL "$(limit tune 240)" python3 -m flashcore.autotune run \
             --out "$out/sm_90.json" ${TUNE_BUCKETS:+--buckets $TUNE_BUCKETS} \
@@ -164,7 +176,7 @@ for word in "$@"; do
   case "$word" in
     setup) setup; phase="" ;;
     build|tests|split|sanitize) phase=$word ;;
-    bench|decode|hostprof|ab|tune) phase=""; run_phase "$word" ;;
+    bench|decode|hostprof|ab|generation|tune) phase=""; run_phase "$word" ;;
     *) if [ -z "$phase" ]; then echo "gpu.sh: '$word' follows no phase that takes an arch" >&2
          exit 2; fi
        "$phase" "$word" ;;
