@@ -94,7 +94,7 @@ def prefill_ms(models: dict, ids: torch.Tensor, mask: torch.Tensor | None,
     return {backend: statistics.median(t) for backend, t in times.items()}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=16)
@@ -112,7 +112,11 @@ def main() -> None:
                    help="left-pad the rows by different amounts (prompts of different lengths)")
     p.add_argument("--bound", action="store_true",
                    help="also a model whose attention returns its query (no attention work)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     ids, mask = prompts(args)
     name = fc_transformers.register()
     order = (name, "sdpa") if args.reverse else ("sdpa", name)

@@ -3,14 +3,15 @@ flashcore and a model without attention (the example's models, in turn), then a 
 short ``generate`` of SDPA and of flashcore (``torch.profiler``: host and GPU time by op) and
 a Python profile of flashcore's (``cProfile``: the calls under flashcore's functions).
 
-    python scripts/generation_profile.py [--batch 1] [--layers 16] [--new 32]
+    python scripts/generation_profile.py [--batch 1] [--layers 16] [--new 32] [--padded]
 
-Needs a CUDA GPU and transformers; the models are ``examples/generate_transformers.py``'s.
+Needs a CUDA GPU and transformers; the models, prompts and their arguments are
+``examples/generate_transformers.py``'s (``--compile``, ``--bound`` and ``--reverse`` do not
+apply: the three models are always timed, eagerly).
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -28,36 +29,32 @@ from flashcore.integrations import transformers as fc_transformers
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--layers", type=int, default=16)
-    p.add_argument("--prompt", type=int, default=512)
-    p.add_argument("--new", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=3)
-    a = p.parse_args()
-    args = argparse.Namespace(layers=a.layers, heads=16, kv_heads=4, batch=a.batch,
-                              prompt=a.prompt, new=a.new, padded=False, compile=False)
-    ids, _ = example.prompts(args)
+    p = example.parser()  # the example's model and prompt arguments, other defaults
+    p.description = __doc__.splitlines()[0]
+    p.set_defaults(batch=1, layers=16, new=32)
+    args = p.parse_args()
+    ids, mask = example.prompts(args)
     name = fc_transformers.register()
     transformers.AttentionInterface.register(example.NO_ATTENTION, example.no_attention)
     AttentionMaskInterface.register(example.NO_ATTENTION, sdpa_mask)
     models = {b: example.build(args, b) for b in ("sdpa", name, example.NO_ATTENTION)}
     for model in models.values():
-        example.generate_seconds(model, ids, a.new, warm=True)
-    for r in range(a.rounds):
-        rates = {b: a.batch * a.new / example.generate_seconds(m, ids, a.new)[0]
+        example.generate_seconds(model, ids, args.new, warm=True, mask=mask)
+    for r in range(args.rounds):
+        rates = {b: args.batch * args.new
+                 / example.generate_seconds(m, ids, args.new, mask=mask)[0]
                  for b, m in models.items()}
         print(f"round {r}: " + "  ".join(f"{b} {v:.1f}" for b, v in rates.items()), flush=True)
     steps = 8
     for backend in ("sdpa", name):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            example.generate_seconds(models[backend], ids, steps)
+            example.generate_seconds(models[backend], ids, steps, mask=mask)
         print(f"===== {backend}: {steps} new tokens")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
                                         max_name_column_width=60))
     pr = cProfile.Profile()
     pr.enable()
-    example.generate_seconds(models[name], ids, steps)
+    example.generate_seconds(models[name], ids, steps, mask=mask)
     pr.disable()
     out = io.StringIO()
     pstats.Stats(pr, stream=out).sort_stats("cumtime").print_stats("flashcore", 25)
