@@ -14,7 +14,8 @@ def stubbed_device(launched: list, loaded=None, scratch=None, capturing: bool = 
     """CPU tensors pass for CUDA device 0 of an ``arch`` GPU with 132 SMs; every launch appends
     (grid, arguments) to ``launched``; ``loaded(device, key)`` (default: a Mock) stands for
     each attention kernel loaded, ``scratch(like, numel, counters=0)`` (default: fresh CPU
-    tensors) for the split partials' buffer (and zero arrival counters); ``capturing``: whether a CUDA graph is being captured."""
+    tensors) for the split partials' buffer (and zero arrival counters); ``capturing``:
+    whether a CUDA graph is being captured."""
     from flashcore.ops import eager, launcher, plan, serving
 
     with (mock.patch.object(launcher, "arch_of", return_value=arch),
