@@ -50,8 +50,9 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             example.generate_seconds(models[backend], ids, steps, mask=mask)
         print(f"===== {backend}: {steps} new tokens")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
-                                        max_name_column_width=60))
+        for order in ("self_cpu_time_total", "self_device_time_total"):  # host, then GPU
+            print(prof.key_averages().table(sort_by=order, row_limit=20,
+                                            max_name_column_width=60))
     pr = cProfile.Profile()
     pr.enable()
     example.generate_seconds(models[name], ids, steps, mask=mask)
