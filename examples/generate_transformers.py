@@ -30,6 +30,14 @@ def no_attention(module, query, key, value, attention_mask, **kwargs):
     return query.transpose(1, 2), None
 
 
+def register_no_attention() -> str:
+    """Register ``no_attention`` (with SDPA's mask function) with transformers; returns its
+    name."""
+    transformers.AttentionInterface.register(NO_ATTENTION, no_attention)
+    AttentionMaskInterface.register(NO_ATTENTION, sdpa_mask)
+    return NO_ATTENTION
+
+
 def build(args: argparse.Namespace, name: str) -> transformers.PreTrainedModel:
     cfg = transformers.LlamaConfig(
         vocab_size=32000, hidden_size=args.heads * 128, intermediate_size=args.heads * 128 * 3,
@@ -121,9 +129,7 @@ def main() -> None:
     name = fc_transformers.register()
     order = (name, "sdpa") if args.reverse else ("sdpa", name)
     if args.bound:
-        transformers.AttentionInterface.register(NO_ATTENTION, no_attention)
-        AttentionMaskInterface.register(NO_ATTENTION, sdpa_mask)
-        order += (NO_ATTENTION,)
+        order += (register_no_attention(),)
     models = {backend: build(args, backend) for backend in order}
     results, seconds = {}, {backend: [] for backend in order}
     for backend, model in models.items():

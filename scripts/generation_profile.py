@@ -18,9 +18,7 @@ import pstats
 import sys
 from pathlib import Path
 
-import transformers
 from torch.profiler import ProfilerActivity, profile
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import generate_transformers as example
@@ -35,9 +33,8 @@ def main() -> None:
     args = p.parse_args()
     ids, mask = example.prompts(args)
     name = fc_transformers.register()
-    transformers.AttentionInterface.register(example.NO_ATTENTION, example.no_attention)
-    AttentionMaskInterface.register(example.NO_ATTENTION, sdpa_mask)
-    models = {b: example.build(args, b) for b in ("sdpa", name, example.NO_ATTENTION)}
+    models = {b: example.build(args, b)
+              for b in ("sdpa", name, example.register_no_attention())}
     for model in models.values():
         example.generate_seconds(model, ids, args.new, warm=True, mask=mask)
     for r in range(args.rounds):

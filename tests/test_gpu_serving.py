@@ -451,9 +451,9 @@ def test_an_eager_paged_split_decode_is_one_launch(b, hq, hkv, sq, lens, d, page
             assert res is out and torch.isfinite(out).all()
             assert len(grids) == 1 and grids[0][1] > 1, grids  # split, one launch
             assert max_abs(out, ref) < 2e-2
-            finite = torch.isfinite(ref_lse)  # every row sees a key: no NaN passes
-            assert torch.equal(torch.isfinite(lse), finite) and finite.all()
-            assert max_abs(lse[finite], ref_lse[finite]) < 1e-3
+            # every row sees a key: both LSEs finite (no NaN passes), then close
+            assert torch.isfinite(ref_lse).all() and torch.isfinite(lse).all()
+            assert max_abs(lse, ref_lse) < 1e-3
 
 
 def _slopes(batch, heads, per_batch, gen):
