@@ -338,12 +338,31 @@ def test_hopper_kernel_has_the_instructions_we_meant(artifacts, spec):
         regs = [int(r) for r in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+);",
                                            ptx)]
         assert sorted(regs) == [24, 240] and 128 * 24 + mma * 240 <= 64 * 1024
+        # ptxas keeps them only where it knows the count at entry (one CTA an SM)
+        assert re.search(r"\.minnctapersm\s+1\b", ptx)
     assert "ld.local" not in ptx and "st.local" not in ptx
     body = ptx[ptx.index(".entry"):]
     wait = body.index("griddepcontrol.wait;")
     first = min(body.index(op) for op in ("cp.async", "ld.global", "st.global", "red.global")
                 if op in body)
     assert wait < first
+
+
+@pytest.mark.parametrize("spec", [s for s in HOPPER if s.warp_specialized], ids=lambda s: s.name)
+def test_warp_specialised_kernels_keep_their_register_moves(artifacts, spec):
+    """ptxas drops ``setmaxnreg`` where it cannot tell the register count at entry, and then
+    fits the MMA warps into the launch's share: the SASS must keep the producer's release and
+    the MMA warps' claim, and the MMAs their groups (a ``gsb0`` wait on every HGMMA is ptxas
+    serialising them for want of registers)."""
+    from flashcore.compiler.inspect import sass, sass_opcodes
+
+    text = sass(artifacts[spec].cubin)
+    if text is None:
+        pytest.skip("nvdisasm is not installed")
+    moves = [op for op in sass_opcodes(text) if "SETMAXREG" in op]
+    assert moves == ["USETMAXREG.DEALLOC.CTAPOOL", "USETMAXREG.TRY_ALLOC.CTAPOOL"], moves
+    hgmma = re.findall(r"HGMMA\.[^;]*;", text)
+    assert hgmma and sum("gsb0" in h for h in hgmma) <= len(hgmma) // 3, hgmma
 
 
 def test_hopper_backward_takes_tma_descriptors_over_dense_batches():
