@@ -51,8 +51,12 @@ class AttentionBackward:
         grid = (n_blocks, mK.shape[1] * mK.shape[0], 1)  # chunks of one (batch, head) pair
         if cutlass.const_expr(self.spec.varlen):  # the runtime sizes x by the longest sequence
             grid = (n_blocks * mK.shape[1], 1, args.serving.cu_seqlens_k.shape[0] - 1)
-        self.kernel(self.kernel_args(lay, args)).launch(grid=grid, block=[self.spec.threads, 1, 1],
-                                                        smem=self.smem_size)
+        # a warp-specialised kernel moves registers between its warpgroups (``setmaxnreg``),
+        # which ptxas ignores unless it knows the count at entry: one CTA an SM says so (d96's
+        # warpgroups otherwise stayed at 168 registers, spilled and serialised their MMAs)
+        self.kernel(self.kernel_args(lay, args)).launch(
+            grid=grid, block=[self.spec.threads, 1, 1], smem=self.smem_size,
+            min_blocks_per_mp=1 if self.spec.warp_specialized else 0)
 
     def kernel_args(self, lay, args):
         """What the kernel gets of the launch's arguments (the Hopper kernel's TMA atoms)."""
