@@ -218,6 +218,12 @@ def test_gradients_match_reference_within_sdpa_error(b, hkv, ratio, sq, sk, d, d
 @example(b=2, hkv=3, ratio=1, sq=206, sk=79, d=96, dtype="float16", causal=True,
          align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[0],
          deterministic=True, seed=3217)  # d96 rows copied whole (three 32-wide lines)
+@example(b=2, hkv=1, ratio=3, sq=333, sk=190, d=96, dtype="bfloat16", causal=False,
+         align="top_left", window=None, softcap=None, config=HOPPER_BWD_CONFIGS[0],
+         deterministic=False, seed=9)  # d96 warp-specialised: dQ by the first warpgroup alone
+@example(b=1, hkv=2, ratio=2, sq=77, sk=299, d=96, dtype="float16", causal=True,
+         align="bottom_right", window=(40, 0), softcap=20.0, config=HOPPER_BWD_CONFIGS[0],
+         deterministic=False, seed=10)
 def test_hopper_backward_matches_reference(b, hkv, ratio, sq, sk, d, dtype, causal, align,
                                            window, softcap, config, deterministic, seed):
     """The Hopper backward (``kernels/wgmma_bwd``: warpgroup MMAs, Sᵀ by keys in rows): random

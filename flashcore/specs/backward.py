@@ -264,10 +264,10 @@ class BackwardSpec(SpecData, TiledKernel):
         """The Hopper kernel over a dense batch with bulk dQ: a producer warpgroup whose first
         warp copies every tile by TMA and whose second adds each block's dQ, the MMA
         warpgroups meeting at named barriers only (``kernels/wgmma_bwd/warp_specialized.py``).
-        d64 at 128 or 64 query rows, d128 at 64 (d96 spills at the MMA warps' 240
-        registers)."""
+        d64 at 128 or 64 query rows, d96 and d128 at 64."""
         return (self.loads_by_tma and self.bulk_dq
-                and (self.config.tile_m, self.head_dim) in ((64, 64), (128, 64), (64, 128)))
+                and (self.config.tile_m, self.head_dim) in ((64, 64), (128, 64), (64, 96),
+                                                            (64, 128)))
 
     @property
     def rows_per_cta(self) -> int:

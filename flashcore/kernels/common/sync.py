@@ -1,5 +1,6 @@
 """A named barrier that also reduces a predicate over its threads (the DSL has the barrier
-alone), and a 32-bit shared store to an address the caller computed (a swizzle applied by
+alone), a named barrier that warps may reach at different instructions, and a 32-bit shared
+store to an address the caller computed (a swizzle applied by
 hand)."""
 
 from cutlass import Boolean, Int32
@@ -27,3 +28,12 @@ def st_shared_b32(addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
     llvm.inline_asm(None, [Int32(addr).ir_value(loc=loc, ip=ip),
                            Int32(value).ir_value(loc=loc, ip=ip)],
                     "st.shared.b32 [$0], $1;", "r,r", has_side_effects=True, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def barrier_unaligned(barrier_id: Int32, threads: Int32, *, loc=None, ip=None) -> None:
+    """Wait at named barrier ``barrier_id`` with ``threads`` threads (``barrier.sync``, not
+    ``.aligned``): its warps may reach it at different instructions (two copies of one loop)."""
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (barrier_id, threads)]
+    llvm.inline_asm(None, args, "barrier.sync $0, $1;", "r,r", has_side_effects=True,
+                    loc=loc, ip=ip)

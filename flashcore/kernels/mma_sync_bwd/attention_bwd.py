@@ -52,8 +52,9 @@ class AttentionBackward:
         if cutlass.const_expr(self.spec.varlen):  # the runtime sizes x by the longest sequence
             grid = (n_blocks * mK.shape[1], 1, args.serving.cu_seqlens_k.shape[0] - 1)
         # a warp-specialised kernel moves registers between its warpgroups (``setmaxnreg``),
-        # which ptxas may ignore unless it knows the count at entry: one CTA an SM says so (d64's
-        # 64-row kernel otherwise kept the launch's 168 registers)
+        # which ptxas may ignore unless it knows the count at entry: one CTA an SM says so
+        # (d96's warpgroups otherwise stayed at 168 registers, spilled and serialised their
+        # MMAs; d64's 64-row kernel kept 168 too)
         self.kernel(self.kernel_args(lay, args)).launch(
             grid=grid, block=[self.spec.threads, 1, 1], smem=self.smem_size,
             min_blocks_per_mp=1 if self.spec.warp_specialized else 0)

@@ -12,13 +12,16 @@ whole CTA.
 * The MMA warpgroups meet each other once a block (dSᵀ written, a named barrier; dSᵀ has two
   stages, so no barrier guards its store), and at the epilogue.
 
-The producer warpgroup keeps ``PRODUCER_REGS`` registers, the MMA warpgroups the rest.
+The producer warpgroup keeps ``PRODUCER_REGS`` registers, the MMA warpgroups the rest: evenly,
+or, where the first computes dQ alone (d96), more to it (its dQ accumulator) and fewer to the
+second, each running its own copy of the block loop.
 """
 
 import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
+from ..common.sync import barrier_unaligned
 from ..hopper.fragments import acc_as_operand_a
 from ..hopper.mma import wgmmas
 from ..mma_sync_bwd.epilogue import store_key_grads
@@ -36,6 +39,7 @@ from .loads import bulk_copy_g2s
 
 PRODUCER_REGS = 24  # the producer warps only issue copies and walk the blocks
 MMA_REGS = 240  # 2 x 128 x 240 + 128 x 24 registers fit the register file
+DQ_WG_REGS, OTHER_WG_REGS = 256, 224  # dQ in the first warpgroup alone: the same total
 DS_BARRIER = 2  # named barriers (1: the epilogue's, ``mma_sync_bwd.epilogue``)
 DQ_FULL = 3  # and 4: a dQ buffer staged
 DQ_EMPTY = 5  # and 6: a dQ buffer's reduction has read it
@@ -98,10 +102,22 @@ def write_dq(cta: HopperCta, mdQacc, first, lo, per_head, steps, lane):
 
 
 @cute.jit
-def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step):
+def meet(cta: HopperCta, barrier_id, threads: cutlass.Constexpr[int]):
+    """The MMA warps' named barrier ``barrier_id``; unaligned where each MMA warpgroup runs its
+    own copy of the block loop (d96), so its warps reach it at different instructions."""
+    if cutlass.const_expr(cta.lay.dq_single):
+        barrier_unaligned(barrier_id, threads)
+    else:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+
+
+@cute.jit
+def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step,
+              mine: cutlass.Constexpr[bool]):
     """One query block on the MMA warpgroups, its tiles landed in stage ``step % stages``: the
     Hopper kernel's products (``attention_bwd.query_block``), dSᵀ into its own stage, dQ
-    handed to the writer warp, the stage handed back to the producer."""
+    handed to the writer warp, the stage handed back to the producer. ``mine``: this
+    warpgroup computes (its share of) dQ."""
     c, d, lay = cta.config, cta.spec.head_dim, cta.lay
     tm, tn = c.tile_m, c.tile_n
     slot = step % c.stages
@@ -115,21 +131,21 @@ def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step):
     # last reader of that stage, was waited for before the last block's barrier
     cute.copy(cta.r2s_ds, cta.r2s_ds.retile(rdS), cta.tdSsdS[None, None, None, slot])
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=c.threads)
+    meet(cta, DS_BARRIER, c.threads)
     rdS_a = cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout))
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
-    mine = not lay.dq_single or cta.wg == 0  # (d96: the first warpgroup's dQ alone)
-    if mine:
+    if cutlass.const_expr(mine):
         wgmmas([(lay.mma_dq, acc_dQ, cta.tQrdS[None, None, None, slot], cta.tQrKt)], True,
                None)
     wgmmas([(lay.mma_dkv, cta.acc_dK, rdS_a, cta.tKrQt[None, None, None, slot])], False, 1)
     # dQ into the writer's buffer once its last reduction has read it, under dK's MMAs
-    cute.arch.barrier(barrier_id=DQ_EMPTY + slot, number_of_threads=c.threads + WRITER)
-    if mine:
+    meet(cta, DQ_EMPTY + slot, c.threads + WRITER)
+    if cutlass.const_expr(mine):
         stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
     warpgroup.wait_group(0)
     cute.arch.fence_proxy("async.shared", space="cta")
-    cute.arch.barrier_arrive(barrier_id=DQ_FULL + slot, number_of_threads=c.threads + WRITER)
+    cute.arch.barrier_arrive(barrier_id=DQ_FULL + slot, number_of_threads=c.threads + WRITER,
+                             aligned=not cta.lay.dq_single)
     if cta.tidx % 32 == 0:  # this warp is done with the stage (its MMAs waited)
         cute.arch.mbarrier_arrive(cta.mbar + c.stages + 1 + slot)
 
@@ -147,10 +163,25 @@ class WarpSpecializedBackward(HopperBackward):
             if warp == 1:
                 write_dq(cta, mdQacc, first, lo, per_head, steps, cute.arch.lane_idx())
         else:
-            cute.arch.setmaxregister_increase(MMA_REGS)
-            head, m_block = cutlass.Int32(first), cutlass.Int32(lo)
-            for step in range(steps):
-                HopperCta.wait_tiles(cta, step)  # (through the class: see attention_bwd.py)
-                mma_block(cta, mdQacc, head, m_block, args.scales.scale_log2, step)
-                head, m_block = next_block(head, m_block, lo, per_head)
-            store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)
+            if cutlass.const_expr(not cta.lay.dq_single):
+                cute.arch.setmaxregister_increase(MMA_REGS)
+                consume(cta, mdQacc, first, lo, per_head, steps, args, True)
+            else:  # (compile time, then run time)
+                if warp < 8:  # the first MMA warpgroup, dQ's
+                    cute.arch.setmaxregister_increase(DQ_WG_REGS)
+                    consume(cta, mdQacc, first, lo, per_head, steps, args, True)
+                else:
+                    cute.arch.setmaxregister_increase(OTHER_WG_REGS)
+                    consume(cta, mdQacc, first, lo, per_head, steps, args, False)
+
+
+@cute.jit
+def consume(cta: HopperCta, mdQacc, first, lo, per_head, steps, args,
+            mine: cutlass.Constexpr[bool]):
+    """An MMA warpgroup: every step's block (``mma_block``), then dK and dV out."""
+    head, m_block = cutlass.Int32(first), cutlass.Int32(lo)
+    for step in range(steps):
+        HopperCta.wait_tiles(cta, step)  # (through the class: see attention_bwd.py)
+        mma_block(cta, mdQacc, head, m_block, args.scales.scale_log2, step, mine)
+        head, m_block = next_block(head, m_block, lo, per_head)
+    store_key_grads(cta, args.grads.dk, args.grads.dv, args.scales.scale)
