@@ -31,9 +31,9 @@ def st_shared_b32(addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def barrier_unaligned(barrier_id: Int32, threads: Int32, *, loc=None, ip=None) -> None:
-    """Wait at named barrier ``barrier_id`` with ``threads`` threads (``barrier.sync``, not
-    ``.aligned``): its warps may reach it at different instructions (two copies of one loop)."""
-    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (barrier_id, threads)]
-    llvm.inline_asm(None, args, "barrier.sync $0, $1;", "r,r", has_side_effects=True,
-                    loc=loc, ip=ip)
+def barrier_unaligned(barrier_id: Int32, threads: int, *, loc=None, ip=None) -> None:
+    """Wait at named barrier ``barrier_id`` (a run-time value) with ``threads`` threads
+    (``barrier.sync``, not ``.aligned``): its warps may reach it at different instructions (two
+    copies of one loop)."""
+    llvm.inline_asm(None, [Int32(barrier_id).ir_value(loc=loc, ip=ip)],
+                    f"barrier.sync $0, {threads};", "r", has_side_effects=True, loc=loc, ip=ip)
