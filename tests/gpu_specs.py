@@ -514,6 +514,9 @@ BACKWARD_CALL_WINDOWS = [(0, 0), (64, 0), (100, 0), (30, 90), (-1, 5), (5, -1), 
 BACKWARD_BENCH_CALLS = [(4, 16, 16, 4096, 64), (4, 32, 8, 4096, 128), (4, 16, 16, 4096, 128),
                         (2, 16, 16, 8192, 128), (1, 32, 32, 32768, 128)]
 BACKWARD_VARLEN_LENGTHS = [(77, 145), (0, 30), (130, 130), (1, 0), (45, 20)]
+# test_head_dims_packed_and_deterministic's packed batch (an empty sequence, one longer than its
+# keys), bf16 causal bottom-right, 2 K/V heads of 3 query heads each, at every wider head dim
+HEAD_DIM_VARLEN_LENGTHS = [(150, 300), (0, 20), (70, 33)]
 
 
 def launched_specs(arch: str, calls: Callable[[], None]) -> list:
@@ -539,6 +542,14 @@ def launched_specs(arch: str, calls: Callable[[], None]) -> list:
     finally:
         eager.forget()
     return [attention_spec(arch, key) for key in keys]
+
+
+def _cumulative(lengths) -> tuple:
+    """A packed batch's (cu_seqlens_q, cu_seqlens_k) for (S_q, S_k) pairs (int32, CPU)."""
+    import torch
+
+    return tuple(torch.tensor([0, *itertools.accumulate(n[i] for n in lengths)],
+                              dtype=torch.int32) for i in (0, 1))
 
 
 @functools.cache
@@ -570,9 +581,14 @@ def _backward_forward_specs(arch: str) -> tuple:
                           **m)
             except ValueError:
                 pass  # a mask the call refuses (a causal window looking right)
-        cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n[i] for n in
-                                                             BACKWARD_VARLEN_LENGTHS)],
-                                   dtype=torch.int32) for i in (0, 1))
+        cu_q, cu_k = _cumulative(HEAD_DIM_VARLEN_LENGTHS)
+        for d in WIDE_HEAD_DIMS:
+            k = torch.empty(int(cu_k[-1]) + 5, 2, d, dtype=torch.bfloat16)
+            attention_varlen(torch.empty(int(cu_q[-1]), 6, d, dtype=torch.bfloat16), k, k,
+                             cu_q, cu_k, max(n[0] for n in HEAD_DIM_VARLEN_LENGTHS),
+                             max(n[1] for n in HEAD_DIM_VARLEN_LENGTHS), True,
+                             mask_align="bottom_right", return_lse=True, check_lengths=False)
+        cu_q, cu_k = _cumulative(BACKWARD_VARLEN_LENGTHS)
         for dtype, d, causal, m in itertools.product(DTYPES, HEAD_DIMS, (False, True), masks):
             if m.get("mask_align") != "bottom_right" and (causal or "window" in m):
                 continue  # a packed call's masks are FlashAttention's, bottom-right

@@ -26,7 +26,12 @@ from flashcore.specs.backward import (
     default_warps_m,
     parse_backward_choices,
 )
-from tests.gpu_specs import BACKWARD_TEST_CONFIGS, BACKWARD_VARIANTS, HOPPER_BWD_CONFIGS
+from tests.gpu_specs import (
+    BACKWARD_TEST_CONFIGS,
+    BACKWARD_VARIANTS,
+    HEAD_DIM_VARLEN_LENGTHS,
+    HOPPER_BWD_CONFIGS,
+)
 from tests.gpu_utils import current_arch, max_abs, poison_, requires_cuda, visible_keys
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -661,5 +666,5 @@ def test_head_dims_beyond_64_and_128(d, case):
 def test_head_dims_packed_and_deterministic(d):
     """A packed batch at the other head dims (an empty sequence, one longer than its keys),
     deterministic: right per sequence and the same bits twice."""
-    _check_varlen([(150, 300), (0, 20), (70, 33)], 2, 3, d, "bfloat16", True, None, None,
+    _check_varlen(HEAD_DIM_VARLEN_LENGTHS, 2, 3, d, "bfloat16", True, None, None,
                   seed=d, deterministic=True)
