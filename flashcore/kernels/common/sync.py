@@ -1,8 +1,9 @@
 """A named barrier that also reduces a predicate over its threads (the DSL has the barrier
-alone), a named barrier that warps may reach at different instructions, and a 32-bit shared
-store to an address the caller computed (a swizzle applied by
+alone), a named barrier that warps may also reach at different instructions, and a 32-bit
+shared store to an address the caller computed (a swizzle applied by
 hand)."""
 
+import cutlass.cute as cute
 from cutlass import Boolean, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -31,9 +32,13 @@ def st_shared_b32(addr: Int32, value: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def barrier_unaligned(barrier_id: Int32, threads: int, *, loc=None, ip=None) -> None:
-    """Wait at named barrier ``barrier_id`` (a run-time value) with ``threads`` threads
-    (``barrier.sync``, not ``.aligned``): its warps may reach it at different instructions (two
-    copies of one loop)."""
+def named_barrier(barrier_id: Int32, threads: int, *, aligned: bool = True, loc=None,
+                  ip=None) -> None:
+    """Wait at named barrier ``barrier_id`` (a run-time value) with ``threads`` threads.
+    ``aligned=False``: ``barrier.sync`` without ``.aligned``, for warps that reach it at
+    different instructions (two copies of one loop)."""
+    if aligned:
+        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads, loc=loc, ip=ip)
+        return
     llvm.inline_asm(None, [Int32(barrier_id).ir_value(loc=loc, ip=ip)],
                     f"barrier.sync $0, {threads};", "r", has_side_effects=True, loc=loc, ip=ip)

@@ -5,7 +5,7 @@ K and V tiles' shared memory to 16-byte stores of the block's keys that exist.""
 import cutlass
 import cutlass.cute as cute
 
-from ..common.sync import barrier_unaligned
+from ..common.sync import named_barrier
 from .cta import BackwardCta
 
 EPILOGUE_BARRIER = 1  # a warp-specialised kernel's: its MMA warps meet alone
@@ -15,10 +15,8 @@ EPILOGUE_BARRIER = 1  # a warp-specialised kernel's: its MMA warps meet alone
 def sync_workers(cta: BackwardCta):
     """Every computing thread here: the whole CTA, or a warp-specialised kernel's MMA warps
     (a named barrier: its producer warps do not come)."""
-    if cutlass.const_expr(cta.spec.warp_specialized and cta.lay.dq_single):  # two copies
-        barrier_unaligned(EPILOGUE_BARRIER, cta.config.threads)
-    elif cutlass.const_expr(cta.spec.warp_specialized):
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=cta.config.threads)
+    if cutlass.const_expr(cta.spec.warp_specialized):  # (d96: two copies of the loop)
+        named_barrier(EPILOGUE_BARRIER, cta.config.threads, aligned=not cta.lay.dq_single)
     else:
         cute.arch.sync_threads()
 

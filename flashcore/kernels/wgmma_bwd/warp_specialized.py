@@ -21,7 +21,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.nvgpu import warpgroup
 
-from ..common.sync import barrier_unaligned
+from ..common.sync import named_barrier
 from ..hopper.fragments import acc_as_operand_a
 from ..hopper.mma import wgmmas
 from ..mma_sync_bwd.epilogue import store_key_grads
@@ -102,16 +102,6 @@ def write_dq(cta: HopperCta, mdQacc, first, lo, per_head, steps, lane):
 
 
 @cute.jit
-def meet(cta: HopperCta, barrier_id, threads: cutlass.Constexpr[int]):
-    """The MMA warps' named barrier ``barrier_id``; unaligned where each MMA warpgroup runs its
-    own copy of the block loop (d96), so its warps reach it at different instructions."""
-    if cutlass.const_expr(cta.lay.dq_single):
-        barrier_unaligned(barrier_id, threads)
-    else:
-        cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-
-
-@cute.jit
 def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step,
               mine: cutlass.Constexpr[bool]):
     """One query block on the MMA warpgroups, its tiles landed in stage ``step % stages``: the
@@ -131,7 +121,8 @@ def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step,
     # last reader of that stage, was waited for before the last block's barrier
     cute.copy(cta.r2s_ds, cta.r2s_ds.retile(rdS), cta.tdSsdS[None, None, None, slot])
     cute.arch.fence_proxy("async.shared", space="cta")
-    meet(cta, DS_BARRIER, c.threads)
+    # (d96: each MMA warpgroup meets here from its own copy of the loop)
+    named_barrier(DS_BARRIER, c.threads, aligned=not lay.dq_single)
     rdS_a = cute.make_tensor(rdS.iterator, acc_as_operand_a(rdS.layout))
     acc_dQ = cute.make_rmem_tensor(cta.thr_dq.partition_shape_C((tm, d)), cutlass.Float32)
     if cutlass.const_expr(mine):
@@ -139,7 +130,7 @@ def mma_block(cta: HopperCta, mdQacc, head, m_block, scale_log2, step,
                None)
     wgmmas([(lay.mma_dkv, cta.acc_dK, rdS_a, cta.tKrQt[None, None, None, slot])], False, 1)
     # dQ into the writer's buffer once its last reduction has read it, under dK's MMAs
-    meet(cta, DQ_EMPTY + slot, c.threads + WRITER)
+    named_barrier(DQ_EMPTY + slot, c.threads + WRITER, aligned=not lay.dq_single)
     if cutlass.const_expr(mine):
         stage_dq(acc_dQ, cta.tdQsdQ, slot, dq_turn_bytes(cta, mdQacc, head, m_block))
     warpgroup.wait_group(0)
